@@ -1,0 +1,109 @@
+"""Model configuration: one decoder, four architecture families selected by flags.
+
+The families differ only in a handful of switches (biases, q/k norms, extra norms,
+activation, embedding scale, sliding-window pattern, RoPE layout), so one `Transformer`
+covers them all and every drafter works on every family unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+Arch = Literal["llama", "qwen2", "qwen3", "gemma3"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Static description of a decoder. Hashable, so it can be a jit static argument."""
+
+  arch: Arch
+  num_layers: int  # L
+  embed_dim: int  # D
+  hidden_dim: int  # MLP inner width
+  num_heads: int  # N
+  num_kv_heads: int  # K
+  head_dim: int  # H
+  vocab_size: int  # V
+  norm_eps: float = 1e-6
+  rope_base: float = 10_000.0
+  rope_local_base: float = 10_000.0  # gemma3 sliding-window layers
+  rope_interleaved: bool = False  # llama GGUF keeps Meta's interleaved q/k layout
+  qkv_bias: bool = False  # qwen2
+  qk_norm: bool = False  # qwen3, gemma3
+  post_norms: bool = False  # gemma3: norm after attention and after the MLP too
+  activation: Literal["silu", "gelu_tanh"] = "silu"
+  embed_scale: bool = False  # gemma3 multiplies embeddings by sqrt(D)
+  tie_embeddings: bool = True
+  sliding_window: int | None = None
+  global_every: int = 0  # gemma3: layer i is global iff (i + 1) % global_every == 0
+  query_scale: float | None = None  # softmax scale; None means head_dim ** -0.5
+  max_context: int = 8192
+  bos_id: int | None = None
+  eos_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+      )
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+  @property
+  def num_sublayers(self) -> int:
+    """2L: one attention and one MLP sub-layer per layer."""
+    return 2 * self.num_layers
+
+  def is_sliding(self, layer: int) -> bool:
+    """True for the local (sliding-window) attention layers."""
+    if self.sliding_window is None:
+      return False
+    if self.global_every <= 0:
+      return True
+    return (layer + 1) % self.global_every != 0
+
+  def layer_rope_base(self, layer: int) -> float:
+    return self.rope_local_base if self.is_sliding(layer) else self.rope_base
+
+  @property
+  def scale(self) -> float:
+    return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
+
+
+def tiny_config(arch: Arch, *, num_layers: int = 4, vocab_size: int = 97) -> ModelConfig:
+  """A small random-init config of each family, for fast tests."""
+  common = dict(
+      arch=arch,
+      num_layers=num_layers,
+      embed_dim=64,
+      hidden_dim=128,
+      num_heads=4,
+      num_kv_heads=2,
+      head_dim=16,
+      vocab_size=vocab_size,
+      norm_eps=1e-6,
+      max_context=512,
+      bos_id=1,
+      eos_ids=(2,),
+  )
+  if arch == "llama":
+    return ModelConfig(**common, rope_interleaved=True, tie_embeddings=True)
+  if arch == "qwen2":
+    return ModelConfig(**common, rope_base=1e6, qkv_bias=True, tie_embeddings=False)
+  if arch == "qwen3":
+    return ModelConfig(**common, rope_base=1e6, qk_norm=True, tie_embeddings=True)
+  if arch == "gemma3":
+    return ModelConfig(
+        **common,
+        rope_base=1e6,
+        rope_local_base=1e4,
+        qk_norm=True,
+        post_norms=True,
+        activation="gelu_tanh",
+        embed_scale=True,
+        tie_embeddings=True,
+        sliding_window=8,
+        global_every=2,
+    )
+  raise ValueError(f"unknown architecture {arch!r}; expected llama, qwen2, qwen3 or gemma3")

@@ -1,0 +1,104 @@
+"""DraftPlan: which sub-layers the draft runs.
+
+A plan is a pytree of traced arrays, not a static argument: changing which layers are
+skipped between rounds never recompiles. Later methods add fields (KV precision, vocab
+shortlist) without changing the forward pass signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class PlanError(ValueError):
+  """A malformed draft plan (wrong length, wrong dtype, not boolean)."""
+
+
+@flax.struct.dataclass
+class DraftPlan:
+  """`attn[l]` / `mlp[l]`: run the attention / MLP sub-layer of layer l."""
+
+  attn: jax.Array  # bool[L]
+  mlp: jax.Array  # bool[L]
+
+  @property
+  def num_layers(self) -> int:
+    return self.attn.shape[-1]
+
+  @classmethod
+  def full(cls, num_layers: int) -> DraftPlan:
+    """The target model itself: every sub-layer runs."""
+    ones = jnp.ones((num_layers,), jnp.bool_)
+    return cls(attn=ones, mlp=ones)
+
+  @classmethod
+  def from_masks(cls, attn: Sequence[bool], mlp: Sequence[bool]) -> DraftPlan:
+    attn_np, mlp_np = _as_mask(attn, "attn"), _as_mask(mlp, "mlp")
+    if attn_np.shape != mlp_np.shape:
+      raise PlanError(f"attn has {attn_np.size} layers but mlp has {mlp_np.size}")
+    return cls(attn=jnp.asarray(attn_np), mlp=jnp.asarray(mlp_np))
+
+  @classmethod
+  def from_skips(
+      cls, num_layers: int, skip_attn: Sequence[int] = (), skip_mlp: Sequence[int] = ()
+  ) -> DraftPlan:
+    """A plan that skips the listed layer indices."""
+    attn = np.ones(num_layers, bool)
+    mlp = np.ones(num_layers, bool)
+    for name, idx, mask in (("attn", skip_attn, attn), ("mlp", skip_mlp, mlp)):
+      for i in idx:
+        if not 0 <= i < num_layers:
+          raise PlanError(f"skip_{name} index {i} outside 0..{num_layers - 1}")
+        mask[i] = False
+    return cls.from_masks(attn, mlp)
+
+  @classmethod
+  def first_layers(cls, num_layers: int, k: int) -> DraftPlan:
+    """Early exit: run layers 0..k-1 only."""
+    if not 0 <= k <= num_layers:
+      raise PlanError(f"k={k} outside 0..{num_layers}")
+    mask = np.arange(num_layers) < k
+    return cls.from_masks(mask, mask)
+
+  def check(self, num_layers: int) -> DraftPlan:
+    """Raise a clear error unless this plan fits a model of `num_layers` layers."""
+    for name in ("attn", "mlp"):
+      arr = getattr(self, name)
+      if arr.shape != (num_layers,):
+        raise PlanError(
+            f"plan.{name} has shape {tuple(arr.shape)}, the model has {num_layers} layers"
+        )
+      if arr.dtype != jnp.bool_:
+        raise PlanError(f"plan.{name} must be bool, got {arr.dtype}")
+    return self
+
+  @property
+  def active_fraction(self) -> float:
+    """Share of the 2L sub-layers this plan runs (host-side, for reports)."""
+    return float((np.sum(self.attn) + np.sum(self.mlp)) / (2 * self.num_layers))
+
+  def to_json(self) -> dict:
+    return {"attn": np.asarray(self.attn).tolist(), "mlp": np.asarray(self.mlp).tolist()}
+
+  @classmethod
+  def from_json(cls, obj: dict) -> DraftPlan:
+    try:
+      return cls.from_masks(obj["attn"], obj["mlp"])
+    except (KeyError, TypeError) as err:
+      raise PlanError(f"a plan needs boolean lists 'attn' and 'mlp': {err}") from err
+
+
+def _as_mask(values: Sequence[bool], name: str) -> np.ndarray:
+  arr = np.asarray(values)
+  if arr.ndim != 1:
+    raise PlanError(f"{name} must be a 1-D list of booleans, got shape {arr.shape}")
+  if arr.dtype != bool:
+    if not np.isin(arr, (0, 1)).all():
+      raise PlanError(f"{name} must hold booleans, got {arr.tolist()}")
+    arr = arr.astype(bool)
+  return arr
