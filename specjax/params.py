@@ -6,6 +6,7 @@ form; this module checks it against the model's abstract shapes and builds the N
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import jax
@@ -22,7 +23,17 @@ class ParamsError(ValueError):
 
 
 def abstract_model(config: ModelConfig, dtype=jnp.float32) -> tuple[nnx.GraphDef, nnx.State]:
-  """Graph definition and shape-only state, without allocating weights."""
+  """Graph definition and shape-only state, without allocating weights.
+
+  Tracing the init costs seconds on real models, so it is traced once per config; each
+  call returns fresh Variable containers, safe to fill.
+  """
+  graphdef, state = _abstract_model(config, jnp.dtype(dtype))
+  return graphdef, jax.tree.map(lambda x: x, state)
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_model(config: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
   return nnx.split(nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0), dtype)))
 
 
@@ -62,3 +73,33 @@ def state_from_flat(
 
 def flat_from_state(state: nnx.State) -> dict[str, jax.Array]:
   return {_key(path): var.get_value() for path, var in nnx.to_flat_state(state)}
+
+
+# Separate projections as checkpoints store them -> the fused parameter that holds them,
+# in concatenation order and along which axis.
+_FUSED = {
+    "attn/qkv": (("attn/q", "attn/k", "attn/v"), 1),
+    "attn/qkv_bias": (("attn/q_bias", "attn/k_bias", "attn/v_bias"), 0),
+    "mlp/gate_up": (("mlp/gate", "mlp/up"), 1),
+}
+_PART_OF = {part: (fused, i) for fused, (parts, _) in _FUSED.items() for i, part in enumerate(parts)}
+
+
+def fuse_projections(arrays: Iterable[tuple[str, np.ndarray]]) -> Iterable[tuple[str, np.ndarray]]:
+  """Concatenate q/k/v and gate/up as they stream past (as soon as a group is complete)."""
+  pending: dict[str, dict[int, np.ndarray]] = {}
+  for name, arr in arrays:
+    for part, (fused, index) in _PART_OF.items():
+      if name.endswith("/" + part):
+        block = name[: -len(part)]
+        group = pending.setdefault(block + fused, {})
+        group[index] = arr
+        parts, axis = _FUSED[fused]
+        if len(group) == len(parts):
+          yield block + fused, np.concatenate([group[i] for i in range(len(parts))], axis=axis)
+          del pending[block + fused]
+        break
+    else:
+      yield name, arr
+  if pending:
+    raise ParamsError(f"incomplete projection groups: {sorted(pending)[:3]}")

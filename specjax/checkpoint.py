@@ -1,0 +1,55 @@
+"""orbax save / restore of specjax pytrees (converted params now; routers, anchors,
+skip libraries and profiles later).
+
+Writes go to a temporary directory renamed into place, so an interrupted save never
+leaves a half-written checkpoint that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint is missing, corrupt or belongs to something else."""
+
+
+def save_tree(directory: Path, tree: Any, meta: dict | None = None) -> None:
+  """Save a pytree of arrays (and a JSON `meta` beside it) atomically."""
+  directory = Path(directory).absolute()
+  tmp = directory.with_name(directory.name + ".tmp")
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir(parents=True)
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(tmp / "tree", tree)
+    ckpt.wait_until_finished()
+  (tmp / "meta.json").write_text(json.dumps(meta or {}, indent=1))
+  shutil.rmtree(directory, ignore_errors=True)
+  tmp.rename(directory)
+
+
+def load_meta(directory: Path) -> dict:
+  path = Path(directory) / "meta.json"
+  try:
+    return json.loads(path.read_text())
+  except (OSError, ValueError) as err:
+    raise CheckpointError(f"cannot read {path}: {err}") from err
+
+
+def restore_tree(directory: Path, like: Any) -> Any:
+  """Restore into the structure, shapes and dtypes of `like` (arrays or ShapeDtypeStructs)."""
+  directory = Path(directory).absolute()
+  if not (directory / "tree").exists():
+    raise CheckpointError(f"no checkpoint at {directory}")
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like)
+  try:
+    with ocp.StandardCheckpointer() as ckpt:
+      return ckpt.restore(directory / "tree", abstract)
+  except Exception as err:  # orbax/tensorstore raise many types for damaged files
+    raise CheckpointError(f"checkpoint at {directory} is unreadable: {err}") from err

@@ -1,0 +1,94 @@
+"""`load_model(name)`: GGUF -> params + tokenizer, cached with orbax for fast reloads."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from specjax import checkpoint, gguf_weights
+from specjax.config import ModelConfig, tiny_config
+from specjax.model import Transformer, init_model
+from specjax.params import fuse_projections, param_shapes, state_from_flat
+from specjax.registry import cache_root, get_spec
+from specjax.tokenizer import ByteTokenizer, TextTokenizer, tokenizer_from_gguf
+
+CONVERTER_VERSION = 2  # bump when the GGUF -> params conversion changes
+
+
+@dataclasses.dataclass
+class LoadedModel:
+  """A model ready to run: static config, NNX graph + state, tokenizer."""
+
+  name: str
+  config: ModelConfig
+  graphdef: nnx.GraphDef
+  state: nnx.State
+  tokenizer: TextTokenizer | ByteTokenizer
+
+  @property
+  def module(self) -> Transformer:
+    return nnx.merge(self.graphdef, self.state)
+
+
+def load_model(name: str, *, dtype=jnp.float32, verbose: bool = True) -> LoadedModel:
+  """Load a registered model by name (see `specjax models`)."""
+  spec = get_spec(name)
+  if spec.is_tiny:
+    config = tiny_config(spec.arch, vocab_size=ByteTokenizer.vocab_size)
+    graphdef, state = nnx.split(init_model(config, dtype=dtype))
+    return LoadedModel(name, config, graphdef, state, ByteTokenizer())
+  path = spec.locate()
+  cache_dir = cache_root() / "params" / f"{name}-{_fingerprint(path, dtype)}"
+  config = _cached_config(cache_dir)
+  if config is not None:
+    try:
+      flat = checkpoint.restore_tree(cache_dir, param_shapes(config, dtype))
+      tok = TextTokenizer.load(cache_dir)
+      graphdef, state = state_from_flat(config, flat.items(), dtype)
+      return LoadedModel(name, config, graphdef, state, tok)
+    except Exception as err:  # any damage: rebuild from the GGUF rather than crash
+      print(f"specjax: cached params at {cache_dir} are unusable ({err}); rebuilding from "
+            f"{path.name}", file=sys.stderr)
+      shutil.rmtree(cache_dir, ignore_errors=True)
+  return _convert(name, path, cache_dir, dtype, verbose)
+
+
+def _fingerprint(path: Path, dtype) -> str:
+  return f"v{CONVERTER_VERSION}-{path.stat().st_size}-{jnp.dtype(dtype).name}"
+
+
+def _cached_config(cache_dir: Path) -> ModelConfig | None:
+  try:
+    meta = checkpoint.load_meta(cache_dir)
+    cfg = meta["config"]
+    cfg["eos_ids"] = tuple(cfg["eos_ids"])
+    return ModelConfig(**cfg)
+  except (checkpoint.CheckpointError, KeyError, TypeError):
+    return None
+
+
+def _convert(name: str, path: Path, cache_dir: Path, dtype, verbose: bool) -> LoadedModel:
+  reader = gguf_weights.open_gguf(path)
+  config = gguf_weights.config_from_gguf(path, reader)
+  tensors = tqdm(
+      gguf_weights.iter_params(path, config, reader),
+      total=gguf_weights.num_tensors(path, reader),
+      desc=f"converting {name}",
+      unit="tensor",
+      disable=not verbose,
+  )
+  graphdef, state = state_from_flat(config, fuse_projections(tensors), dtype)
+  tok = tokenizer_from_gguf(reader)
+  flat = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(state)}
+  checkpoint.save_tree(cache_dir, flat, {"config": dataclasses.asdict(config), "gguf": str(path)})
+  tok.save(cache_dir)
+  return LoadedModel(name, config, graphdef, state, tok)
