@@ -41,7 +41,7 @@ def prefill_step(
   """Process the prompt tokens[B, T]; return the first new token [B] and the cache."""
   B, T = tokens.shape
   out, cache = apply(
-      graphdef, state, cache, tokens, positions_for(cache, T, B), plan, logits="last"
+      state, cache, tokens, positions_for(cache, T, B), plan, graphdef=graphdef, logits="last"
   )
   return sample(key, out.logits[:, -1], sampling), cache
 
@@ -60,7 +60,8 @@ def decode_step(
   """Feed token[B] and pick the next one."""
   B = token.shape[0]
   out, cache = apply(
-      graphdef, state, cache, token[:, None], positions_for(cache, 1, B), plan, logits="last"
+      state, cache, token[:, None], positions_for(cache, 1, B), plan, graphdef=graphdef,
+      logits="last",
   )
   return sample(key, out.logits[:, -1], sampling), cache
 

@@ -241,6 +241,7 @@ class Transformer(nnx.Module):
 
     `logits` is "all", "last" or "none" (static). The returned cache has length + T.
     """
+    plan.check(self.config.num_layers)  # shapes are static: this runs once, at trace time
     x = self.embed(tokens)
     ks, vs, residuals = [], [], []
     for l, block in enumerate(self.blocks):
@@ -283,16 +284,20 @@ def init_model(config: ModelConfig, seed: int = 0, dtype=jnp.float32) -> Transfo
 
 
 def apply(
-    graphdef: nnx.GraphDef,
     state: nnx.State,
     cache: KVCache,
     tokens: jax.Array,
     positions: jax.Array,
     plan: DraftPlan,
     *,
+    graphdef: nnx.GraphDef,
     logits: str = "all",
     return_residuals: bool = False,
 ) -> tuple[ForwardOut, KVCache]:
-  """The pure form of `Transformer.__call__`, for `jax.jit` on the hot path."""
+  """The pure form of `Transformer.__call__`, for `jax.jit` on the hot path.
+
+  `graphdef` (and `logits`, `return_residuals`) are static; params, cache, tokens,
+  positions and plan are traced, so a new plan value reuses the executable.
+  """
   model = nnx.merge(graphdef, state)
   return model(tokens, positions, cache, plan, logits=logits, return_residuals=return_residuals)

@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny random models of each family, and real models when installed."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import pytest
+from flax import nnx
+
+from specjax.config import tiny_config
+from specjax.model import init_model
+
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+
+# Real-model tests write converted params here, not into the user's cache.
+os.environ.setdefault("SPECJAX_CACHE", os.path.join(os.path.dirname(__file__), "..", ".cache"))
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def tiny(request):
+  """(config, graphdef, state) of a random-init tiny model, one per family."""
+  config = tiny_config(request.param)
+  graphdef, state = nnx.split(init_model(config, seed=3))
+  return config, graphdef, state
+
+
+def real_model(name: str):
+  """Load a real model or skip the test when its weights package is absent."""
+  from specjax.loader import load_model
+  from specjax.registry import get_spec, is_installed
+
+  if not is_installed(get_spec(name)):
+    pytest.skip(f"{name} weights package not installed ({get_spec(name).install})")
+  return load_model(name, verbose=False)
+
+
+def pytest_configure(config):
+  jax.config.update("jax_default_matmul_precision", "highest")

