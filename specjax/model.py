@@ -208,7 +208,7 @@ class Transformer(nnx.Module):
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32):
     V, D = config.vocab_size, config.embed_dim
     self.config = config
-    self.embedding = _param(rngs, (V, D), 1, dtype)
+    self.embedding = _param(rngs, (V, D), D, dtype)  # unit-norm rows: layers matter
     self.blocks = nnx.List([Block(config, l, rngs, dtype) for l in range(config.num_layers)])
     self.final_norm = RMSNorm(D, config.norm_eps, dtype)
     if not config.tie_embeddings:
@@ -236,10 +236,13 @@ class Transformer(nnx.Module):
       *,
       logits: str = "all",
       return_residuals: bool = False,
+      write_cache: bool = True,
   ) -> tuple[ForwardOut, KVCache]:
     """Process tokens[B, T] at positions[B, T], writing K/V at slots [length, length+T).
 
     `logits` is "all", "last" or "none" (static). The returned cache has length + T.
+    With `write_cache=False` the cache is only read and returned unchanged: candidate
+    plans can be scored against the verified cache without a copy of it.
     """
     plan.check(self.config.num_layers)  # shapes are static: this runs once, at trace time
     x = self.embed(tokens)
@@ -248,8 +251,9 @@ class Transformer(nnx.Module):
       x, k, v = block.attn_sublayer(
           plan.attn[l], x, positions, cache.k[l], cache.v[l], cache.length
       )
-      ks.append(jax.lax.dynamic_update_slice_in_dim(cache.k[l], k, cache.length, axis=1))
-      vs.append(jax.lax.dynamic_update_slice_in_dim(cache.v[l], v, cache.length, axis=1))
+      if write_cache:
+        ks.append(jax.lax.dynamic_update_slice_in_dim(cache.k[l], k, cache.length, axis=1))
+        vs.append(jax.lax.dynamic_update_slice_in_dim(cache.v[l], v, cache.length, axis=1))
       if return_residuals:
         residuals.append(x)
       x = block.mlp_sublayer(plan.mlp[l], x)
@@ -263,13 +267,14 @@ class Transformer(nnx.Module):
       out_logits = None
     else:
       raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
-    new_cache = KVCache(k=tuple(ks), v=tuple(vs), length=cache.length + tokens.shape[1])
+    if write_cache:
+      cache = KVCache(k=tuple(ks), v=tuple(vs), length=cache.length + tokens.shape[1])
     out = ForwardOut(
         logits=out_logits,
         hidden=x,
         residuals=jnp.stack(residuals) if return_residuals else None,
     )
-    return out, new_cache
+    return out, cache
 
 
 def init_model(config: ModelConfig, seed: int = 0, dtype=jnp.float32) -> Transformer:
@@ -293,6 +298,7 @@ def apply(
     graphdef: nnx.GraphDef,
     logits: str = "all",
     return_residuals: bool = False,
+    write_cache: bool = True,
 ) -> tuple[ForwardOut, KVCache]:
   """The pure form of `Transformer.__call__`, for `jax.jit` on the hot path.
 
@@ -300,4 +306,5 @@ def apply(
   positions and plan are traced, so a new plan value reuses the executable.
   """
   model = nnx.merge(graphdef, state)
-  return model(tokens, positions, cache, plan, logits=logits, return_residuals=return_residuals)
+  return model(tokens, positions, cache, plan, logits=logits,
+               return_residuals=return_residuals, write_cache=write_cache)

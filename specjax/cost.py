@@ -1,0 +1,37 @@
+"""Relative cost of a draft step under a plan, before any profiling.
+
+Decoding small models is memory-bound, so a sub-layer's cost is taken proportional to
+the bytes of weights it reads; the LM head and embedding always run. The latency
+profiler (measured per device and context length) supersedes this where available.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specjax.config import ModelConfig
+from specjax.plan import DraftPlan
+
+
+def sublayer_weights(config: ModelConfig) -> tuple[float, float, float]:
+  """Parameter counts of one attention sub-layer, one MLP sub-layer, and the LM head."""
+  D, N, K, H, F = (config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim,
+                   config.hidden_dim)
+  attn = D * (N + 2 * K) * H + N * H * D
+  mlp = 3 * D * F
+  return float(attn), float(mlp), float(config.vocab_size * D)
+
+
+def draft_cost(config: ModelConfig, plan: DraftPlan) -> float:
+  """Cost of one draft step relative to one full-model step (1.0 = full model)."""
+  attn, mlp, head = sublayer_weights(config)
+  full = config.num_layers * (attn + mlp) + head
+  used = float(np.sum(plan.attn)) * attn + float(np.sum(plan.mlp)) * mlp + head
+  return used / full
+
+
+def expected_speedup(alpha: float, gamma: int, cost: float) -> float:
+  """Tokens per round over time per round, in full-step units (Leviathan et al. 2023):
+  E[tokens] = (1 - α^{γ+1}) / (1 - α), time = γ·cost + 1 (one verification ≈ one step)."""
+  alpha = min(max(alpha, 0.0), 1.0 - 1e-9)
+  return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha) / (gamma * cost + 1.0)

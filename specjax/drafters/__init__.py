@@ -1,0 +1,28 @@
+"""Drafters by name: each produces the `DraftPlan` for every round (see base.py)."""
+
+from __future__ import annotations
+
+from specjax.drafters.base import Drafter
+from specjax.drafters.early_exit import EarlyExitDrafter
+from specjax.drafters.self_sd import SelfSDDrafter
+from specjax.drafters.static import StaticDrafter
+from specjax.drafters.swift import SwiftDrafter
+
+DRAFTERS: dict[str, type[Drafter]] = {
+    d.name: d for d in (StaticDrafter, EarlyExitDrafter, SelfSDDrafter, SwiftDrafter)
+}
+
+
+class UnknownDrafterError(KeyError):
+  def __str__(self) -> str:
+    return self.args[0]
+
+
+def drafter_class(name: str) -> type[Drafter]:
+  if name not in DRAFTERS:
+    raise UnknownDrafterError(f"unknown drafter {name!r}; available: {', '.join(DRAFTERS)}")
+  return DRAFTERS[name]
+
+
+__all__ = ["DRAFTERS", "Drafter", "EarlyExitDrafter", "SelfSDDrafter", "StaticDrafter",
+           "SwiftDrafter", "UnknownDrafterError", "drafter_class"]

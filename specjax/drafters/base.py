@@ -1,0 +1,36 @@
+"""The drafter protocol: a drafter is hyper-parameters plus pure functions over its state.
+
+    state = drafter.init(session)           # once, after prefill
+    plan = drafter.plan(state)              # before each round
+    state = drafter.update(state, out, session)   # after each round
+
+No hidden state lives in the drafter object, so strategies compose and a run can be
+replayed. `session` gives read-only access to the model, the verified cache and the
+committed tokens, e.g. to score candidate plans by agreement (`session.score`).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, ClassVar
+
+from specjax.plan import DraftPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter(abc.ABC):
+  name: ClassVar[str]
+  wants_residuals: ClassVar[bool] = False  # ask the engine for verify-pass residuals
+
+  @abc.abstractmethod
+  def init(self, session) -> Any:
+    """Initial state, given the session right after prefill."""
+
+  @abc.abstractmethod
+  def plan(self, state: Any) -> DraftPlan:
+    """The plan for the next round."""
+
+  def update(self, state: Any, out, session) -> Any:
+    """Fold one round's outcome (`engine.RoundOut`, on host) into the state."""
+    return state

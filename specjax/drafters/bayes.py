@@ -1,0 +1,67 @@
+"""Bayesian optimisation over skip bits with the `bayesian-optimization` package (as
+Draft&Verify did): each sub-layer gets a coordinate in [0, 1], > 0.5 means skip."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+
+def _optimizer(dims: int, seed: int):
+  from bayes_opt import BayesianOptimization, acquisition
+
+  return BayesianOptimization(
+      f=None,
+      pbounds={f"x{i:03d}": (0.0, 1.0) for i in range(dims)},
+      acquisition_function=acquisition.UpperConfidenceBound(kappa=2.5),
+      random_state=seed,
+      verbose=0,
+      allow_duplicate_points=True,
+  )
+
+
+def _to_vector(params: dict) -> np.ndarray:
+  return np.asarray([params[k] for k in sorted(params)])
+
+
+def suggest_bits(xs: np.ndarray, ys: np.ndarray, skippable: np.ndarray, budget: int,
+                 seed: int = 0) -> np.ndarray:
+  """A new skip set of exactly `budget` skippable sub-layers, from a GP fitted to (xs, ys).
+
+  The GP's suggestion is continuous; the `budget` highest coordinates are skipped, so the
+  proposal has the same cost as the random ones it competes with.
+  """
+  opt = _optimizer(skippable.size, seed)
+  seen = set()
+  for bits, y in zip(xs, ys):
+    if bits[skippable].tobytes() in seen:
+      continue
+    seen.add(bits[skippable].tobytes())
+    opt.register({f"x{i:03d}": float(bits[j]) for i, j in enumerate(skippable)}, float(y))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    x = _to_vector(opt.suggest())
+  out = np.zeros(xs.shape[1], bool)
+  out[skippable[np.argsort(-x)[:budget]]] = True
+  return out
+
+
+class BitSearch:
+  """Ask / tell BO over free skip bits (no fixed budget): > 0.5 skips."""
+
+  def __init__(self, dims: int, seed: int = 0):
+    self.dims = dims
+    self._opt = _optimizer(dims, seed)
+    self._seen: set[bytes] = set()
+
+  def ask(self) -> np.ndarray:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      return _to_vector(self._opt.suggest()) > 0.5
+
+  def tell(self, bits: np.ndarray, value: float) -> None:
+    if bits.tobytes() in self._seen:  # the GP gains nothing from a repeated point
+      return
+    self._seen.add(bits.tobytes())
+    self._opt.register({f"x{i:03d}": float(b) for i, b in enumerate(bits)}, float(value))

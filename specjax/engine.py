@@ -1,0 +1,329 @@
+"""The self-speculative round: draft up to γ tokens with a plan, verify them with the
+full model in one forward, accept — all in one jitted call.
+
+Cache protocol. At a round's start the cache holds every committed token except the
+last one (`last`), whose K/V is not written yet; its length is L0. The draft feeds
+`last`, d1, d2, ... at slots L0, L0+1, ... writing K/V only for the attention layers
+the plan runs. Verification sets the length back to L0 and feeds [last, d1..dγ] with the
+full plan, rewriting every layer for those γ+1 slots. After accepting a drafts, slots
+L0..L0+a hold verified K/V and the length becomes L0+a+1: rejection is a length, not a
+copy. Acceptance is greedy (longest prefix matching the target's argmax, plus the
+target's next token) or rejection sampling with the residual distribution (Leviathan et
+al. 2023; Chen et al. 2023), which keeps the target distribution exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.config import ModelConfig
+from specjax.generate import check_prompt, positions_for, prefill_step
+from specjax.jit_cache import compiled
+from specjax.kv_cache import KVCache
+from specjax.model import apply
+from specjax.plan import DraftPlan
+from specjax.sampling import SamplingParams, probs
+
+
+@flax.struct.dataclass
+class RoundOut:
+  """What one round produced (B = 1; arrays stay on device until the host reads them)."""
+
+  tokens: jax.Array  # int32[γ+1]: committed tokens; the first n_commit are valid
+  n_commit: jax.Array  # int32: accepted drafts + 1 (the target's correction / bonus token)
+  n_drafted: jax.Array  # int32: drafts produced before early stop (1..γ)
+  drafts: jax.Array  # int32[γ]: draft tokens (first n_drafted valid)
+  target_top1: jax.Array  # int32[γ+1]: the target's argmax at each verified position
+  residuals: jax.Array | None  # [2L, γ+1, D] verify-pass residual stream, on request
+
+
+def _draft(state, cache, last, plan, key, *, graphdef, vocab, gamma, threshold, sampling):
+  """Up to γ draft steps under `plan`; stop after a token whose top-1 prob < threshold."""
+  drafts = jnp.zeros((gamma,), jnp.int32)
+  q_rows = None if sampling.greedy else jnp.zeros((gamma + 1, vocab), jnp.float32)
+
+  def cond(carry):
+    i, _, _, _, _, go, _ = carry
+    return (i < gamma) & go
+
+  def body(carry):
+    i, cache, token, drafts, q_rows, _, key = carry
+    out, cache = apply(state, cache, token[None, None], positions_for(cache, 1, 1), plan,
+                       graphdef=graphdef, logits="last")
+    logits = out.logits[0, 0]
+    if sampling.greedy:
+      nxt = jnp.argmax(logits).astype(jnp.int32)
+      confidence = jnp.max(jax.nn.softmax(logits))
+    else:
+      key, sub = jax.random.split(key)
+      q = probs(logits, sampling)
+      nxt = jax.random.categorical(sub, jnp.log(q)).astype(jnp.int32)
+      confidence = jnp.max(q)
+      q_rows = q_rows.at[i].set(q)
+    drafts = drafts.at[i].set(nxt)
+    return i + 1, cache, nxt, drafts, q_rows, confidence >= threshold, key
+
+  init = (jnp.int32(0), cache, last, drafts, q_rows, jnp.bool_(True), key)
+  n, cache, _, drafts, q_rows, _, key = jax.lax.while_loop(cond, body, init)
+  return n, cache, drafts, q_rows, key
+
+
+def _accept_greedy(drafts, n, logits):
+  target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [γ+1]
+  gamma = drafts.shape[0]
+  match = (drafts == target[:gamma]) & (jnp.arange(gamma) < n)
+  a = jnp.sum(jnp.cumprod(match.astype(jnp.int32)))
+  tokens = jnp.concatenate([drafts, jnp.zeros((1,), jnp.int32)]).at[a].set(target[a])
+  return a, tokens, target
+
+
+def _accept_sampling(drafts, n, logits, q_rows, key, sampling):
+  gamma = drafts.shape[0]
+  p = probs(logits, sampling)  # [γ+1, V] target distribution at each position
+  idx = jnp.arange(gamma)
+  p_d = p[idx, drafts]
+  q_d = q_rows[idx, drafts]
+  k_accept, k_fix = jax.random.split(key)
+  u = jax.random.uniform(k_accept, (gamma,))
+  ok = (u * q_d < p_d) & (idx < n)  # accept with probability min(1, p/q)
+  a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32)))
+  # Row a of q is the draft's distribution at the first rejection; when every draft was
+  # accepted (a == n) it is all zeros (rows >= n are never written), so the residual
+  # below is p itself: the bonus token.
+  resid = jnp.maximum(p[a] - q_rows[a], 0.0)
+  total = jnp.sum(resid)
+  resid = jnp.where(total > 0, resid / jnp.where(total > 0, total, 1.0), p[a])
+  fix = jax.random.categorical(k_fix, jnp.log(resid)).astype(jnp.int32)
+  tokens = jnp.concatenate([drafts, jnp.zeros((1,), jnp.int32)]).at[a].set(fix)
+  return a, tokens, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def round_fn(
+    state: nnx.State,
+    cache: KVCache,
+    last: jax.Array,
+    plan: DraftPlan,
+    key: jax.Array,
+    *,
+    graphdef: nnx.GraphDef,
+    vocab: int,
+    gamma: int,
+    threshold: float,
+    sampling: SamplingParams,
+    residuals: bool = False,
+) -> tuple[RoundOut, KVCache]:
+  """Draft (plan) -> verify (full model, γ+1 positions) -> accept, as one executable."""
+  L0 = cache.length
+  k_draft, k_accept = jax.random.split(key)
+  n, cache, drafts, q_rows, _ = _draft(
+      state, cache, last, plan, k_draft, graphdef=graphdef, vocab=vocab, gamma=gamma,
+      threshold=threshold, sampling=sampling,
+  )
+  cache = cache.with_length(L0)
+  seq = jnp.concatenate([last[None], drafts])[None]  # [1, γ+1]
+  full = DraftPlan.full(plan.num_layers)
+  out, cache = apply(state, cache, seq, positions_for(cache, gamma + 1, 1), full,
+                     graphdef=graphdef, logits="all", return_residuals=residuals)
+  logits = out.logits[0]
+  if sampling.greedy:
+    a, tokens, target = _accept_greedy(drafts, n, logits)
+  else:
+    a, tokens, target = _accept_sampling(drafts, n, logits, q_rows, k_accept, sampling)
+  cache = cache.with_length(L0 + a + 1)
+  res = out.residuals[:, 0] if residuals else None
+  return RoundOut(tokens=tokens, n_commit=a + 1, n_drafted=n, drafts=drafts,
+                  target_top1=target, residuals=res), cache
+
+
+ssd_round = jax.jit(
+    round_fn,
+    static_argnames=("graphdef", "vocab", "gamma", "threshold", "sampling", "residuals"),
+    donate_argnames=("cache",),
+)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def agreement(
+    state: nnx.State,
+    cache: KVCache,
+    tokens: jax.Array,
+    targets: jax.Array,
+    start: jax.Array,
+    plan: DraftPlan,
+    *,
+    graphdef: nnx.GraphDef,
+) -> jax.Array:
+  """Top-1 agreement of `plan` with the target, teacher-forced.
+
+  Feeds tokens[W] at positions start.. reading the verified cache slots < start (never
+  writing them: no copy, no damage) and compares the plan's argmax with targets[W], the
+  tokens that actually followed. This is the SWIFT / Self-SD matchness score.
+  """
+  W = tokens.shape[0]
+  view = cache.with_length(start)
+  out, _ = apply(state, view, tokens[None], positions_for(view, W, 1), plan,
+                 graphdef=graphdef, logits="all", write_cache=False)
+  return jnp.mean(jnp.argmax(out.logits[0], axis=-1) == targets)
+
+
+@dataclasses.dataclass
+class Session:
+  """Read-only view of a generation in progress, handed to drafters."""
+
+  graphdef: nnx.GraphDef
+  state: nnx.State
+  config: ModelConfig
+  cache: KVCache  # the verified cache; context[-1] is not in it yet
+  context: list[int]  # prompt + committed tokens
+
+  def score(self, plan: DraftPlan, window: int = 32) -> float | None:
+    """Top-1 agreement of `plan` over the last `window` committed tokens (None if fewer)."""
+    end = len(self.context) - 1  # == cache.length
+    if end < window + 1:
+      return None
+    start = end - window
+    toks = jnp.asarray(self.context[start:end], jnp.int32)
+    targets = jnp.asarray(self.context[start + 1 : end + 1], jnp.int32)
+    fn = compiled(agreement, self.state, self.cache, toks, targets, jnp.int32(start), plan,
+                  graphdef=self.graphdef)
+    return float(fn(self.state, self.cache, toks, targets, jnp.int32(start), plan))
+
+
+@dataclasses.dataclass
+class SSDGeneration:
+  prompt_tokens: list[int]
+  tokens: list[int]
+  rounds: int
+  drafted: int
+  accepted: int
+  committed: int  # tokens kept from verification rounds (bonus included, EOS-truncated)
+  compile_s: float
+  prefill_s: float
+  round_s: float  # inside the jitted draft + verify + accept calls
+  selection_s: float  # drafter.plan / drafter.update on the host
+  other_s: float  # the rest of the decode loop (bookkeeping, streaming)
+  stopped_on_eos: bool
+  plans: list[DraftPlan] = dataclasses.field(default_factory=list)
+
+  @property
+  def decode_s(self) -> float:
+    return self.round_s + self.selection_s + self.other_s
+
+  @property
+  def mean_accepted(self) -> float:
+    """M: tokens committed per verification round, bonus token included."""
+    return self.committed / self.rounds if self.rounds else 0.0
+
+  @property
+  def acceptance_rate(self) -> float:
+    """α: accepted draft tokens / drafted tokens."""
+    return self.accepted / self.drafted if self.drafted else 0.0
+
+  @property
+  def decode_tokens_per_s(self) -> float:
+    n = len(self.tokens) - 1  # the first token comes from prefill
+    return n / self.decode_s if self.decode_s > 0 and n > 0 else 0.0
+
+
+def speculative_generate(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    config: ModelConfig,
+    prompt_tokens: Sequence[int],
+    drafter,
+    *,
+    max_new_tokens: int = 64,
+    gamma: int = 4,
+    threshold: float = 0.8,
+    sampling: SamplingParams = SamplingParams(),
+    seed: int = 0,
+    eos_ids: Sequence[int] | None = None,
+    on_token: Callable[[int], None] | None = None,
+    keep_plans: bool = False,
+) -> SSDGeneration:
+  """Self-speculative decoding of one prompt: prefill, then one jitted call per round."""
+  if gamma < 1:
+    raise ValueError(f"gamma (draft length) must be >= 1, got {gamma}")
+  if not 0.0 <= threshold <= 1.0:
+    raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+  size = check_prompt(prompt_tokens, max_new_tokens + gamma + 1, config.max_context)
+  eos = set(config.eos_ids if eos_ids is None else eos_ids)
+  L = config.num_layers
+  cache = KVCache.create(config, 1, size)
+  key = jax.random.key(seed)
+  prompt = jnp.asarray([list(prompt_tokens)], jnp.int32)
+  full = DraftPlan.full(L)
+  static = dict(graphdef=graphdef, vocab=config.vocab_size, gamma=gamma, threshold=threshold,
+                sampling=sampling, residuals=drafter.wants_residuals)
+
+  t_compile = time.perf_counter()
+  prefill = compiled(prefill_step, state, cache, prompt, full, key, graphdef=graphdef,
+                     sampling=sampling)
+  step = compiled(ssd_round, state, cache, prompt[0, 0], full, key, **static)
+  t0 = time.perf_counter()
+  key, sub = jax.random.split(key)
+  first, cache = prefill(state, cache, prompt, full, sub)
+  tokens = [int(first[0])]
+  if on_token:
+    on_token(tokens[0])
+  t1 = time.perf_counter()
+
+  session = Session(graphdef, state, config, cache, list(prompt_tokens) + tokens)
+  dstate = drafter.init(session)
+  stats = dict(rounds=0, drafted=0, accepted=0, committed=0)
+  round_s = selection_s = 0.0
+  plans = []
+  done = tokens[0] in eos or len(tokens) >= max_new_tokens
+  t_select = time.perf_counter()
+  selection_s += t_select - t1
+  while not done:
+    t_a = time.perf_counter()
+    plan = drafter.plan(dstate)
+    if keep_plans:
+      plans.append(plan)
+    key, sub = jax.random.split(key)
+    last = jnp.asarray(tokens[-1], jnp.int32)
+    t_b = time.perf_counter()
+    out, cache = step(state, cache, last, plan, sub)
+    n_commit = int(out.n_commit)  # waits for the device
+    t_c = time.perf_counter()
+    committed = [int(t) for t in jax.device_get(out.tokens[:n_commit])]
+    stats["rounds"] += 1
+    stats["drafted"] += int(out.n_drafted)
+    stats["accepted"] += n_commit - 1
+    for t in committed:
+      tokens.append(t)
+      stats["committed"] += 1
+      if on_token:
+        on_token(t)
+      if t in eos or len(tokens) >= max_new_tokens:
+        done = True
+        break
+    session.cache, session.context = cache, list(prompt_tokens) + tokens
+    t_d = time.perf_counter()
+    if not done:
+      dstate = drafter.update(dstate, out, session)
+    t_e = time.perf_counter()
+    round_s += t_c - t_b
+    selection_s += (t_b - t_a) + (t_e - t_d)
+  t2 = time.perf_counter()
+  return SSDGeneration(
+      prompt_tokens=list(prompt_tokens),
+      tokens=tokens,
+      compile_s=t0 - t_compile,
+      prefill_s=t1 - t0,
+      round_s=round_s,
+      selection_s=selection_s,
+      other_s=(t2 - t1) - round_s - selection_s,
+      stopped_on_eos=tokens[-1] in eos,
+      plans=plans,
+      **stats,
+  )

@@ -1,0 +1,186 @@
+"""The SSD engine: lossless for every drafter, exact in distribution when sampling, one
+executable per round whatever the plan, and clear errors for bad requests."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from reference import reference_forward
+from specjax.config import tiny_config
+from specjax.drafters import (EarlyExitDrafter, SelfSDDrafter, StaticDrafter, SwiftDrafter,
+                              UnknownDrafterError, drafter_class)
+from specjax.drafters import self_sd
+from specjax.drafters.static import load_plan, save_plan
+from specjax.engine import round_fn, speculative_generate
+from specjax.generate import generate, prefill_step
+from specjax.kv_cache import KVCache
+from specjax.model import init_model
+from specjax.plan import DraftPlan, PlanError
+from specjax.sampling import SamplingParams, probs
+
+PROMPT = list(range(3, 40))  # long enough for SWIFT's scoring window
+
+
+@functools.cache
+def tiny(arch: str, layers: int = 6, vocab: int = 97):
+  config = tiny_config(arch, num_layers=layers, vocab_size=vocab)
+  return (config, *nnx.split(init_model(config, seed=1)))
+
+
+@functools.cache
+def ar_tokens(arch: str, n: int = 48) -> list[int]:
+  config, graphdef, state = tiny(arch)
+  return generate(graphdef, state, config, PROMPT, max_new_tokens=n, eos_ids=()).tokens
+
+
+def ssd(arch, drafter, n=48, **kw):
+  config, graphdef, state = tiny(arch)
+  return speculative_generate(graphdef, state, config, PROMPT, drafter, max_new_tokens=n,
+                              eos_ids=(), **kw)
+
+
+@settings(max_examples=16, deadline=None)
+@given(data=st.data())
+def test_greedy_static_random_plans_are_lossless(data):
+  arch = data.draw(st.sampled_from(["llama", "qwen2", "qwen3", "gemma3"]))
+  attn = data.draw(st.lists(st.booleans(), min_size=6, max_size=6))
+  mlp = data.draw(st.lists(st.booleans(), min_size=6, max_size=6))
+  out = ssd(arch, StaticDrafter(DraftPlan.from_masks(attn, mlp)), gamma=3, threshold=0.5)
+  assert out.tokens == ar_tokens(arch)
+  assert out.committed == len(out.tokens) - 1
+  assert 1.0 <= out.mean_accepted <= 4
+
+
+@pytest.mark.parametrize("gamma,threshold", [(1, 0.0), (6, 0.0), (6, 0.95)])
+def test_lossless_for_any_draft_length_and_threshold(gamma, threshold):
+  plan = DraftPlan.from_skips(6, [1, 4], [2])
+  out = ssd("qwen2", StaticDrafter(plan), gamma=gamma, threshold=threshold)
+  assert out.tokens == ar_tokens("qwen2")
+  assert out.drafted <= gamma * out.rounds
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("drafter", [
+    EarlyExitDrafter(k=2),
+    SwiftDrafter(trials=12, bo_every=5, window=16),
+    SelfSDDrafter(DraftPlan.from_skips(6, [2, 3], [1, 4])),
+])
+def test_every_drafter_is_lossless(arch, drafter):
+  out = ssd(arch, drafter, gamma=4)
+  assert out.tokens == ar_tokens(arch)
+  assert out.rounds > 0 and 0.0 <= out.acceptance_rate <= 1.0
+
+
+def test_swift_changes_plan_without_recompiling():
+  from specjax import jit_cache
+
+  ssd("qwen3", SwiftDrafter(trials=4, window=16), gamma=3)  # compiles what it needs
+  before = jit_cache.compiled_count()
+  out = ssd("qwen3", SwiftDrafter(trials=20, bo_every=6, window=16, seed=5), gamma=3,
+            keep_plans=True)
+  assert jit_cache.compiled_count() == before
+  distinct = {json.dumps(p.to_json()) for p in out.plans}
+  assert len(distinct) > 1  # it did switch plans mid-generation
+  assert out.tokens == ar_tokens("qwen3")
+
+
+def test_self_sd_search_finds_a_plan_and_is_lossless(tmp_path):
+  config, graphdef, state = tiny("gemma3")
+  res = self_sd.search(graphdef, state, config, [PROMPT, list(range(40, 70))], iterations=12,
+                       init_points=6, new_tokens=12, verbose=False)
+  assert len(res.history) == 12
+  assert res.objective == max(h["objective"] for h in res.history + [{"objective": 0}]) or \
+      res.plan.active_fraction == 1.0
+  path = tmp_path / "plan.json"
+  save_plan(path, res.plan, model="tiny-gemma3")
+  plan = load_plan(path, model="tiny-gemma3")
+  assert ssd("gemma3", SelfSDDrafter(plan)).tokens == ar_tokens("gemma3")
+
+
+def test_eos_truncates_inside_a_round():
+  ref = ar_tokens("llama")
+  eos = ref[10]
+  config, graphdef, state = tiny("llama")
+  out = speculative_generate(graphdef, state, config, PROMPT, EarlyExitDrafter(k=3),
+                             max_new_tokens=48, eos_ids=(eos,), gamma=5, threshold=0.0)
+  assert out.tokens == ref[: ref.index(eos) + 1] and out.stopped_on_eos
+
+
+def _exact_next(model, seq):
+  logits, _ = reference_forward(model, jnp.asarray([seq]))
+  return logits[0, -1]
+
+
+def test_sampling_round_keeps_the_target_distribution():
+  """Many independent rounds from one state: the first committed token ~ p, and the
+  second one (when a round commits two) ~ p(. | first)."""
+  config, graphdef, state = tiny("llama", layers=4, vocab=12)
+  model = nnx.merge(graphdef, state)
+  sampling = SamplingParams(temperature=30.0, top_p=1.0)  # tiny models are very peaked
+  prompt = jnp.asarray([[1, 5, 7, 3, 9]], jnp.int32)
+  cache = KVCache.create(config, 1, 32)
+  full = DraftPlan.full(4)
+  first, cache = prefill_step(state, cache, prompt, full, jax.random.key(0),
+                              graphdef=graphdef, sampling=sampling)
+  plan = DraftPlan.from_skips(4, [1, 2], [2])
+  run = jax.jit(jax.vmap(lambda k: round_fn(
+      state, cache, first[0], plan, k, graphdef=graphdef, vocab=12, gamma=3, threshold=0.0,
+      sampling=sampling)[0]))
+  out = run(jax.random.split(jax.random.key(1), 40_000))
+  ctx = [1, 5, 7, 3, 9, int(first[0])]
+  p1 = np.asarray(probs(_exact_next(model, ctx), sampling))
+  counts = np.bincount(np.asarray(out.tokens[:, 0]), minlength=12)
+  _chi2(counts, p1)
+  # Conditional on the most frequent first token, the second committed token.
+  top = int(np.argmax(counts))
+  rows = np.asarray(out.tokens[(out.tokens[:, 0] == top) & (out.n_commit >= 2)][:, 1])
+  p2 = np.asarray(probs(_exact_next(model, ctx + [top]), sampling))
+  _chi2(np.bincount(rows, minlength=12), p2)
+  assert 0.0 < float(jnp.mean(out.n_commit - 1)) < 3.0  # drafts were both kept and rejected
+
+
+def _chi2(counts: np.ndarray, p: np.ndarray) -> None:
+  n = counts.sum()
+  keep = p * n >= 5  # pool rare cells, as the test requires
+  obs = np.append(counts[keep], counts[~keep].sum())
+  exp = np.append(p[keep] * n, p[~keep].sum() * n)
+  obs, exp = obs[exp > 0], exp[exp > 0]
+  assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+
+
+def test_sampling_generation_is_seeded_and_sane():
+  a = ssd("gemma3", EarlyExitDrafter(k=3), sampling=SamplingParams(5.0, 0.9), seed=3)
+  b = ssd("gemma3", EarlyExitDrafter(k=3), sampling=SamplingParams(5.0, 0.9), seed=3)
+  assert a.tokens == b.tokens and len(a.tokens) == 48
+
+
+def test_bad_requests():
+  with pytest.raises(ValueError, match="gamma"):
+    ssd("llama", EarlyExitDrafter(k=2), gamma=0)
+  with pytest.raises(ValueError, match="empty"):
+    config, graphdef, state = tiny("llama")
+    speculative_generate(graphdef, state, config, [], EarlyExitDrafter(k=2))
+  with pytest.raises(UnknownDrafterError, match="available"):
+    drafter_class("medusa")
+  with pytest.raises(PlanError, match="6 layers"):
+    ssd("llama", StaticDrafter(DraftPlan.full(5)))
+
+
+def test_plan_file_for_another_model_is_refused(tmp_path):
+  path = tmp_path / "p.json"
+  save_plan(path, DraftPlan.full(6), model="tiny-llama")
+  with pytest.raises(PlanError, match="made for model 'tiny-llama'"):
+    load_plan(path, model="smollm2-135m-instruct")
+  path.write_text("{not json")
+  with pytest.raises(PlanError, match="cannot read"):
+    load_plan(path, model="tiny-llama")
