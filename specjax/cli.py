@@ -67,6 +67,33 @@ def _cmd_generate(args: argparse.Namespace) -> int:
   return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+  from pathlib import Path
+
+  from specjax import bench, data
+
+  drafters = tuple(d for d in args.drafters.split(",") if d)
+  cats = tuple(c for c in args.categories.split(",") if c) or data.SPEC_BENCH_CATEGORIES
+  cfg = bench.BenchConfig(
+      model=args.model, drafters=drafters, per_category=args.per_category, categories=cats,
+      max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, gamma=args.gamma,
+      threshold=args.threshold, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+      search_iterations=args.search_iterations, plan_file=args.plan,
+  )
+  out = Path(args.out or f"runs/bench-{args.model}")
+  figures = bench.run(cfg, out, data_dir=args.data_dir, resume=args.resume)
+  print(json.dumps(figures, sort_keys=True))
+  return 0
+
+
+def _cmd_data_fetch(args: argparse.Namespace) -> int:
+  from specjax import data
+
+  path = data.fetch_spec_bench(args.data_dir)
+  print(f"Spec-Bench saved to {path}")
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="specjax", description="Self-speculative decoding in JAX/Flax."
@@ -87,6 +114,33 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--quiet", action="store_true", help="do not stream the text")
   p.add_argument("--json", action="store_true", help="print the figures as one JSON line")
   p.set_defaults(func=_cmd_generate)
+
+  p = sub.add_parser("bench", help="AR vs every drafter on a Spec-Bench subset")
+  p.add_argument("--model", default=DEFAULT_MODEL)
+  p.add_argument("--drafters", default="early_exit,self_sd,swift",
+                 help="comma-separated: static, early_exit, self_sd, swift")
+  p.add_argument("--plan", help="plan file for the static drafter")
+  p.add_argument("--categories", default="", help="comma-separated; default all 13")
+  p.add_argument("--per-category", type=int, default=2)
+  p.add_argument("--max-new-tokens", type=int, default=64)
+  p.add_argument("--max-turns", type=int, default=1, help="MT-bench prompts have 2 turns")
+  p.add_argument("--gamma", type=int, default=4, help="maximum draft length")
+  p.add_argument("--threshold", type=float, default=0.8, help="draft early-stop top-1 prob")
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--search-iterations", type=int, default=60, help="self_sd BO iterations")
+  p.add_argument("--data-dir", help="folder holding spec_bench/question.jsonl "
+                 "(default $SPECJAX_DATA_DIR or ~/.cache/specjax/data)")
+  p.add_argument("--out", help="output folder (default runs/bench-MODEL)")
+  p.add_argument("--resume", action="store_true", help="continue an interrupted run")
+  p.set_defaults(func=_cmd_bench)
+
+  p = sub.add_parser("data", help="prompt sets")
+  data_sub = p.add_subparsers(dest="data_command", required=True)
+  q = data_sub.add_parser("fetch", help="download Spec-Bench (needs network)")
+  q.add_argument("--data-dir")
+  q.set_defaults(func=_cmd_data_fetch)
   return parser
 
 
@@ -94,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   try:
     return args.func(args)
-  except (UnknownModelError, MissingWeightsError, ValueError) as err:
+  except (UnknownModelError, MissingWeightsError, ValueError, FileNotFoundError, KeyError) as err:
     print(f"specjax: error: {err}", file=sys.stderr)
     return 2
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.config import ModelConfig
-from specjax.generate import check_prompt, positions_for, prefill_step
+from specjax.generate import check_prompt, pad_prompt, positions_for, prefill_step
 from specjax.jit_cache import compiled
 from specjax.kv_cache import KVCache
 from specjax.model import apply
@@ -212,6 +212,7 @@ class SSDGeneration:
   other_s: float  # the rest of the decode loop (bookkeeping, streaming)
   stopped_on_eos: bool
   plans: list[DraftPlan] = dataclasses.field(default_factory=list)
+  drafter_state: object = None  # final state: the `prior` of the next generation
 
   @property
   def decode_s(self) -> float:
@@ -248,6 +249,7 @@ def speculative_generate(
     eos_ids: Sequence[int] | None = None,
     on_token: Callable[[int], None] | None = None,
     keep_plans: bool = False,
+    drafter_state=None,
 ) -> SSDGeneration:
   """Self-speculative decoding of one prompt: prefill, then one jitted call per round."""
   if gamma < 1:
@@ -259,25 +261,25 @@ def speculative_generate(
   L = config.num_layers
   cache = KVCache.create(config, 1, size)
   key = jax.random.key(seed)
-  prompt = jnp.asarray([list(prompt_tokens)], jnp.int32)
+  prompt, n = pad_prompt(prompt_tokens, size), jnp.int32(len(prompt_tokens))
   full = DraftPlan.full(L)
   static = dict(graphdef=graphdef, vocab=config.vocab_size, gamma=gamma, threshold=threshold,
                 sampling=sampling, residuals=drafter.wants_residuals)
 
   t_compile = time.perf_counter()
-  prefill = compiled(prefill_step, state, cache, prompt, full, key, graphdef=graphdef,
+  prefill = compiled(prefill_step, state, cache, prompt, n, full, key, graphdef=graphdef,
                      sampling=sampling)
   step = compiled(ssd_round, state, cache, prompt[0, 0], full, key, **static)
   t0 = time.perf_counter()
   key, sub = jax.random.split(key)
-  first, cache = prefill(state, cache, prompt, full, sub)
+  first, cache = prefill(state, cache, prompt, n, full, sub)
   tokens = [int(first[0])]
   if on_token:
     on_token(tokens[0])
   t1 = time.perf_counter()
 
   session = Session(graphdef, state, config, cache, list(prompt_tokens) + tokens)
-  dstate = drafter.init(session)
+  dstate = drafter.init(session, drafter_state)
   stats = dict(rounds=0, drafted=0, accepted=0, committed=0)
   round_s = selection_s = 0.0
   plans = []
@@ -325,5 +327,6 @@ def speculative_generate(
       other_s=(t2 - t1) - round_s - selection_s,
       stopped_on_eos=tokens[-1] in eos,
       plans=plans,
+      drafter_state=dstate,
       **stats,
   )

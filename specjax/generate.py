@@ -27,23 +27,40 @@ def positions_for(cache: KVCache, T: int, B: int) -> jax.Array:
   return jnp.broadcast_to(cache.length + jnp.arange(T, dtype=jnp.int32), (B, T))
 
 
+PROMPT_BUCKET = 64
+
+
+def pad_prompt(prompt_tokens: Sequence[int], limit: int, bucket: int = PROMPT_BUCKET) -> jax.Array:
+  """Prompt ids right-padded to a multiple of `bucket` (at most `limit`, the cache size):
+  prompts of nearby lengths share one prefill executable. The padding's K/V lands past
+  the cache length and is dead."""
+  n = len(prompt_tokens)
+  padded = min(-(-n // bucket) * bucket, limit)
+  return jnp.asarray([list(prompt_tokens) + [0] * (padded - n)], jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
 def prefill_step(
     state: nnx.State,
     cache: KVCache,
     tokens: jax.Array,
+    n: jax.Array,
     plan: DraftPlan,
     key: jax.Array,
     *,
     graphdef: nnx.GraphDef,
     sampling: SamplingParams,
 ) -> tuple[jax.Array, KVCache]:
-  """Process the prompt tokens[B, T]; return the first new token [B] and the cache."""
+  """Process a padded prompt tokens[B, T] of which the first n are real; return the first
+  new token [B] and the cache holding exactly the n prompt tokens."""
   B, T = tokens.shape
+  start = cache.length
   out, cache = apply(
-      state, cache, tokens, positions_for(cache, T, B), plan, graphdef=graphdef, logits="last"
+      state, cache, tokens, positions_for(cache, T, B), plan, graphdef=graphdef, logits="none"
   )
-  return sample(key, out.logits[:, -1], sampling), cache
+  last = jax.lax.dynamic_slice_in_dim(out.hidden, n - 1, 1, axis=1)
+  logits = nnx.merge(graphdef, state).head(last)[:, 0]
+  return sample(key, logits, sampling), cache.with_length(start + n)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
@@ -83,7 +100,8 @@ class Generation:
 
 
 def check_prompt(prompt_tokens: Sequence[int], max_new_tokens: int, max_context: int) -> int:
-  """Validate the request; return the cache size to allocate."""
+  """Validate the request; return the cache size to allocate (room for the padded
+  prompt included)."""
   if len(prompt_tokens) == 0:
     raise ValueError("the prompt is empty: give at least one token")
   if max_new_tokens < 1:
@@ -94,7 +112,8 @@ def check_prompt(prompt_tokens: Sequence[int], max_new_tokens: int, max_context:
         f"prompt of {len(prompt_tokens)} tokens + {max_new_tokens} new tokens = {needed} "
         f"exceeds the model's context of {max_context} tokens"
     )
-  return cache_size_for(needed, max_context)
+  padded = -(-len(prompt_tokens) // PROMPT_BUCKET) * PROMPT_BUCKET
+  return cache_size_for(max(needed, min(padded, max_context)), max_context)
 
 
 def generate(
@@ -124,15 +143,15 @@ def generate(
       on_token(tok)
     return tok in eos or len(tokens) >= max_new_tokens
 
-  prompt = jnp.asarray([list(prompt_tokens)], jnp.int32)
+  prompt, n = pad_prompt(prompt_tokens, size), jnp.int32(len(prompt_tokens))
   t_compile = time.perf_counter()
   # Compile both steps up front, so the timings below measure decoding only.
   static = dict(graphdef=graphdef, sampling=sampling)
-  prefill = compiled(prefill_step, state, cache, prompt, plan, key, **static)
+  prefill = compiled(prefill_step, state, cache, prompt, n, plan, key, **static)
   step = compiled(decode_step, state, cache, prompt[:, 0], plan, key, **static)
   t0 = time.perf_counter()
   key, sub = jax.random.split(key)
-  token, cache = prefill(state, cache, prompt, plan, sub)
+  token, cache = prefill(state, cache, prompt, n, plan, sub)
   done = emit(int(token[0]))
   t1 = time.perf_counter()
   while not done:

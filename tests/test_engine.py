@@ -130,7 +130,7 @@ def test_sampling_round_keeps_the_target_distribution():
   prompt = jnp.asarray([[1, 5, 7, 3, 9]], jnp.int32)
   cache = KVCache.create(config, 1, 32)
   full = DraftPlan.full(4)
-  first, cache = prefill_step(state, cache, prompt, full, jax.random.key(0),
+  first, cache = prefill_step(state, cache, prompt, jnp.int32(5), full, jax.random.key(0),
                               graphdef=graphdef, sampling=sampling)
   plan = DraftPlan.from_skips(4, [1, 2], [2])
   run = jax.jit(jax.vmap(lambda k: round_fn(

@@ -1,6 +1,6 @@
 """The drafter protocol: a drafter is hyper-parameters plus pure functions over its state.
 
-    state = drafter.init(session)           # once, after prefill
+    state = drafter.init(session, prior)    # once, after prefill
     plan = drafter.plan(state)              # before each round
     state = drafter.update(state, out, session)   # after each round
 
@@ -24,8 +24,10 @@ class Drafter(abc.ABC):
   wants_residuals: ClassVar[bool] = False  # ask the engine for verify-pass residuals
 
   @abc.abstractmethod
-  def init(self, session) -> Any:
-    """Initial state, given the session right after prefill."""
+  def init(self, session, prior: Any = None) -> Any:
+    """Initial state, given the session right after prefill and, optionally, the final
+    state of a previous generation (drafters that learn across prompts, like SWIFT,
+    continue from it)."""
 
   @abc.abstractmethod
   def plan(self, state: Any) -> DraftPlan:

@@ -14,7 +14,7 @@ class EarlyExitDrafter(Drafter):
   name = "early_exit"
   k: int | None = None  # layers kept; None = half the model
 
-  def init(self, session) -> DraftPlan:
+  def init(self, session, prior=None) -> DraftPlan:
     L = session.config.num_layers
     return DraftPlan.first_layers(L, L // 2 if self.k is None else self.k)
 

@@ -11,8 +11,10 @@ draft-step cost. Plans are saved as JSON with the model name and the search reco
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
@@ -21,7 +23,7 @@ from specjax.cost import draft_cost, expected_speedup
 from specjax.drafters.bayes import BitSearch
 from specjax.drafters.static import StaticDrafter
 from specjax.engine import agreement
-from specjax.generate import generate, positions_for
+from specjax.generate import generate, pad_prompt, positions_for
 from specjax.jit_cache import compiled
 from specjax.kv_cache import KVCache, cache_size_for
 from specjax.model import apply
@@ -42,17 +44,24 @@ class SearchResult:
   history: list[dict]
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _prefill(state, cache, tokens, plan, *, graphdef):
+  return apply(state, cache, tokens, positions_for(cache, tokens.shape[1], 1), plan,
+               graphdef=graphdef, logits="none")
+
+
 def _reference_sequences(graphdef, state, config, prompts, new_tokens):
   """The target's greedy continuation of each prompt, with a full-model cache of it."""
   seqs = []
   for ids in prompts:
     gen = generate(graphdef, state, config, ids, max_new_tokens=new_tokens, eos_ids=())
     seq = list(ids) + gen.tokens
-    cache = KVCache.create(config, 1, cache_size_for(len(seq), config.max_context))
-    toks = jnp.asarray([seq[:-1]], jnp.int32)
-    _, cache = apply(state, cache, toks, positions_for(cache, len(seq) - 1, 1),
-                     DraftPlan.full(config.num_layers), graphdef=graphdef, logits="none")
-    seqs.append((len(ids), seq, cache))
+    size = cache_size_for(len(seq), config.max_context)
+    toks = pad_prompt(seq[:-1], size)  # bucketed: one executable for all search prompts
+    cache = KVCache.create(config, 1, size)
+    _, cache = _prefill(state, cache, toks, DraftPlan.full(config.num_layers),
+                        graphdef=graphdef)
+    seqs.append((len(ids), seq, cache.with_length(len(seq) - 1)))
   return seqs
 
 

@@ -15,7 +15,7 @@ class StaticDrafter(Drafter):
   name = "static"
   fixed: DraftPlan = None  # type: ignore[assignment]
 
-  def init(self, session) -> DraftPlan:
+  def init(self, session, prior=None) -> DraftPlan:
     return self.fixed.check(session.config.num_layers)
 
   def plan(self, state: DraftPlan) -> DraftPlan:

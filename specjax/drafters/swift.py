@@ -4,7 +4,8 @@ While optimising, each round proposes a candidate skip set — random, with a Ba
 optimisation proposal every `bo_every`-th time — and scores it by top-1 agreement with
 the target over the last `window` committed tokens (teacher-forced against the verified
 cache, no writes). The best plan so far drafts. The first and last layers are never
-skipped. After `trials` candidates the plan is frozen.
+skipped. After `trials` candidates the plan is frozen. As in SWIFT, the search spans a
+stream of prompts: pass a generation's final state as the next one's `prior`.
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ class SwiftDrafter(Drafter):
     bits[rng.choice(cand, int(round(self.skip_ratio * cand.size)), replace=False)] = True
     return bits
 
-  def init(self, session) -> SwiftState:
+  def init(self, session, prior: SwiftState | None = None) -> SwiftState:
+    if prior is not None:  # keep optimising where the previous prompt stopped
+      return dataclasses.replace(prior, best_score=-1.0 if prior.trials < self.trials else
+                                 prior.best_score)
     rng = np.random.default_rng(self.seed)
     bits = self._random_bits(session.config.num_layers, rng)
     return SwiftState(self._bits_to_plan(bits), -1.0, 0, [], [], rng)

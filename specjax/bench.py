@@ -1,0 +1,279 @@
+"""`specjax bench`: AR vs every drafter on a Spec-Bench subset, in one process.
+
+Results are appended to `results.jsonl` as each prompt finishes (all methods of that
+prompt), so an interrupted run loses at most one prompt and `--resume` continues it.
+Greedy runs check every drafter's tokens against AR's and count mismatching prompts.
+Outputs: results.jsonl, summary.md (tables), speedup.png, and a last line of JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from specjax import data, metrics
+from specjax.drafters import (EarlyExitDrafter, SelfSDDrafter, StaticDrafter, SwiftDrafter,
+                              drafter_class)
+from specjax.drafters import self_sd
+from specjax.drafters.static import load_plan, save_plan
+from specjax.engine import speculative_generate
+from specjax.generate import generate
+from specjax.sampling import SamplingParams
+
+DEFAULT_DRAFTERS = ("early_exit", "self_sd", "swift")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+  model: str
+  drafters: tuple[str, ...]
+  per_category: int
+  categories: tuple[str, ...]
+  max_new_tokens: int
+  max_turns: int
+  gamma: int
+  threshold: float
+  temperature: float
+  top_p: float
+  seed: int
+  search_iterations: int
+  plan_file: str | None
+
+
+class ResumeMismatchError(ValueError):
+  pass
+
+
+def _chat_ids(tok, turns: list[str], answers: list[str]) -> list[int]:
+  """Token ids for the last turn, with earlier turns and this method's answers as history."""
+  if tok.is_chat:
+    msgs = []
+    for i, turn in enumerate(turns):
+      msgs.append({"role": "user", "content": turn})
+      if i < len(answers):
+        msgs.append({"role": "assistant", "content": answers[i]})
+    text = tok.render_chat(msgs)
+    bos = tok.special.get("bos_token")
+    return tok.encode(text, add_bos=tok.add_bos and not (bos and text.startswith(bos)))
+  parts = []
+  for i, turn in enumerate(turns):
+    parts.append(turn)
+    if i < len(answers):
+      parts.append(answers[i])
+  return tok.encode("\n\n".join(parts))
+
+
+def _make_drafter(name: str, cfg: BenchConfig, model, out_dir: Path, search_prompts):
+  L = model.config.num_layers
+  if name == "early_exit":
+    return EarlyExitDrafter(k=L // 2)
+  if name == "swift":
+    return SwiftDrafter(seed=cfg.seed)
+  if name == "static":
+    if cfg.plan_file is None:
+      raise ValueError("the static drafter needs --plan FILE (a plan saved by a search)")
+    return StaticDrafter(load_plan(cfg.plan_file, model=cfg.model))
+  if name == "self_sd":
+    path = out_dir / "self_sd_plan.json"
+    if path.exists():
+      return SelfSDDrafter(load_plan(path, model=cfg.model))
+    ids = [_chat_ids(model.tokenizer, list(p.turns[:1]), []) for p in search_prompts]
+    res = self_sd.search(model.graphdef, model.state, model.config, ids,
+                         iterations=cfg.search_iterations, gamma=cfg.gamma, seed=cfg.seed)
+    save_plan(path, res.plan, model=cfg.model, objective=res.objective, alpha=res.alpha,
+              cost=res.cost, search_prompts=[p.id for p in search_prompts])
+    return SelfSDDrafter(res.plan)
+  drafter_class(name)  # raises UnknownDrafterError with the list of names
+  raise ValueError(f"drafter {name!r} is not benchmarked by `specjax bench` yet")
+
+
+def _read_records(path: Path) -> list[dict]:
+  records = []
+  if path.exists():
+    for line in path.read_text().splitlines():
+      try:
+        records.append(json.loads(line))
+      except ValueError:  # a line cut by a crash: dropped, its prompt is redone
+        continue
+  return records
+
+
+def run(cfg: BenchConfig, out_dir: Path, *, data_dir=None, resume: bool = False,
+        verbose: bool = True) -> dict:
+  from specjax.loader import load_model
+
+  out_dir.mkdir(parents=True, exist_ok=True)
+  results_path = out_dir / "results.jsonl"
+  cfg_path = out_dir / "config.json"
+  cfg_json = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+  if results_path.exists() and not resume:
+    raise ResumeMismatchError(f"{results_path} exists: pass --resume to continue it, or "
+                              f"choose another --out")
+  if resume and cfg_path.exists() and cfg_path.read_text() != cfg_json:
+    raise ResumeMismatchError(f"--resume: {cfg_path} was written with other settings")
+  cfg_path.write_text(cfg_json)
+  for name in cfg.drafters:
+    drafter_class(name)
+  if cfg.gamma < 1:
+    raise ValueError(f"gamma must be >= 1, got {cfg.gamma}")
+
+  prompts = data.load_spec_bench(data_dir, cfg.categories)
+  by_cat: dict[str, list] = {}
+  for p in prompts:
+    by_cat.setdefault(p.category, []).append(p)
+  evaluation = [p for ps in by_cat.values() for p in ps[: cfg.per_category]]
+  # Self-SD searches on other prompts of the same set: the last one of each category.
+  search_prompts = [ps[-1] for ps in by_cat.values() if len(ps) > cfg.per_category][:6]
+
+  model = load_model(cfg.model, verbose=verbose)
+  sampling = SamplingParams(cfg.temperature, cfg.top_p)
+  drafters = {n: _make_drafter(n, cfg, model, out_dir, search_prompts) for n in cfg.drafters}
+  methods = [metrics.AR] + list(drafters)
+
+  records = _read_records(results_path)
+  # Only prompts with every method recorded count as done; the rest are redone.
+  complete = {pid for pid in {r["prompt_id"] for r in records}
+              if {r["method"] for r in records if r["prompt_id"] == pid} >= set(methods)}
+  records = [r for r in records if r["prompt_id"] in complete]
+  results_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+  todo = [p for p in evaluation if p.id not in complete]
+
+  _warm_up(model, drafters, cfg, sampling)
+  bar = tqdm(todo, desc=f"bench {cfg.model}", unit="prompt", disable=not verbose)
+  carried: dict[str, object] = {}  # drafter states handed from prompt to prompt
+  for prompt in bar:
+    recs = _run_prompt(model, prompt, drafters, cfg, sampling, carried)
+    with results_path.open("a") as f:
+      f.write("".join(json.dumps(r) + "\n" for r in recs))
+    records += recs
+    bar.set_postfix_str(_postfix(records))
+  return finish(cfg, out_dir, records, verbose)
+
+
+def _warm_up(model, drafters, cfg: BenchConfig, sampling) -> None:
+  """Compile every executable the timed runs use (shape buckets as in the real prompts)."""
+  ids = model.tokenizer.encode_prompt("Warm up.")
+  generate(model.graphdef, model.state, model.config, ids, max_new_tokens=cfg.max_new_tokens,
+           sampling=sampling, eos_ids=())
+  for d in drafters.values():
+    speculative_generate(model.graphdef, model.state, model.config, ids, d,
+                         max_new_tokens=cfg.max_new_tokens, gamma=cfg.gamma,
+                         threshold=cfg.threshold, sampling=sampling, eos_ids=())
+
+
+def _run_prompt(model, prompt, drafters, cfg: BenchConfig, sampling, carried) -> list[dict]:
+  turns = list(prompt.turns[: cfg.max_turns])
+  recs = []
+  ar_tokens: list[list[int]] = []
+  for method in [metrics.AR] + list(drafters):
+    answers: list[str] = []
+    rec = dict(prompt_id=prompt.id, category=prompt.category, method=method, decode_tokens=0,
+               decode_s=0.0, prefill_s=0.0, rounds=0, drafted=0, accepted=0, committed=0,
+               round_s=0.0, selection_s=0.0, other_s=0.0, tokens=[])
+    for t in range(len(turns)):
+      ids = _chat_ids(model.tokenizer, turns[: t + 1], answers)
+      kw = dict(max_new_tokens=cfg.max_new_tokens, sampling=sampling, seed=cfg.seed + t)
+      if method == metrics.AR:
+        g = generate(model.graphdef, model.state, model.config, ids, **kw)
+        rec["round_s"] += g.decode_s
+      else:
+        g = speculative_generate(model.graphdef, model.state, model.config, ids,
+                                 drafters[method], gamma=cfg.gamma, threshold=cfg.threshold,
+                                 drafter_state=carried.get(method), **kw)
+        carried[method] = g.drafter_state
+        for k in ("rounds", "drafted", "accepted", "committed", "round_s", "selection_s",
+                  "other_s"):
+          rec[k] += getattr(g, k)
+      rec["decode_tokens"] += len(g.tokens) - 1
+      rec["decode_s"] += g.decode_s
+      rec["prefill_s"] += g.prefill_s
+      rec["tokens"].append(g.tokens)
+      answers.append(model.tokenizer.decode(g.tokens, skip_special=True))
+    if method == metrics.AR:
+      ar_tokens = rec["tokens"]
+    elif sampling.greedy:
+      rec["matches_ar"] = rec["tokens"] == ar_tokens
+    recs.append(rec)
+  return recs
+
+
+def _postfix(records: list[dict]) -> str:
+  s = metrics.summarize(records)
+  return " ".join(f"{m}:{r['speedup']:.2f}x" for m, r in s.items()
+                  if m != metrics.AR and r["speedup"])
+
+
+def finish(cfg: BenchConfig, out_dir: Path, records: list[dict], verbose: bool) -> dict:
+  overall = metrics.summarize(records)
+  cats = metrics.by_category(records)
+  table = _overall_table(overall)
+  cat_table = _category_table(cats, [metrics.AR] + list(cfg.drafters))
+  text = (f"# specjax bench: {cfg.model}\n\n{table}\n\nSpeedup vs AR by category:\n\n"
+          f"{cat_table}\n")
+  (out_dir / "summary.md").write_text(text)
+  _plot(cats, list(cfg.drafters), out_dir / "speedup.png")
+  if verbose:
+    print(f"\n{table}\n\nspeedup vs AR by category\n{cat_table}\n")
+    print(f"results: {out_dir / 'results.jsonl'}  table: {out_dir / 'summary.md'}  "
+          f"plot: {out_dir / 'speedup.png'}")
+  figures = {
+      "model": cfg.model,
+      "prompts": overall.get(metrics.AR, {}).get("prompts", 0),
+      "methods": {m: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
+                  for m, r in overall.items()},
+  }
+  return figures
+
+
+def _overall_table(overall: dict) -> str:
+  head = "| method | tok/s | speedup | M | α | mismatches | draft+verify | selection | other |"
+  lines = [head, "|" + " --- |" * 9]
+  for m, r in overall.items():
+    if m == metrics.AR:
+      lines.append(f"| AR | {r['tokens_per_s']:.1f} | 1.00 | – | – | – | – | – | – |")
+    else:
+      lines.append(
+          f"| {m} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | {r['M']:.2f} | "
+          f"{r['alpha']:.2f} | {r['mismatches']} | {r['round_share']:.0%} | "
+          f"{r['selection_share']:.0%} | {r['other_share']:.0%} |")
+  return "\n".join(lines)
+
+
+def _category_table(cats: dict, methods: list[str]) -> str:
+  lines = ["| category | " + " | ".join(methods[1:]) + " |", "|" + " --- |" * len(methods)]
+  for c, s in cats.items():
+    cells = [f"{s[m]['speedup']:.2f}" if m in s and s[m]["speedup"] else "–" for m in methods[1:]]
+    lines.append(f"| {c} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def _plot(cats: dict, drafters: list[str], path: Path) -> None:
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib not installed: no plot", file=sys.stderr)
+    return
+  import numpy as np
+
+  names = list(cats)
+  x = np.arange(len(names))
+  width = 0.8 / max(len(drafters), 1)
+  fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(names)), 3.5))
+  for i, d in enumerate(drafters):
+    ys = [cats[c].get(d, {}).get("speedup") or 0 for c in names]
+    ax.bar(x + i * width, ys, width, label=d)
+  ax.axhline(1.0, color="k", lw=0.8)
+  ax.set_xticks(x + width * (len(drafters) - 1) / 2, names, rotation=35, ha="right")
+  ax.set_ylabel("speedup vs AR")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+

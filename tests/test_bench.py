@@ -1,0 +1,72 @@
+"""`specjax bench` end to end on a tiny model: outputs, losslessness check, resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specjax import bench, metrics
+from specjax.cli import main
+from test_data import write_spec_bench
+
+ARGS = ["--model", "tiny-qwen3", "--categories", "writing,qa,translation", "--per-category", "1",
+        "--max-new-tokens", "12", "--search-iterations", "4", "--gamma", "3"]
+
+
+def test_bench_end_to_end_then_resume(tmp_path, capsys):
+  root = write_spec_bench(tmp_path / "data")
+  out = tmp_path / "run"
+  argv = ["bench", *ARGS, "--data-dir", str(root), "--out", str(out)]
+  assert main(argv) == 0
+  figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert set(figures["methods"]) == {"ar", "early_exit", "self_sd", "swift"}
+  assert all(m["mismatches"] == 0 for m in figures["methods"].values())
+  assert figures["prompts"] == 3
+  for f in ("results.jsonl", "summary.md", "speedup.png", "self_sd_plan.json"):
+    assert (out / f).exists()
+  lines = (out / "results.jsonl").read_text().splitlines()
+  assert len(lines) == 3 * 4
+  # A crash mid-prompt: keep the first prompt and half a line of the second.
+  first = json.loads(lines[0])["prompt_id"]
+  kept = [l for l in lines if json.loads(l)["prompt_id"] == first]
+  (out / "results.jsonl").write_text("\n".join(kept) + "\n" + lines[-1][:25])
+  assert main(argv) == 2  # refuses to overwrite without --resume
+  assert "--resume" in capsys.readouterr().err
+  assert main(argv + ["--resume"]) == 0
+  again = (out / "results.jsonl").read_text().splitlines()
+  assert again[: len(kept)] == kept  # finished prompts are neither redone nor lost
+  assert len(again) == 3 * 4
+  assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["prompts"] == 3
+
+
+def test_bench_bad_input(tmp_path, capsys):
+  out = str(tmp_path / "run")
+  assert main(["bench", *ARGS, "--data-dir", str(tmp_path), "--out", out]) == 2
+  assert "specjax data fetch" in capsys.readouterr().err
+  root = str(write_spec_bench(tmp_path / "d"))
+  assert main(["bench", *ARGS, "--drafters", "medusa", "--data-dir", root, "--out", out + "2"]) == 2
+  assert "unknown drafter 'medusa'" in capsys.readouterr().err
+  assert main(["bench", *ARGS, "--gamma", "0", "--data-dir", root, "--out", out + "3"]) == 2
+  assert "gamma" in capsys.readouterr().err
+
+
+def test_metrics_are_ratios_of_sums():
+  recs = [
+      dict(method="ar", category="a", decode_tokens=10, decode_s=1.0),
+      dict(method="ar", category="b", decode_tokens=30, decode_s=1.0),
+      dict(method="x", category="a", decode_tokens=10, decode_s=0.5, rounds=5, drafted=12,
+           accepted=6, committed=10, round_s=0.4, selection_s=0.05, other_s=0.05,
+           matches_ar=True),
+      dict(method="x", category="b", decode_tokens=30, decode_s=0.5, rounds=10, drafted=20,
+           accepted=18, committed=28, round_s=0.45, selection_s=0.0, other_s=0.05,
+           matches_ar=False),
+  ]
+  s = metrics.summarize(recs)
+  assert s["ar"]["tokens_per_s"] == pytest.approx(20.0)
+  assert s["x"]["tokens_per_s"] == pytest.approx(40.0)
+  assert s["x"]["speedup"] == pytest.approx(2.0)
+  assert s["x"]["M"] == pytest.approx(38 / 15)
+  assert s["x"]["alpha"] == pytest.approx(24 / 32)
+  assert s["x"]["mismatches"] == 1
+  assert metrics.by_category(recs)["a"]["x"]["speedup"] == pytest.approx(2.0)
