@@ -24,9 +24,13 @@ $(VENV)/.setup-test: pyproject.toml $(VENV)/.setup
 setup: $(VENV)/.setup
 setup-test: $(VENV)/.setup-test
 
+# Spec-Bench: the shared data folder beside the repo when there is one, else downloaded.
+DATA_DIR ?= $(if $(wildcard ../shared/data/spec_bench/question.jsonl),../shared/data,$(HOME)/.cache/specjax/data)
+
 run: setup
-	$(BIN)/specjax generate --model smollm2-135m-instruct \
-	  --prompt "Explain speculative decoding in two sentences." --max-new-tokens 96
+	test -f $(DATA_DIR)/spec_bench/question.jsonl || $(BIN)/specjax data fetch --data-dir $(DATA_DIR)
+	$(BIN)/specjax bench --model smollm2-135m-instruct --data-dir $(DATA_DIR) \
+	  --out runs/bench-smollm2-135m-instruct --resume
 
 test: setup-test
 	$(BIN)/python -m pytest -q --durations=15

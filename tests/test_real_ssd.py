@@ -1,0 +1,50 @@
+"""Lossless SSD on a real model: SmolLM2 greedy SSD == greedy AR, every drafter,
+on Spec-Bench prompts (the shared data folder when present)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import real_model
+from specjax import data
+from specjax.drafters import EarlyExitDrafter, SelfSDDrafter, SwiftDrafter
+from specjax.engine import speculative_generate
+from specjax.generate import generate
+from specjax.plan import DraftPlan
+from test_data import SHARED
+
+pytestmark = pytest.mark.real
+
+FALLBACK = [
+    "Compose an engaging travel blog post about a recent trip to Hawaii.",
+    "Translate to German: The weather is lovely today, let us go for a walk.",
+    "What is 17 * 23? Explain step by step.",
+]
+
+
+def _prompts() -> list[str]:
+  if not (SHARED / data.SPEC_BENCH_FILE).exists():
+    return FALLBACK
+  ps = data.load_spec_bench(SHARED, ["writing", "translation", "math_reasoning", "coding"],
+                            per_category=1)
+  return [p.turns[0] for p in ps]
+
+
+def test_smollm2_ssd_equals_ar_for_every_drafter():
+  m = real_model("smollm2-135m-instruct")
+  L = m.config.num_layers
+  drafters = [
+      EarlyExitDrafter(k=L // 2),
+      SwiftDrafter(trials=8, window=24),
+      SelfSDDrafter(DraftPlan.from_skips(L, skip_attn=range(10, 26, 2), skip_mlp=range(12, 28, 3))),
+  ]
+  mismatches = []
+  for text in _prompts():
+    ids = m.tokenizer.encode_prompt(text)
+    ar = generate(m.graphdef, m.state, m.config, ids, max_new_tokens=40, eos_ids=()).tokens
+    for d in drafters:
+      out = speculative_generate(m.graphdef, m.state, m.config, ids, d, max_new_tokens=40,
+                                 eos_ids=(), gamma=4)
+      if out.tokens != ar:
+        mismatches.append((d.name, text[:40]))
+  assert mismatches == []
