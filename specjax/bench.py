@@ -103,7 +103,7 @@ def _read_records(path: Path) -> list[dict]:
 
 
 def run(cfg: BenchConfig, out_dir: Path, *, data_dir=None, resume: bool = False,
-        verbose: bool = True) -> dict:
+        verbose: bool = True, write_docs: bool = False) -> dict:
   from specjax.loader import load_model
 
   out_dir.mkdir(parents=True, exist_ok=True)
@@ -151,7 +151,7 @@ def run(cfg: BenchConfig, out_dir: Path, *, data_dir=None, resume: bool = False,
       f.write("".join(json.dumps(r) + "\n" for r in recs))
     records += recs
     bar.set_postfix_str(_postfix(records))
-  return finish(cfg, out_dir, records, verbose)
+  return finish(cfg, out_dir, records, verbose, write_docs)
 
 
 def _warm_up(model, drafters, cfg: BenchConfig, sampling) -> None:
@@ -207,7 +207,8 @@ def _postfix(records: list[dict]) -> str:
                   if m != metrics.AR and r["speedup"])
 
 
-def finish(cfg: BenchConfig, out_dir: Path, records: list[dict], verbose: bool) -> dict:
+def finish(cfg: BenchConfig, out_dir: Path, records: list[dict], verbose: bool,
+           write_docs: bool = False) -> dict:
   overall = metrics.summarize(records)
   cats = metrics.by_category(records)
   table = _overall_table(overall)
@@ -215,6 +216,8 @@ def finish(cfg: BenchConfig, out_dir: Path, records: list[dict], verbose: bool) 
   text = (f"# specjax bench: {cfg.model}\n\n{table}\n\nSpeedup vs AR by category:\n\n"
           f"{cat_table}\n")
   (out_dir / "summary.md").write_text(text)
+  if write_docs:
+    _write_docs(cfg, table, cat_table, overall)
   _plot(cats, list(cfg.drafters), out_dir / "speedup.png")
   if verbose:
     print(f"\n{table}\n\nspeedup vs AR by category\n{cat_table}\n")
@@ -277,3 +280,39 @@ def _plot(cats: dict, drafters: list[str], path: Path) -> None:
   fig.savefig(path, dpi=120)
   plt.close(fig)
 
+
+
+def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict) -> None:
+  """Regenerate this model's section of docs/BENCHMARKS.md (repo checkouts only)."""
+  import datetime
+  import platform
+  import re
+
+  import jax
+
+  docs = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
+  if not docs.parent.exists():
+    return
+  name = f"bench-{cfg.model}"
+  n = overall.get(metrics.AR, {}).get("prompts", 0)
+  body = "\n".join([
+      f"<!-- begin:{name} -->",
+      f"## SSD vs AR on Spec-Bench ({cfg.model})", "",
+      f"{n} prompts ({cfg.per_category} per category), {cfg.max_new_tokens} new tokens, "
+      f"γ = {cfg.gamma}, threshold {cfg.threshold}, "
+      f"{'greedy' if cfg.temperature == 0 else f'T={cfg.temperature}'}; AR and every drafter "
+      f"in the same process. Machine: {platform.processor() or platform.machine()}, "
+      f"{jax.devices()[0].platform}, jax {jax.__version__}.", "",
+      table, "", "Speedup vs AR by category:", "", cat_table, "",
+      f"_Regenerated {datetime.date.today()} by `specjax bench --model {cfg.model} "
+      f"--per-category {cfg.per_category} --max-new-tokens {cfg.max_new_tokens} "
+      f"--drafters {','.join(cfg.drafters)} --write-docs`._",
+      f"<!-- end:{name} -->",
+  ])
+  text = docs.read_text() if docs.exists() else "# Benchmarks\n"
+  pattern = re.escape(f"<!-- begin:{name} -->") + ".*?" + re.escape(f"<!-- end:{name} -->")
+  if re.search(pattern, text, flags=re.S):
+    text = re.sub(pattern, lambda _: body, text, flags=re.S)
+  else:
+    text = text.rstrip() + "\n\n" + body + "\n"
+  docs.write_text(text)

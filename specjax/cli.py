@@ -81,7 +81,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
       search_iterations=args.search_iterations, plan_file=args.plan,
   )
   out = Path(args.out or f"runs/bench-{args.model}")
-  figures = bench.run(cfg, out, data_dir=args.data_dir, resume=args.resume)
+  figures = bench.run(cfg, out, data_dir=args.data_dir, resume=args.resume,
+                      write_docs=args.write_docs)
   print(json.dumps(figures, sort_keys=True))
   return 0
 
@@ -134,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "(default $SPECJAX_DATA_DIR or ~/.cache/specjax/data)")
   p.add_argument("--out", help="output folder (default runs/bench-MODEL)")
   p.add_argument("--resume", action="store_true", help="continue an interrupted run")
+  p.add_argument("--write-docs", action="store_true",
+                 help="regenerate this model's section of docs/BENCHMARKS.md")
   p.set_defaults(func=_cmd_bench)
 
   p = sub.add_parser("data", help="prompt sets")

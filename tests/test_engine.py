@@ -99,8 +99,9 @@ def test_self_sd_search_finds_a_plan_and_is_lossless(tmp_path):
   res = self_sd.search(graphdef, state, config, [PROMPT, list(range(40, 70))], iterations=12,
                        init_points=6, new_tokens=12, verbose=False)
   assert len(res.history) == 12
-  assert res.objective == max(h["objective"] for h in res.history + [{"objective": 0}]) or \
-      res.plan.active_fraction == 1.0
+  eligible = [h["objective"] for h in res.history if h["skipped"] >= 0.2 * 12]
+  assert res.objective == max(eligible)
+  assert res.plan.active_fraction <= 0.8
   path = tmp_path / "plan.json"
   save_plan(path, res.plan, model="tiny-gemma3")
   plan = load_plan(path, model="tiny-gemma3")

@@ -1,0 +1,101 @@
+"""Where an SSD round's time goes: draft step vs verification vs an AR step.
+
+    python experiments/profile_round.py [--model smollm2-135m-instruct] [--gamma 4]
+
+Times, in one process and round-robin (median of `--repeats`): one AR decode step (T=1,
+full model), one verification forward (T=γ+1, full model), and one draft step (T=1)
+under early-exit plans keeping 25/50/75 % of the layers. With these, a round drafting n
+tokens costs n·t_draft + t_verify, and the speedup at mean accepted length M is
+M·t_ar / (n·t_draft + t_verify): the script prints the M each plan needs to break even.
+Writes the `round-MODEL` section of docs/BENCHMARKS.md; the last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report  # noqa: E402
+
+from specjax.generate import decode_step, positions_for  # noqa: E402
+from specjax.jit_cache import compiled  # noqa: E402
+from specjax.kv_cache import KVCache  # noqa: E402
+from specjax.loader import load_model  # noqa: E402
+from specjax.model import apply  # noqa: E402
+from specjax.plan import DraftPlan  # noqa: E402
+from specjax.sampling import SamplingParams  # noqa: E402
+
+
+def verify_fn(state, cache, tokens, plan, *, graphdef):
+  out, cache = apply(state, cache, tokens, positions_for(cache, tokens.shape[1], 1), plan,
+                     graphdef=graphdef, logits="all")
+  return jnp.argmax(out.logits, -1), cache
+
+
+verify_step = jax.jit(verify_fn, static_argnames=("graphdef",), donate_argnames=("cache",))
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--model", default="smollm2-135m-instruct")
+  ap.add_argument("--gamma", type=int, default=4)
+  ap.add_argument("--context", type=int, default=256)
+  ap.add_argument("--repeats", type=int, default=30)
+  ap.add_argument("--no-write", action="store_true")
+  args = ap.parse_args()
+
+  m = load_model(args.model)
+  L = m.config.num_layers
+  cache = KVCache.create(m.config, 1, args.context + 64).with_length(args.context)
+  key, tok = jax.random.key(0), jnp.ones((1,), jnp.int32)
+  full = DraftPlan.full(L)
+  plans = {"full (AR step)": full} | {
+      f"first {int(f * 100)} % layers": DraftPlan.first_layers(L, round(f * L))
+      for f in (0.25, 0.5, 0.75)
+  }
+  step = compiled(decode_step, m.state, cache, tok, full, key, graphdef=m.graphdef,
+                  sampling=SamplingParams())
+  seq = jnp.ones((1, args.gamma + 1), jnp.int32)
+  verify = compiled(verify_step, m.state, cache, seq, full, graphdef=m.graphdef)
+  times: dict[str, list[float]] = {k: [] for k in plans} | {"verify": []}
+  for _ in range(args.repeats):
+    for name, plan in plans.items():
+      cache = cache.with_length(args.context)
+      t = time.perf_counter()
+      tok, cache = step(m.state, cache, tok, plan, key)
+      tok.block_until_ready()
+      times[name].append(time.perf_counter() - t)
+    cache = cache.with_length(args.context)
+    t = time.perf_counter()
+    out, cache = verify(m.state, cache, seq, full)
+    out.block_until_ready()
+    times["verify"].append(time.perf_counter() - t)
+  med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+  t_ar, t_v = med["full (AR step)"], med["verify"]
+  rows = [["AR step (T=1, full)", t_ar, 1.0, "–"],
+          [f"verify (T={args.gamma + 1}, full)", t_v, t_v / t_ar, "–"]]
+  for name in list(plans)[1:]:
+    # Break-even M when drafting γ tokens: M·t_ar = γ·t_draft + t_verify.
+    need = (args.gamma * med[name] + t_v) / t_ar
+    rows.append([f"draft step, {name}", med[name], med[name] / t_ar, f"{need:.2f}"])
+  header = ["step", "median ms", "÷ AR step", f"M needed to break even (γ={args.gamma})"]
+  table = report.markdown_table(header, rows)
+  print(table)
+  figures = {"model": args.model, "machine": report.machine(), "gamma": args.gamma,
+             "context": args.context, "ms": {k: round(v, 3) for k, v in med.items()}}
+  if not args.no_write:
+    report.write_section(f"round-{args.model}", "\n".join([
+        f"## Round cost breakdown ({args.model}, context {args.context})", "",
+        f"Machine: {figures['machine']}. Commit {report.git_revision()}.", "", table]))
+  report.print_json(figures)
+
+
+if __name__ == "__main__":
+  main()
