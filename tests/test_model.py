@@ -162,7 +162,8 @@ def test_every_sublayer_is_a_conditional():
 
 
 def test_decode_step_writes_the_cache_in_place():
-  """The donated cache aliases the output and no cache-sized copy appears in the HLO."""
+  """The donated cache aliases the output and the K/V write is an in-place update (no
+  `copy` of a cache layer in the HLO). See the next test for what this does not cover."""
   from specjax.generate import decode_step
   from specjax.sampling import SamplingParams
 
@@ -178,3 +179,41 @@ def test_decode_step_writes_the_cache_in_place():
   assert copies == []
   aliases = hlo.split("input_output_alias={", 1)[1].split("}\n", 1)[0]
   assert aliases.count("may-alias") + aliases.count("must-alias") >= 2 * config.num_layers
+
+
+def _layer_copies(hlo: str, config, size: int) -> list[str]:
+  """Instructions producing a whole layer of the cache by copy or transpose, in any layout."""
+  import re
+
+  K, H = config.num_kv_heads, config.head_dim
+  layer = {(1, K, size, H), (1, size, K, H)}
+  found = []
+  for line in hlo.splitlines():
+    m = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = f32\[([\d,]*)\]\S* ([\w-]+)\(", line)
+    if m and tuple(int(d) for d in m.group(2).split(",") if d) in layer:
+      name, op = m.group(1), m.group(3)
+      if op in ("copy", "transpose") or (op == "fusion" and name.startswith(("copy", "transp"))):
+        found.append(line.strip()[:120])
+  return found
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known: XLA:CPU transposes each layer's cache to [B, K, S, H] for the attention "
+    "einsum on every step, and the fused SSD round copies the donated cache; a "
+    "[B, K, S, H] layout or an in-branch write only moved the copies (HLO inspected). "
+    "The flash-decoding kernel that reads the cache in place is the planned fix."))
+def test_no_step_or_round_copies_any_cache_layer():
+  from specjax.engine import ssd_round
+  from specjax.generate import decode_step
+  from specjax.sampling import SamplingParams
+
+  config = tiny_config("gemma3")
+  graphdef, state = _tiny_split("gemma3")
+  cache = KVCache.create(config, 1, 128)
+  plan, key = DraftPlan.full(config.num_layers), jax.random.key(0)
+  step = decode_step.lower(state, cache, jnp.ones((1,), jnp.int32), plan, key,
+                           graphdef=graphdef, sampling=SamplingParams()).compile().as_text()
+  rnd = ssd_round.lower(state, cache, jnp.int32(1), plan, key, graphdef=graphdef,
+                        vocab=config.vocab_size, gamma=4, threshold=0.8,
+                        sampling=SamplingParams()).compile().as_text()
+  assert _layer_copies(step, config, 128) == [] and _layer_copies(rnd, config, 128) == []
