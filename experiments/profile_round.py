@@ -91,9 +91,16 @@ def main() -> None:
   figures = {"model": args.model, "machine": report.machine(), "gamma": args.gamma,
              "context": args.context, "ms": {k: round(v, 3) for k, v in med.items()}}
   if not args.no_write:
+    half = (args.gamma * med["first 50 % layers"] + t_v) / t_ar
     report.write_section(f"round-{args.model}", "\n".join([
         f"## Round cost breakdown ({args.model}, context {args.context})", "",
-        f"Machine: {figures['machine']}. Commit {report.git_revision()}.", "", table]))
+        f"Machine: {figures['machine']}. Commit {report.git_revision()}.", "", table, "",
+        f"Verifying γ+1 = {args.gamma + 1} tokens costs {t_v / t_ar:.2f} AR steps here "
+        f"(XLA:CPU's matmuls, the LM head's above all, do not stay weight-bandwidth bound as "
+        f"T grows from 1 to {args.gamma + 1}). A round drafting γ tokens with half the "
+        f"layers must therefore commit M ≥ {half:.2f} tokens of at most {args.gamma + 1} to "
+        f"break even: layer-skipping SSD cannot beat AR on this machine unless the draft "
+        f"agrees with the target almost always."]))
   report.print_json(figures)
 
 
