@@ -86,6 +86,10 @@ def _make_drafter(name: str, cfg: BenchConfig, model, out_dir: Path, search_prom
                          iterations=cfg.search_iterations, gamma=cfg.gamma, seed=cfg.seed)
     save_plan(path, res.plan, model=cfg.model, objective=res.objective, alpha=res.alpha,
               cost=res.cost, search_prompts=[p.id for p in search_prompts])
+    if res.objective < 1.0:
+      print(f"self_sd: no skip set found is predicted to beat AR on {cfg.model} (best "
+            f"predicted {res.objective:.2f}x, agreement {res.alpha:.2f}); benchmarking it "
+            f"anyway", file=sys.stderr)
     return SelfSDDrafter(res.plan)
   drafter_class(name)  # raises UnknownDrafterError with the list of names
   raise ValueError(f"drafter {name!r} is not benchmarked by `specjax bench` yet")
