@@ -1,11 +1,12 @@
 """The self-speculative round: draft up to γ tokens with a plan, verify them with the
-full model in one forward, accept — all in one jitted call.
+full model in one forward, accept — a draft executable and a verify executable.
 
 Cache protocol. At a round's start the cache holds every committed token except the
 last one (`last`), whose K/V is not written yet; its length is L0. The draft feeds
-`last`, d1, d2, ... at slots L0, L0+1, ... writing K/V only for the attention layers
-the plan runs. Verification sets the length back to L0 and feeds [last, d1..dγ] with the
-full plan, rewriting every layer for those γ+1 slots. After accepting a drafts, slots
+`last`, d1, d2, ... at positions L0, L0+1, ... reading the cache and keeping its own
+K/V (for the attention layers the plan runs) in a small `DraftBuffer`: it never writes
+the cache. Verification feeds [last, d1..dγ] with the full plan and writes every layer
+for those γ+1 slots. After accepting a drafts, slots
 L0..L0+a hold verified K/V and the length becomes L0+a+1: rejection is a length, not a
 copy. Acceptance is greedy (longest prefix matching the target's argmax, plus the
 target's next token) or rejection sampling with the residual distribution (Leviathan et
@@ -27,7 +28,7 @@ from flax import nnx
 from specjax.config import ModelConfig
 from specjax.generate import check_prompt, pad_prompt, positions_for, prefill_step
 from specjax.jit_cache import compiled
-from specjax.kv_cache import KVCache
+from specjax.kv_cache import DraftBuffer, KVCache
 from specjax.model import apply
 from specjax.plan import DraftPlan
 from specjax.sampling import SamplingParams, probs
@@ -46,7 +47,9 @@ class RoundOut:
 
 
 def _draft(state, cache, last, plan, key, *, graphdef, vocab, gamma, threshold, sampling):
-  """Up to γ draft steps under `plan`; stop after a token whose top-1 prob < threshold."""
+  """Up to γ draft steps under `plan`; stop after a token whose top-1 prob < threshold.
+
+  The cache is only read; the drafted tokens' K/V live in a `DraftBuffer`."""
   drafts = jnp.zeros((gamma,), jnp.int32)
   q_rows = None if sampling.greedy else jnp.zeros((gamma + 1, vocab), jnp.float32)
 
@@ -55,9 +58,10 @@ def _draft(state, cache, last, plan, key, *, graphdef, vocab, gamma, threshold, 
     return (i < gamma) & go
 
   def body(carry):
-    i, cache, token, drafts, q_rows, _, key = carry
-    out, cache = apply(state, cache, token[None, None], positions_for(cache, 1, 1), plan,
-                       graphdef=graphdef, logits="last")
+    i, buffer, token, drafts, q_rows, _, key = carry
+    pos = jnp.reshape(cache.length + i, (1, 1))
+    out, buffer = apply(state, cache, token[None, None], pos, plan, graphdef=graphdef,
+                        logits="last", buffer=buffer)
     logits = out.logits[0, 0]
     if sampling.greedy:
       nxt = jnp.argmax(logits).astype(jnp.int32)
@@ -69,11 +73,12 @@ def _draft(state, cache, last, plan, key, *, graphdef, vocab, gamma, threshold, 
       confidence = jnp.max(q)
       q_rows = q_rows.at[i].set(q)
     drafts = drafts.at[i].set(nxt)
-    return i + 1, cache, nxt, drafts, q_rows, confidence >= threshold, key
+    return i + 1, buffer, nxt, drafts, q_rows, confidence >= threshold, key
 
-  init = (jnp.int32(0), cache, last, drafts, q_rows, jnp.bool_(True), key)
-  n, cache, _, drafts, q_rows, _, key = jax.lax.while_loop(cond, body, init)
-  return n, cache, drafts, q_rows, key
+  init = (jnp.int32(0), DraftBuffer.like(cache, gamma), last, drafts, q_rows,
+          jnp.bool_(True), key)
+  n, _, _, drafts, q_rows, _, _ = jax.lax.while_loop(cond, body, init)
+  return n, drafts, q_rows
 
 
 def _accept_greedy(drafts, n, logits):
@@ -106,48 +111,63 @@ def _accept_sampling(drafts, n, logits, q_rows, key, sampling):
   return a, tokens, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def round_fn(
-    state: nnx.State,
-    cache: KVCache,
-    last: jax.Array,
-    plan: DraftPlan,
-    key: jax.Array,
-    *,
-    graphdef: nnx.GraphDef,
-    vocab: int,
-    gamma: int,
-    threshold: float,
-    sampling: SamplingParams,
-    residuals: bool = False,
-) -> tuple[RoundOut, KVCache]:
-  """Draft (plan) -> verify (full model, γ+1 positions) -> accept, as one executable."""
+@flax.struct.dataclass
+class Draft:
+  n: jax.Array  # int32: tokens drafted (1..γ)
+  tokens: jax.Array  # int32[γ]
+  q_rows: jax.Array | None  # [γ+1, V] the draft's distributions (sampling only)
+
+
+def draft_fn(state, cache, last, plan, key, *, graphdef, vocab, gamma, threshold,
+             sampling) -> Draft:
+  """Draft up to γ tokens under `plan`, reading the verified cache (never writing it)."""
+  n, drafts, q_rows = _draft(state, cache, last, plan, key, graphdef=graphdef, vocab=vocab,
+                             gamma=gamma, threshold=threshold, sampling=sampling)
+  return Draft(n, drafts, q_rows)
+
+
+def verify_fn(state, cache, last, draft: Draft, full: DraftPlan, key, *, graphdef, sampling,
+              residuals=False) -> tuple[RoundOut, KVCache]:
+  """Verify [last, drafts] with the full model in one forward and accept.
+
+  `full` is the all-true plan, passed in rather than built here: as a compile-time
+  constant it let XLA fold the conditionals away, and the folded program copied the
+  cache (HLO checked by the tests)."""
   L0 = cache.length
-  k_draft, k_accept = jax.random.split(key)
-  n, cache, drafts, q_rows, _ = _draft(
-      state, cache, last, plan, k_draft, graphdef=graphdef, vocab=vocab, gamma=gamma,
-      threshold=threshold, sampling=sampling,
-  )
-  cache = cache.with_length(L0)
-  seq = jnp.concatenate([last[None], drafts])[None]  # [1, γ+1]
-  full = DraftPlan.full(plan.num_layers)
+  gamma = draft.tokens.shape[0]
+  seq = jnp.concatenate([last[None], draft.tokens])[None]  # [1, γ+1]
   out, cache = apply(state, cache, seq, positions_for(cache, gamma + 1, 1), full,
                      graphdef=graphdef, logits="all", return_residuals=residuals)
   logits = out.logits[0]
   if sampling.greedy:
-    a, tokens, target = _accept_greedy(drafts, n, logits)
+    a, tokens, target = _accept_greedy(draft.tokens, draft.n, logits)
   else:
-    a, tokens, target = _accept_sampling(drafts, n, logits, q_rows, k_accept, sampling)
+    a, tokens, target = _accept_sampling(draft.tokens, draft.n, logits, draft.q_rows, key,
+                                         sampling)
   cache = cache.with_length(L0 + a + 1)
   res = out.residuals[:, 0] if residuals else None
-  return RoundOut(tokens=tokens, n_commit=a + 1, n_drafted=n, drafts=drafts,
+  return RoundOut(tokens=tokens, n_commit=a + 1, n_drafted=draft.n, drafts=draft.tokens,
                   target_top1=target, residuals=res), cache
 
 
-ssd_round = jax.jit(
-    round_fn,
-    static_argnames=("graphdef", "vocab", "gamma", "threshold", "sampling", "residuals"),
-    donate_argnames=("cache",),
-)
+def round_fn(state, cache, last, plan, key, *, graphdef, vocab, gamma, threshold, sampling,
+             residuals=False) -> tuple[RoundOut, KVCache]:
+  """A whole round as one pure function (the tests vmap it over keys)."""
+  k_draft, k_accept = jax.random.split(key)
+  draft = draft_fn(state, cache, last, plan, k_draft, graphdef=graphdef, vocab=vocab,
+                   gamma=gamma, threshold=threshold, sampling=sampling)
+  return verify_fn(state, cache, last, draft, DraftPlan.full(plan.num_layers), k_accept,
+                   graphdef=graphdef, sampling=sampling, residuals=residuals)
+
+
+# Two executables per round. Fused into one, XLA:CPU copied every cache layer on every
+# round (the draft's conditionals read the cache that verification then updates in
+# place); split, neither copies (the tests check the compiled HLO). The extra dispatch
+# is well under 1 % of a round, and it times drafting and verification exactly.
+draft_step = jax.jit(
+    draft_fn, static_argnames=("graphdef", "vocab", "gamma", "threshold", "sampling"))
+verify_step = jax.jit(verify_fn, static_argnames=("graphdef", "sampling", "residuals"),
+                      donate_argnames=("cache",))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -207,7 +227,8 @@ class SSDGeneration:
   committed: int  # tokens kept from verification rounds (bonus included, EOS-truncated)
   compile_s: float
   prefill_s: float
-  round_s: float  # inside the jitted draft + verify + accept calls
+  draft_s: float  # inside the jitted draft calls
+  verify_s: float  # inside the jitted verify + accept calls
   selection_s: float  # drafter.plan / drafter.update on the host
   other_s: float  # the rest of the decode loop (bookkeeping, streaming)
   stopped_on_eos: bool
@@ -216,7 +237,7 @@ class SSDGeneration:
 
   @property
   def decode_s(self) -> float:
-    return self.round_s + self.selection_s + self.other_s
+    return self.draft_s + self.verify_s + self.selection_s + self.other_s
 
   @property
   def mean_accepted(self) -> float:
@@ -263,13 +284,18 @@ def speculative_generate(
   key = jax.random.key(seed)
   prompt, n = pad_prompt(prompt_tokens, size), jnp.int32(len(prompt_tokens))
   full = DraftPlan.full(L)
-  static = dict(graphdef=graphdef, vocab=config.vocab_size, gamma=gamma, threshold=threshold,
-                sampling=sampling, residuals=drafter.wants_residuals)
+  d_static = dict(graphdef=graphdef, vocab=config.vocab_size, gamma=gamma,
+                  threshold=threshold, sampling=sampling)
+  v_static = dict(graphdef=graphdef, sampling=sampling, residuals=drafter.wants_residuals)
 
   t_compile = time.perf_counter()
   prefill = compiled(prefill_step, state, cache, prompt, n, full, key, graphdef=graphdef,
                      sampling=sampling)
-  step = compiled(ssd_round, state, cache, prompt[0, 0], full, key, **static)
+  last0 = prompt[0, 0]
+  drafter_exe = compiled(draft_step, state, cache, last0, full, key, **d_static)
+  proto = jax.eval_shape(functools.partial(draft_fn, **d_static), state, cache, last0, full,
+                         key)
+  verifier = compiled(verify_step, state, cache, last0, proto, full, key, **v_static)
   t0 = time.perf_counter()
   key, sub = jax.random.split(key)
   first, cache = prefill(state, cache, prompt, n, full, sub)
@@ -281,7 +307,7 @@ def speculative_generate(
   session = Session(graphdef, state, config, cache, list(prompt_tokens) + tokens)
   dstate = drafter.init(session, drafter_state)
   stats = dict(rounds=0, drafted=0, accepted=0, committed=0)
-  round_s = selection_s = 0.0
+  draft_s = verify_s = selection_s = 0.0
   plans = []
   done = tokens[0] in eos or len(tokens) >= max_new_tokens
   t_select = time.perf_counter()
@@ -291,10 +317,13 @@ def speculative_generate(
     plan = drafter.plan(dstate)
     if keep_plans:
       plans.append(plan)
-    key, sub = jax.random.split(key)
+    key, k_draft, k_accept = jax.random.split(key, 3)
     last = jnp.asarray(tokens[-1], jnp.int32)
     t_b = time.perf_counter()
-    out, cache = step(state, cache, last, plan, sub)
+    draft = drafter_exe(state, cache, last, plan, k_draft)
+    draft.n.block_until_ready()
+    t_v = time.perf_counter()
+    out, cache = verifier(state, cache, last, draft, full, k_accept)
     n_commit = int(out.n_commit)  # waits for the device
     t_c = time.perf_counter()
     committed = [int(t) for t in jax.device_get(out.tokens[:n_commit])]
@@ -314,7 +343,8 @@ def speculative_generate(
     if not done:
       dstate = drafter.update(dstate, out, session)
     t_e = time.perf_counter()
-    round_s += t_c - t_b
+    draft_s += t_v - t_b
+    verify_s += t_c - t_v
     selection_s += (t_b - t_a) + (t_e - t_d)
   t2 = time.perf_counter()
   return SSDGeneration(
@@ -322,9 +352,10 @@ def speculative_generate(
       tokens=tokens,
       compile_s=t0 - t_compile,
       prefill_s=t1 - t0,
-      round_s=round_s,
+      draft_s=draft_s,
+      verify_s=verify_s,
       selection_s=selection_s,
-      other_s=(t2 - t1) - round_s - selection_s,
+      other_s=(t2 - t1) - draft_s - verify_s - selection_s,
       stopped_on_eos=tokens[-1] in eos,
       plans=plans,
       drafter_state=dstate,

@@ -2,7 +2,8 @@
 
 One buffer per layer (not one stacked [L, ...] array): reading a slice of a stacked
 buffer inside a conditional materialises a copy of that layer, so per-layer buffers let
-each attention read its cache in place. Slots are absolute positions; sliding-window
+each attention read its cache in place. Layout [B, K, S, H]: attention contracts over H
+with S free, so XLA reads the cache as stored instead of transposing it every step. Slots are absolute positions; sliding-window
 layers mask by distance. Rolling back rejected draft tokens is `with_length`, no copy.
 """
 
@@ -21,8 +22,8 @@ class ContextOverflowError(ValueError):
 
 @flax.struct.dataclass
 class KVCache:
-  k: tuple[jax.Array, ...]  # L x [B, S, K, H]
-  v: tuple[jax.Array, ...]  # L x [B, S, K, H]
+  k: tuple[jax.Array, ...]  # L x [B, K, S, H]
+  v: tuple[jax.Array, ...]  # L x [B, K, S, H]
   length: jax.Array  # int32 scalar: slots [0, length) hold valid entries
 
   @classmethod
@@ -33,14 +34,14 @@ class KVCache:
       raise ContextOverflowError(
           f"cache of {size} tokens exceeds the model's context of {config.max_context}"
       )
-    shape = (batch, size, config.num_kv_heads, config.head_dim)
+    shape = (batch, config.num_kv_heads, size, config.head_dim)
     zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
     return cls(k=zeros(), v=zeros(), length=jnp.zeros((), jnp.int32))
 
   @property
   def size(self) -> int:
     """S: number of slots."""
-    return self.k[0].shape[1]
+    return self.k[0].shape[2]
 
   @property
   def nbytes(self) -> int:
@@ -49,6 +50,31 @@ class KVCache:
   def with_length(self, length: jax.Array | int) -> KVCache:
     """Roll back (or forward) by length only; entries past it are dead."""
     return self.replace(length=jnp.asarray(length, jnp.int32))
+
+
+@flax.struct.dataclass
+class DraftBuffer:
+  """K/V of the tokens drafted in the current round, kept apart from the verified cache.
+
+  Drafting only reads the cache and writes here, so the draft executable never touches
+  the cache (XLA copied it whenever one executable both read it in a conditional and
+  updated it afterwards). Row j holds position cache.length + j.
+  """
+
+  k: tuple[jax.Array, ...]  # L x [B, K, G, H]
+  v: tuple[jax.Array, ...]  # L x [B, K, G, H]
+  count: jax.Array  # int32: rows [0, count) are valid
+
+  @classmethod
+  def like(cls, cache: KVCache, size: int) -> DraftBuffer:
+    """An empty buffer of `size` rows matching the cache's layers, heads and dtype."""
+    zeros = lambda arrays: tuple(
+        jnp.zeros(a.shape[:2] + (size, a.shape[3]), a.dtype) for a in arrays)
+    return cls(k=zeros(cache.k), v=zeros(cache.v), count=jnp.zeros((), jnp.int32))
+
+  @property
+  def size(self) -> int:
+    return self.k[0].shape[2]
 
 
 def cache_size_for(num_tokens: int, max_context: int, bucket: int = 256) -> int:

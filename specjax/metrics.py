@@ -14,14 +14,15 @@ AR = "ar"
 
 
 def summarize(records: Iterable[dict]) -> dict[str, dict]:
-  """method -> {tokens_per_s, M, alpha, time split shares, mismatches, prompts}."""
+  """method -> {tokens_per_s, M, alpha, time shares (draft / verify / selection / other),
+  mismatches, prompts}."""
   sums: dict[str, dict] = defaultdict(lambda: defaultdict(float))
   for r in records:
     s = sums[r["method"]]
     s["prompts"] += 1
     s["tokens"] += r["decode_tokens"]
-    for k in ("decode_s", "round_s", "selection_s", "other_s", "rounds", "drafted",
-              "accepted", "committed"):
+    for k in ("decode_s", "draft_s", "verify_s", "selection_s", "other_s", "rounds",
+              "drafted", "accepted", "committed"):
       s[k] += r.get(k, 0.0)
     s["mismatches"] += 0 if r.get("matches_ar", True) else 1
   out = {}
@@ -32,7 +33,8 @@ def summarize(records: Iterable[dict]) -> dict[str, dict]:
       row |= {
           "M": s["committed"] / s["rounds"] if s["rounds"] else 0.0,
           "alpha": s["accepted"] / s["drafted"] if s["drafted"] else 0.0,
-          "round_share": s["round_s"] / s["decode_s"] if s["decode_s"] else 0.0,
+          "draft_share": s["draft_s"] / s["decode_s"] if s["decode_s"] else 0.0,
+          "verify_share": s["verify_s"] / s["decode_s"] if s["decode_s"] else 0.0,
           "selection_share": s["selection_s"] / s["decode_s"] if s["decode_s"] else 0.0,
           "other_share": s["other_s"] / s["decode_s"] if s["decode_s"] else 0.0,
       }

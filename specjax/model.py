@@ -1,13 +1,13 @@
 """One decoder for llama / qwen2 / qwen3 / gemma3, driven by a `DraftPlan`.
 
-Every sub-layer sits in its own `lax.cond` on a scalar predicate from the plan, so a
-skipped sub-layer is really not computed and a different plan value reuses the same
-executable. The skip branch is `false_fun` and only passes the residual through; the
-KV write happens outside the conditional, so the cache never flows through a branch.
+Every sub-layer sits in `lax.cond`s on a scalar predicate from the plan, so a skipped
+sub-layer is really not computed and a different plan value reuses the same executable.
+Skip branches are `false_fun` and pass their operands through.
 
-Attention reads two segments: the cache slots before `cache.length` (read in place)
-and the keys/values of the tokens being processed now. The new keys/values are then
-written at `cache.length`; a skipped attention writes back what the slots already held.
+A forward that writes the cache writes the tokens' K/V first and then attends over the
+cache, in place (checked on the compiled HLO by the tests). A forward that only reads
+the cache (scoring a plan, or drafting into a `DraftBuffer`) attends over segments: the
+cache slots before `cache.length`, the draft buffer, and the tokens themselves.
 
 Shapes: B batch, T tokens processed now, S cache slots, N query heads, K kv heads,
 G = N / K query heads per kv head, H head dim, D model dim, F MLP width, V vocab.
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.config import ModelConfig
-from specjax.kv_cache import KVCache
+from specjax.kv_cache import DraftBuffer, KVCache
 from specjax.plan import DraftPlan
 
 _NEG_INF = -1e30
@@ -93,42 +93,28 @@ class Attention(nnx.Module):
     rope = lambda t: apply_rope(t, positions, self.rope_base, self.config.rope_interleaved)
     return rope(q), rope(k), v
 
-  def attend(
-      self,
-      q: jax.Array,
-      k_new: jax.Array,
-      v_new: jax.Array,
-      cache_k: jax.Array,
-      cache_v: jax.Array,
-      length: jax.Array,
-      positions: jax.Array,
-  ) -> jax.Array:
-    """Softmax over [cache slots < length] ++ [new tokens, causal]; returns [B, T, D]."""
+  def attend(self, q: jax.Array, positions: jax.Array, segments: list[Segment]) -> jax.Array:
+    """Softmax of q[B, T, N, H] over the keys of every segment, each masked by validity,
+    causality (key position <= query position) and the sliding window; returns [B, T, D]."""
     B, T, N, H = q.shape
-    K = k_new.shape[2]
-    S = cache_k.shape[1]
+    K = segments[0].k.shape[1]
     qg = q.reshape(B, T, K, N // K, H)
-    scale = self.config.scale
-    s_cache = jnp.einsum("btkgh,bskh->bkgts", qg, cache_k.astype(q.dtype)) * scale
-    s_new = jnp.einsum("btkgh,bukh->bkgtu", qg, k_new) * scale
-
     q_pos = positions[:, :, None]  # [B, T, 1]
-    slot = jnp.arange(S)[None, None, :]
-    ok_cache = slot < length
-    ok_new = positions[:, None, :] <= q_pos  # causal among the new tokens
-    if self.window is not None:
-      ok_cache &= q_pos - slot < self.window
-      ok_new &= q_pos - positions[:, None, :] < self.window
-    scores = jnp.concatenate(
-        [
-            jnp.where(ok_cache[:, None, None], s_cache.astype(jnp.float32), _NEG_INF),
-            jnp.where(ok_new[:, None, None], s_new.astype(jnp.float32), _NEG_INF),
-        ],
-        axis=-1,
-    )
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs[..., :S], cache_v.astype(q.dtype))
-    out += jnp.einsum("bkgtu,bukh->btkgh", probs[..., S:], v_new)
+    scores = []
+    for seg in segments:
+      s = jnp.einsum("btkgh,bksh->bkgts", qg, seg.k.astype(q.dtype)) * self.config.scale
+      key_pos = seg.positions[:, None, :]  # [B, 1, S]
+      ok = seg.valid[:, None, :] & (key_pos <= q_pos)
+      if self.window is not None:
+        ok &= q_pos - key_pos < self.window
+      scores.append(jnp.where(ok[:, None, None], s.astype(jnp.float32), _NEG_INF))
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(q.dtype)
+    out, start = 0.0, 0
+    for seg in segments:
+      size = seg.k.shape[2]
+      p = probs[..., start : start + size]
+      out = out + jnp.einsum("bkgts,bksh->btkgh", p, seg.v.astype(q.dtype))
+      start += size
     return jnp.einsum("btnh,nhd->btd", out.reshape(B, T, N, H), self.o[...])
 
 
@@ -162,6 +148,10 @@ class Block(nnx.Module):
       self.post_mlp_norm = RMSNorm(D, eps, dtype)
     self.post_norms = config.post_norms
 
+  def _attention_out(self, x, q, positions, segments):
+    out = self.attn.attend(q, positions, segments)
+    return x + (self.post_attn_norm(out) if self.post_norms else out)
+
   def attn_sublayer(
       self,
       run: jax.Array,
@@ -171,21 +161,56 @@ class Block(nnx.Module):
       cache_v: jax.Array,
       length: jax.Array,
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Returns the new residual and the K/V rows to write at slots [length, length + T)."""
-    T = x.shape[1]
+    """Write the tokens' K/V into the cache at `length`, then attend over the cache.
 
-    def skip(x, cache_k, cache_v):
-      held = lambda c: jax.lax.dynamic_slice_in_dim(c, length, T, axis=1)
-      return x, held(cache_k), held(cache_v)
+    Write first, read after: when a conditional read the cache and a later update wrote
+    it, XLA:CPU copied the whole layer (the tests check the compiled HLO). Each half is
+    its own `lax.cond`; a skipped sub-layer passes everything through as `false_fun`.
+    """
+    B, T, _ = x.shape
+    N, H = self.attn.config.num_heads, self.attn.config.head_dim
 
-    def compute(x, cache_k, cache_v):
+    def write(x, ck, cv):
       q, k, v = self.attn.project(self.attn_norm(x), positions)
-      out = self.attn.attend(q, k, v, cache_k, cache_v, length, positions)
-      if self.post_norms:
-        out = self.post_attn_norm(out)
-      return x + out, k.astype(cache_k.dtype), v.astype(cache_v.dtype)
+      rows = lambda a, c: a.transpose(0, 2, 1, 3).astype(c.dtype)  # [B, K, T, H]
+      ck = jax.lax.dynamic_update_slice_in_dim(ck, rows(k, ck), length, axis=2)
+      cv = jax.lax.dynamic_update_slice_in_dim(cv, rows(v, cv), length, axis=2)
+      return ck, cv, q
 
-    return jax.lax.cond(run, compute, skip, x, cache_k, cache_v)
+    def keep(x, ck, cv):
+      return ck, cv, jnp.zeros((B, T, N, H), x.dtype)
+
+    cache_k, cache_v, q = jax.lax.cond(run, write, keep, x, cache_k, cache_v)
+
+    def read(x, q, ck, cv):
+      S = ck.shape[2]
+      slots = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+      segment = Segment(ck, cv, slots, jnp.ones((B, S), jnp.bool_))  # causal mask suffices
+      return self._attention_out(x, q, positions, [segment])
+
+    x = jax.lax.cond(run, read, lambda x, q, ck, cv: x, x, q, cache_k, cache_v)
+    return x, cache_k, cache_v
+
+  def attn_sublayer_reading(
+      self, run: jax.Array, x: jax.Array, positions: jax.Array, context: list[Segment]
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Attend over read-only `context` plus the tokens themselves; return the residual
+    and the tokens' K/V rows [B, K, T, H] (zeros when skipped) for the caller to keep."""
+    B, T, _ = x.shape
+    K, H = context[0].k.shape[1], context[0].k.shape[3]
+
+    def skip(x, context):
+      zeros = jnp.zeros((B, K, T, H), context[0].k.dtype)
+      return x, zeros, zeros
+
+    def compute(x, context):
+      q, k, v = self.attn.project(self.attn_norm(x), positions)
+      k = k.transpose(0, 2, 1, 3).astype(context[0].k.dtype)
+      v = v.transpose(0, 2, 1, 3).astype(context[0].v.dtype)
+      new = Segment(k, v, positions, jnp.ones(positions.shape, jnp.bool_))
+      return self._attention_out(x, q, positions, context + [new]), k, v
+
+    return jax.lax.cond(run, compute, skip, x, context)
 
   def mlp_sublayer(self, run: jax.Array, x: jax.Array) -> jax.Array:
     def compute(x):
@@ -193,6 +218,16 @@ class Block(nnx.Module):
       return x + (self.post_mlp_norm(out) if self.post_norms else out)
 
     return jax.lax.cond(run, compute, lambda x: x, x)
+
+
+@flax.struct.dataclass
+class Segment:
+  """Keys/values an attention reads, with their absolute positions and validity."""
+
+  k: jax.Array  # [B, K, S, H]
+  v: jax.Array  # [B, K, S, H]
+  positions: jax.Array  # int32[B, S]
+  valid: jax.Array  # bool[B, S]
 
 
 @flax.struct.dataclass
@@ -237,23 +272,43 @@ class Transformer(nnx.Module):
       logits: str = "all",
       return_residuals: bool = False,
       write_cache: bool = True,
-  ) -> tuple[ForwardOut, KVCache]:
+      buffer: DraftBuffer | None = None,
+  ) -> tuple[ForwardOut, KVCache | DraftBuffer]:
     """Process tokens[B, T] at positions[B, T], writing K/V at slots [length, length+T).
 
     `logits` is "all", "last" or "none" (static). The returned cache has length + T.
     With `write_cache=False` the cache is only read and returned unchanged: candidate
-    plans can be scored against the verified cache without a copy of it.
+    plans are scored against the verified cache without a copy of it. With a draft
+    `buffer`, the cache is only read, the tokens' K/V go to the buffer (rows of skipped
+    layers are kept), and the buffer is returned instead of the cache.
     """
     plan.check(self.config.num_layers)  # shapes are static: this runs once, at trace time
+    B, T = tokens.shape
+    reading = buffer is not None or not write_cache
+    if reading:
+      S = cache.size
+      slots = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+      cache_valid = slots < cache.length
+    if buffer is not None:
+      rows = jnp.arange(buffer.size, dtype=jnp.int32)
+      buf_pos = jnp.broadcast_to(cache.length + rows, (B, buffer.size))
+      buf_valid = jnp.broadcast_to(rows < buffer.count, (B, buffer.size))
     x = self.embed(tokens)
     ks, vs, residuals = [], [], []
     for l, block in enumerate(self.blocks):
-      x, k, v = block.attn_sublayer(
-          plan.attn[l], x, positions, cache.k[l], cache.v[l], cache.length
-      )
-      if write_cache:
-        ks.append(jax.lax.dynamic_update_slice_in_dim(cache.k[l], k, cache.length, axis=1))
-        vs.append(jax.lax.dynamic_update_slice_in_dim(cache.v[l], v, cache.length, axis=1))
+      run = plan.attn[l]
+      if not reading:
+        x, k, v = block.attn_sublayer(run, x, positions, cache.k[l], cache.v[l], cache.length)
+      else:
+        context = [Segment(cache.k[l], cache.v[l], slots, cache_valid)]
+        if buffer is not None:
+          context.append(Segment(buffer.k[l], buffer.v[l], buf_pos, buf_valid))
+        x, k, v = block.attn_sublayer_reading(run, x, positions, context)
+        if buffer is not None:
+          k = _keep_rows(buffer.k[l], k, run, buffer.count)
+          v = _keep_rows(buffer.v[l], v, run, buffer.count)
+      ks.append(k)
+      vs.append(v)
       if return_residuals:
         residuals.append(x)
       x = block.mlp_sublayer(plan.mlp[l], x)
@@ -267,14 +322,22 @@ class Transformer(nnx.Module):
       out_logits = None
     else:
       raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
-    if write_cache:
-      cache = KVCache(k=tuple(ks), v=tuple(vs), length=cache.length + tokens.shape[1])
     out = ForwardOut(
         logits=out_logits,
         hidden=x,
         residuals=jnp.stack(residuals) if return_residuals else None,
     )
+    if buffer is not None:
+      return out, DraftBuffer(k=tuple(ks), v=tuple(vs), count=buffer.count + T)
+    if not reading:
+      cache = KVCache(k=tuple(ks), v=tuple(vs), length=cache.length + T)
     return out, cache
+
+
+def _keep_rows(store: jax.Array, rows: jax.Array, run: jax.Array, at: jax.Array) -> jax.Array:
+  """Write rows[B, K, T, H] at row `at` if the sub-layer ran; else keep the stored rows."""
+  held = jax.lax.dynamic_slice_in_dim(store, at, rows.shape[2], axis=2)
+  return jax.lax.dynamic_update_slice_in_dim(store, jnp.where(run, rows, held), at, axis=2)
 
 
 def init_model(config: ModelConfig, seed: int = 0, dtype=jnp.float32) -> Transformer:
@@ -299,7 +362,8 @@ def apply(
     logits: str = "all",
     return_residuals: bool = False,
     write_cache: bool = True,
-) -> tuple[ForwardOut, KVCache]:
+    buffer: DraftBuffer | None = None,
+) -> tuple[ForwardOut, KVCache | DraftBuffer]:
   """The pure form of `Transformer.__call__`, for `jax.jit` on the hot path.
 
   `graphdef` (and `logits`, `return_residuals`) are static; params, cache, tokens,
@@ -307,4 +371,4 @@ def apply(
   """
   model = nnx.merge(graphdef, state)
   return model(tokens, positions, cache, plan, logits=logits,
-               return_residuals=return_residuals, write_cache=write_cache)
+               return_residuals=return_residuals, write_cache=write_cache, buffer=buffer)

@@ -56,10 +56,10 @@ def test_metrics_are_ratios_of_sums():
       dict(method="ar", category="a", decode_tokens=10, decode_s=1.0),
       dict(method="ar", category="b", decode_tokens=30, decode_s=1.0),
       dict(method="x", category="a", decode_tokens=10, decode_s=0.5, rounds=5, drafted=12,
-           accepted=6, committed=10, round_s=0.4, selection_s=0.05, other_s=0.05,
+           accepted=6, committed=10, draft_s=0.1, verify_s=0.3, selection_s=0.05, other_s=0.05,
            matches_ar=True),
       dict(method="x", category="b", decode_tokens=30, decode_s=0.5, rounds=10, drafted=20,
-           accepted=18, committed=28, round_s=0.45, selection_s=0.0, other_s=0.05,
+           accepted=18, committed=28, draft_s=0.15, verify_s=0.3, selection_s=0.0, other_s=0.05,
            matches_ar=False),
   ]
   s = metrics.summarize(recs)
@@ -69,4 +69,5 @@ def test_metrics_are_ratios_of_sums():
   assert s["x"]["M"] == pytest.approx(38 / 15)
   assert s["x"]["alpha"] == pytest.approx(24 / 32)
   assert s["x"]["mismatches"] == 1
+  assert s["x"]["draft_share"] == pytest.approx(0.25) and s["x"]["verify_share"] == 0.6
   assert metrics.by_category(recs)["a"]["x"]["speedup"] == pytest.approx(2.0)
