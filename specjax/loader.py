@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 

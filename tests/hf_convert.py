@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.params import fuse_projections, state_from_flat

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specjax import bench, metrics
+from specjax import metrics
 from specjax.cli import main
 from test_data import write_spec_bench
 

@@ -7,7 +7,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import shutil
 
 import jax.numpy as jnp
 import numpy as np
