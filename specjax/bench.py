@@ -309,9 +309,7 @@ def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict) -> 
       f"in the same process. Machine: {platform.processor() or platform.machine()}, "
       f"{jax.devices()[0].platform}, jax {jax.__version__}.", "",
       table, "", "Speedup vs AR by category:", "", cat_table, "",
-      f"_Regenerated {datetime.date.today()} by `specjax bench --model {cfg.model} "
-      f"--per-category {cfg.per_category} --max-new-tokens {cfg.max_new_tokens} "
-      f"--drafters {','.join(cfg.drafters)} --write-docs`._",
+      f"_Regenerated {datetime.date.today()} by `{_command(cfg)}`._",
       f"<!-- end:{name} -->",
   ])
   text = docs.read_text() if docs.exists() else "# Benchmarks\n"
@@ -321,3 +319,18 @@ def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict) -> 
   else:
     text = text.rstrip() + "\n\n" + body + "\n"
   docs.write_text(text)
+
+
+def _command(cfg: BenchConfig) -> str:
+  """The `specjax bench` command line that reproduces this run."""
+  from specjax.data import SPEC_BENCH_CATEGORIES
+
+  parts = [f"specjax bench --model {cfg.model} --per-category {cfg.per_category}",
+           f"--max-new-tokens {cfg.max_new_tokens} --drafters {','.join(cfg.drafters)}",
+           f"--gamma {cfg.gamma} --threshold {cfg.threshold}",
+           f"--search-iterations {cfg.search_iterations}"]
+  if tuple(cfg.categories) != SPEC_BENCH_CATEGORIES:
+    parts.append(f"--categories {','.join(cfg.categories)}")
+  if cfg.temperature:
+    parts.append(f"--temperature {cfg.temperature} --top-p {cfg.top_p} --seed {cfg.seed}")
+  return " ".join(parts + ["--write-docs"])
