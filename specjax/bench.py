@@ -56,9 +56,7 @@ def _chat_ids(tok, turns: list[str], answers: list[str]) -> list[int]:
       msgs.append({"role": "user", "content": turn})
       if i < len(answers):
         msgs.append({"role": "assistant", "content": answers[i]})
-    text = tok.render_chat(msgs)
-    bos = tok.special.get("bos_token")
-    return tok.encode(text, add_bos=tok.add_bos and not (bos and text.startswith(bos)))
+    return tok.encode_chat(msgs)
   parts = []
   for i, turn in enumerate(turns):
     parts.append(turn)

@@ -293,8 +293,7 @@ def speculative_generate(
                      sampling=sampling)
   last0 = prompt[0, 0]
   drafter_exe = compiled(draft_step, state, cache, last0, full, key, **d_static)
-  proto = jax.eval_shape(functools.partial(draft_fn, **d_static), state, cache, last0, full,
-                         key)
+  proto = drafter_exe.out_info  # the Draft's shapes, without tracing the draft again
   verifier = compiled(verify_step, state, cache, last0, proto, full, key, **v_static)
   t0 = time.perf_counter()
   key, sub = jax.random.split(key)

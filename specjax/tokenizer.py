@@ -81,11 +81,15 @@ class TextTokenizer:
     """A user prompt -> ids: through the chat template for instruct models."""
     use_chat = self.is_chat if chat is None else chat
     if use_chat:
-      text = self.render_chat([{"role": "user", "content": prompt}])
-      # Templates that write the BOS themselves must not get a second one.
-      starts_with_bos = self.special.get("bos_token") and text.startswith(self.special["bos_token"])
-      return self.encode(text, add_bos=self.add_bos and not starts_with_bos)
+      return self.encode_chat([{"role": "user", "content": prompt}])
     return self.encode(prompt)
+
+  def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    """A conversation -> ids, ending with the assistant's turn to speak."""
+    text = self.render_chat(messages)
+    # Templates that write the BOS themselves must not get a second one.
+    bos = self.special.get("bos_token")
+    return self.encode(text, add_bos=self.add_bos and not (bos and text.startswith(bos)))
 
   def save(self, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
