@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from specjax import data, metrics
+from specjax import data, docs, metrics
 from specjax.drafters import (EarlyExitDrafter, SelfSDDrafter, StaticDrafter, SwiftDrafter,
                               drafter_class)
 from specjax.drafters import self_sd
@@ -286,37 +286,17 @@ def _plot(cats: dict, drafters: list[str], path: Path) -> None:
 
 
 def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict) -> None:
-  """Regenerate this model's section of docs/BENCHMARKS.md (repo checkouts only)."""
-  import datetime
-  import platform
-  import re
-
-  import jax
-
-  docs = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
-  if not docs.parent.exists():
-    return
-  name = f"bench-{cfg.model}"
+  """Regenerate this model's section of docs/BENCHMARKS.md."""
   n = overall.get(metrics.AR, {}).get("prompts", 0)
   body = "\n".join([
-      f"<!-- begin:{name} -->",
       f"## SSD vs AR on Spec-Bench ({cfg.model})", "",
       f"{n} prompts ({cfg.per_category} per category), {cfg.max_new_tokens} new tokens, "
       f"γ = {cfg.gamma}, threshold {cfg.threshold}, "
       f"{'greedy' if cfg.temperature == 0 else f'T={cfg.temperature}'}; AR and every drafter "
-      f"in the same process. Machine: {platform.processor() or platform.machine()}, "
-      f"{jax.devices()[0].platform}, jax {jax.__version__}.", "",
-      table, "", "Speedup vs AR by category:", "", cat_table, "",
-      f"_Regenerated {datetime.date.today()} by `{_command(cfg)}`._",
-      f"<!-- end:{name} -->",
+      f"in the same process. Machine: {docs.machine()}.", "",
+      table, "", "Speedup vs AR by category:", "", cat_table,
   ])
-  text = docs.read_text() if docs.exists() else "# Benchmarks\n"
-  pattern = re.escape(f"<!-- begin:{name} -->") + ".*?" + re.escape(f"<!-- end:{name} -->")
-  if re.search(pattern, text, flags=re.S):
-    text = re.sub(pattern, lambda _: body, text, flags=re.S)
-  else:
-    text = text.rstrip() + "\n\n" + body + "\n"
-  docs.write_text(text)
+  docs.write_section(f"bench-{cfg.model}", body, _command(cfg))
 
 
 def _command(cfg: BenchConfig) -> str:

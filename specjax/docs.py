@@ -1,0 +1,48 @@
+"""Regenerating sections of docs/BENCHMARKS.md, shared by `specjax bench` and experiments/.
+
+Each section sits between `<!-- begin:NAME -->` and `<!-- end:NAME -->` and ends with the
+command that produced it, so the file is only ever written by commands.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
+
+
+def machine() -> str:
+  """Device, CPU model, core count and jax version, for the record."""
+  import jax
+
+  cpu = platform.processor() or platform.machine()
+  try:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("model name"):
+        cpu = line.split(":", 1)[1].strip()
+        break
+  except OSError:
+    pass
+  dev = jax.devices()[0]
+  return (f"{dev.platform.upper()} ({getattr(dev, 'device_kind', '')}), {cpu}, "
+          f"{os.cpu_count()} cores, jax {jax.__version__}")
+
+
+def write_section(name: str, body: str, command: str) -> None:
+  """Replace section `name` of docs/BENCHMARKS.md (or append it); a no-op outside a
+  repository checkout (an installed package has no docs/ beside it)."""
+  if not DOCS.parent.exists():
+    return
+  begin, end = f"<!-- begin:{name} -->", f"<!-- end:{name} -->"
+  stamp = datetime.date.today().isoformat()
+  block = f"{begin}\n{body.rstrip()}\n\n_Regenerated {stamp} by `{command}`._\n{end}"
+  text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
+  if begin in text:
+    text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+  else:
+    text = text.rstrip() + "\n\n" + block + "\n"
+  DOCS.write_text(text)
