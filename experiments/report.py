@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 
 from specjax import docs
 from specjax.docs import DOCS, machine  # noqa: F401  (re-exported for the scripts)
