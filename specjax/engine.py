@@ -46,16 +46,16 @@ class RoundOut:
   residuals: jax.Array | None  # [2L, γ+1, D] verify-pass residual stream, on request
 
 
-def _draft(state, cache, last, plan, key, *, graphdef, vocab, gamma, threshold, sampling):
-  """Up to γ draft steps under `plan`; stop after a token whose top-1 prob < threshold.
-
-  The cache is only read; the drafted tokens' K/V live in a `DraftBuffer`."""
+def _draft(state, cache, last, plan, key, limit, *, graphdef, vocab, gamma, threshold,
+           sampling):
+  """Up to min(γ, limit) draft steps under `plan`; stop after a token whose top-1 prob
+  < threshold. The cache is only read; the drafted tokens' K/V live in a `DraftBuffer`."""
   drafts = jnp.zeros((gamma,), jnp.int32)
   q_rows = None if sampling.greedy else jnp.zeros((gamma + 1, vocab), jnp.float32)
 
   def cond(carry):
     i, _, _, _, _, go, _ = carry
-    return (i < gamma) & go
+    return (i < jnp.minimum(gamma, limit)) & go
 
   def body(carry):
     i, buffer, token, drafts, q_rows, _, key = carry
@@ -118,22 +118,30 @@ class Draft:
   q_rows: jax.Array | None  # [γ+1, V] the draft's distributions (sampling only)
 
 
-def draft_fn(state, cache, last, plan, key, *, graphdef, vocab, gamma, threshold,
-             sampling) -> Draft:
-  """Draft up to γ tokens under `plan`, reading the verified cache (never writing it)."""
-  n, drafts, q_rows = _draft(state, cache, last, plan, key, graphdef=graphdef, vocab=vocab,
-                             gamma=gamma, threshold=threshold, sampling=sampling)
+def draft_fn(state, cache, last, plan, key, limit=None, *, graphdef, vocab, gamma,
+             threshold, sampling) -> Draft:
+  """Draft up to min(γ, limit) tokens under `plan`, reading the verified cache (never
+  writing it). `limit` is traced: drafters that choose the draft length per round (KnapSpec)
+  share one executable."""
+  limit = jnp.int32(gamma) if limit is None else limit
+  n, drafts, q_rows = _draft(state, cache, last, plan, key, limit, graphdef=graphdef,
+                             vocab=vocab, gamma=gamma, threshold=threshold, sampling=sampling)
   return Draft(n, drafts, q_rows)
 
 
 def verify_fn(state, cache, last, draft: Draft, full: DraftPlan, key, *, graphdef, sampling,
-              residuals=False) -> tuple[RoundOut, KVCache]:
-  """Verify [last, drafts] with the full model in one forward and accept.
+              residuals=False, length=None) -> tuple[RoundOut, KVCache]:
+  """Verify [last, drafts[:length]] with the full model in one forward and accept.
 
+  `length` (static, default all) is the round's draft length when a drafter chose one
+  below the draft executable's γ: verification then costs length + 1 positions, not γ + 1.
   `full` is the all-true plan, passed in rather than built here: as a compile-time
   constant it let XLA fold the conditionals away, and the folded program copied the
   cache (HLO checked by the tests)."""
   L0 = cache.length
+  if length is not None and length < draft.tokens.shape[0]:
+    q_rows = None if draft.q_rows is None else draft.q_rows[: length + 1]
+    draft = Draft(jnp.minimum(draft.n, length), draft.tokens[:length], q_rows)
   gamma = draft.tokens.shape[0]
   seq = jnp.concatenate([last[None], draft.tokens])[None]  # [1, γ+1]
   out, cache = apply(state, cache, seq, positions_for(cache, gamma + 1, 1), full,
@@ -166,7 +174,8 @@ def round_fn(state, cache, last, plan, key, *, graphdef, vocab, gamma, threshold
 # is well under 1 % of a round, and it times drafting and verification exactly.
 draft_step = jax.jit(
     draft_fn, static_argnames=("graphdef", "vocab", "gamma", "threshold", "sampling"))
-verify_step = jax.jit(verify_fn, static_argnames=("graphdef", "sampling", "residuals"),
+verify_step = jax.jit(verify_fn,
+                      static_argnames=("graphdef", "sampling", "residuals", "length"),
                       donate_argnames=("cache",))
 
 
@@ -264,7 +273,7 @@ def speculative_generate(
     *,
     max_new_tokens: int = 64,
     gamma: int = 4,
-    threshold: float = 0.8,
+    threshold: float | None = None,
     sampling: SamplingParams = SamplingParams(),
     seed: int = 0,
     eos_ids: Sequence[int] | None = None,
@@ -272,7 +281,14 @@ def speculative_generate(
     keep_plans: bool = False,
     drafter_state=None,
 ) -> SSDGeneration:
-  """Self-speculative decoding of one prompt: prefill, then one jitted call per round."""
+  """Self-speculative decoding of one prompt: prefill, then a draft and a verify call per
+  round.
+
+  `gamma` is the longest draft; a drafter may choose a shorter one per round
+  (`Drafter.draft_length`). `threshold` (draft early stop on top-1 probability) defaults
+  to the drafter's own (0.8, Self-SD; 0.7, KnapSpec).
+  """
+  threshold = drafter.threshold if threshold is None else threshold
   if gamma < 1:
     raise ValueError(f"gamma (draft length) must be >= 1, got {gamma}")
   if not 0.0 <= threshold <= 1.0:
@@ -292,9 +308,18 @@ def speculative_generate(
   prefill = compiled(prefill_step, state, cache, prompt, n, full, key, graphdef=graphdef,
                      sampling=sampling)
   last0 = prompt[0, 0]
-  drafter_exe = compiled(draft_step, state, cache, last0, full, key, **d_static)
+  drafter_exe = compiled(draft_step, state, cache, last0, full, key, jnp.int32(gamma),
+                         **d_static)
   proto = drafter_exe.out_info  # the Draft's shapes, without tracing the draft again
-  verifier = compiled(verify_step, state, cache, last0, proto, full, key, **v_static)
+
+  def verifier(length: int):
+    """The verify executable for a draft length (compiled on first use, timed apart)."""
+    length = None if length >= gamma else length
+    return compiled(verify_step, state, cache, last0, proto, full, key, length=length,
+                    **v_static)
+
+  verifier(gamma)
+  compile_s = time.perf_counter() - t_compile
   t0 = time.perf_counter()
   key, sub = jax.random.split(key)
   first, cache = prefill(state, cache, prompt, n, full, sub)
@@ -306,7 +331,7 @@ def speculative_generate(
   session = Session(graphdef, state, config, cache, list(prompt_tokens) + tokens)
   dstate = drafter.init(session, drafter_state)
   stats = dict(rounds=0, drafted=0, accepted=0, committed=0)
-  draft_s = verify_s = selection_s = 0.0
+  draft_s = verify_s = selection_s = late_compile_s = 0.0
   plans = []
   done = tokens[0] in eos or len(tokens) >= max_new_tokens
   t_select = time.perf_counter()
@@ -314,17 +339,21 @@ def speculative_generate(
   while not done:
     t_a = time.perf_counter()
     plan = drafter.plan(dstate)
+    length = min(max(drafter.draft_length(dstate) or gamma, 1), gamma)
     if keep_plans:
       plans.append(plan)
     key, k_draft, k_accept = jax.random.split(key, 3)
     last = jnp.asarray(tokens[-1], jnp.int32)
     t_b = time.perf_counter()
-    draft = drafter_exe(state, cache, last, plan, k_draft)
+    verify = verifier(length)  # a dict lookup, or a compile the first time (not timed)
+    t_c = time.perf_counter()
+    late_compile_s += t_c - t_b
+    draft = drafter_exe(state, cache, last, plan, k_draft, jnp.int32(length))
     draft.n.block_until_ready()
     t_v = time.perf_counter()
-    out, cache = verifier(state, cache, last, draft, full, k_accept)
+    out, cache = verify(state, cache, last, draft, full, k_accept)
     n_commit = int(out.n_commit)  # waits for the device
-    t_c = time.perf_counter()
+    t_d = time.perf_counter()
     committed = [int(t) for t in jax.device_get(out.tokens[:n_commit])]
     stats["rounds"] += 1
     stats["drafted"] += int(out.n_drafted)
@@ -338,23 +367,23 @@ def speculative_generate(
         done = True
         break
     session.cache, session.context = cache, list(prompt_tokens) + tokens
-    t_d = time.perf_counter()
+    t_e = time.perf_counter()
     if not done:
       dstate = drafter.update(dstate, out, session)
-    t_e = time.perf_counter()
-    draft_s += t_v - t_b
-    verify_s += t_c - t_v
-    selection_s += (t_b - t_a) + (t_e - t_d)
+    t_f = time.perf_counter()
+    draft_s += t_v - t_c
+    verify_s += t_d - t_v
+    selection_s += (t_b - t_a) + (t_f - t_e)
   t2 = time.perf_counter()
   return SSDGeneration(
       prompt_tokens=list(prompt_tokens),
       tokens=tokens,
-      compile_s=t0 - t_compile,
+      compile_s=compile_s + late_compile_s,
       prefill_s=t1 - t0,
       draft_s=draft_s,
       verify_s=verify_s,
       selection_s=selection_s,
-      other_s=(t2 - t1) - draft_s - verify_s - selection_s,
+      other_s=(t2 - t1) - draft_s - verify_s - selection_s - late_compile_s,
       stopped_on_eos=tokens[-1] in eos,
       plans=plans,
       drafter_state=dstate,

@@ -214,8 +214,10 @@ def test_no_step_or_round_copies_any_cache_layer():
                              graphdef=graphdef, sampling=sampling).compile().as_text()
     static = dict(graphdef=graphdef, vocab=config.vocab_size, gamma=4, threshold=0.8,
                   sampling=sampling)
-    draft = draft_step.lower(state, cache, last, plan, key, **static).compile().as_text()
-    proto = jax.eval_shape(functools.partial(draft_fn, **static), state, cache, last, plan, key)
+    limit = jnp.int32(4)
+    draft = draft_step.lower(state, cache, last, plan, key, limit, **static).compile().as_text()
+    proto = jax.eval_shape(functools.partial(draft_fn, **static), state, cache, last, plan, key,
+                           limit)
     verify = verify_step.lower(state, cache, last, proto, plan, key, graphdef=graphdef,
                                sampling=sampling).compile().as_text()
     prefill = prefill_step.lower(state, cache, jnp.ones((1, 64), jnp.int32), jnp.int32(9), plan,

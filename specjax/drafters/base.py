@@ -22,6 +22,7 @@ from specjax.plan import DraftPlan
 class Drafter(abc.ABC):
   name: ClassVar[str]
   wants_residuals: ClassVar[bool] = False  # ask the engine for verify-pass residuals
+  threshold: ClassVar[float] = 0.8  # draft early stop: top-1 prob below this (Self-SD's)
 
   @abc.abstractmethod
   def init(self, session, prior: Any = None) -> Any:
@@ -32,6 +33,10 @@ class Drafter(abc.ABC):
   @abc.abstractmethod
   def plan(self, state: Any) -> DraftPlan:
     """The plan for the next round."""
+
+  def draft_length(self, state: Any) -> int | None:
+    """The next round's draft length γ (capped by the engine's); None: the engine's γ."""
+    return None
 
   def update(self, state: Any, out, session) -> Any:
     """Fold one round's outcome (`engine.RoundOut`, on host) into the state."""

@@ -1,0 +1,183 @@
+"""`knapspec`: per-round sub-layer selection as a knapsack over latency (KnapSpec).
+
+The 2L items are the attention and MLP sub-layers apart. Their integer weights come from
+the latency profile at the current cache size (w = round(t / Δ), Δ = min(t_attn, t_mlp),
+capped), so attention grows heavier with context while the MLP does not. One jitted DP
+(`layer_dp`) fills the table over (item, used weight) for every budget at once, keeping
+per cell the state closest (cosine) to the full model's residuals of the last verified
+tokens, and pruning cells below τ. Each budget's candidate then gets an acceptance
+estimate α̂ (top-1 agreement of its final state with the target over the window) and a
+draft time from the profile, and the pair (candidate, γ) maximising tokens per time
+
+    TPT = (1 − α^{γ+1}) / (1 − α) / (γ·t_draft(S) + t_target(n, γ+1))
+
+is used — γ included, and every candidate, the empty one too (the public code neither
+uses its best γ nor considers candidate 0). Selection reruns every `interval` rounds.
+
+Ablations: `coupled` (whole layers as items), `objective="cosine"` (the most similar
+candidate within a fixed share of the capacity, fixed γ), `prune=False`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.drafters.base import Drafter
+from specjax.layer_dp import run_dp, sublayer_items
+from specjax.layer_probe import Window, bits_to_plan, prompt_window, push_round
+from specjax.plan import DraftPlan
+from specjax.profiler import LatencyProfile, ProfileMismatchError
+
+
+@dataclasses.dataclass
+class Selection:
+  """One run of the selection: what was considered and what was chosen (for reports)."""
+
+  round: int
+  context: int  # committed context length at selection time
+  chosen_bits: np.ndarray  # bool[2L]
+  gamma: int
+  predicted_tpt: float  # tokens per second predicted for the chosen pair
+  candidates: list[dict]  # per alive candidate: budget, alpha, cosine, t_draft, gamma, tpt
+
+
+@dataclasses.dataclass
+class KnapSpecState:
+  window: Window
+  plan: DraftPlan
+  gamma: int
+  rounds: int  # rounds since the last selection
+  total_rounds: int
+  weights: np.ndarray  # int[2L] at this cache size
+  selections: list[Selection]
+
+
+def tokens_per_time(alpha: np.ndarray, gamma: np.ndarray, t_draft: np.ndarray,
+                    t_target: np.ndarray) -> np.ndarray:
+  """Expected committed tokens per second of a round (Leviathan et al. 2023, with the
+  draft and verify times measured rather than in units of a step)."""
+  alpha = np.clip(alpha, 0.0, 1.0)
+  tokens = np.where(alpha >= 1.0, gamma + 1.0,
+                    (1.0 - alpha ** (gamma + 1)) / np.maximum(1.0 - alpha, 1e-9))
+  return tokens / (gamma * t_draft + t_target)
+
+
+def slots_for(weights: np.ndarray, bucket: int = 16) -> int:
+  """Static DP table width: every budget up to the total weight, rounded up so nearby
+  cache sizes share one executable."""
+  total = int(np.sum(weights)) + 1
+  return -(-total // bucket) * bucket
+
+
+@dataclasses.dataclass(frozen=True)
+class KnapSpecDrafter(Drafter):
+  name = "knapspec"
+  wants_residuals: ClassVar[bool] = True
+  threshold: ClassVar[float] = 0.7  # KnapSpec's draft early exit
+  profile: LatencyProfile | None = None
+  window: int = 8  # verified tokens scored (the newest; about the last 5 rounds)
+  tau: float = 0.5  # prune cells whose mean cosine falls below
+  prune: bool = True
+  cap: int = 5  # largest integer weight
+  max_gamma: int = 6
+  interval: int = 8  # rounds between selections
+  objective: str = "tpt"  # or "cosine" (ablation)
+  cosine_share: float = 0.5  # "cosine" objective: budget as a share of the capacity
+  coupled: bool = False  # ablation: whole layers as items
+
+  def __post_init__(self):
+    if self.profile is None:
+      raise ValueError("knapspec needs a latency profile: load one with "
+                       "specjax.profiler.load_profile or run `specjax profile`")
+    if not 0.0 < self.tau <= 1.0:
+      raise ValueError(f"tau must be in (0, 1], got {self.tau}")
+    if self.objective not in ("tpt", "cosine"):
+      raise ValueError(f"objective must be 'tpt' or 'cosine', got {self.objective!r}")
+    if self.window < 1 or self.interval < 1 or self.max_gamma < 1 or self.cap < 1:
+      raise ValueError("window, interval, max_gamma and cap must be >= 1")
+
+  # --- protocol -------------------------------------------------------------------------
+  def init(self, session, prior=None) -> KnapSpecState:
+    cfg = session.config
+    if self.profile.num_layers != cfg.num_layers:
+      raise ProfileMismatchError(
+          f"the latency profile is for {self.profile.model} ({self.profile.num_layers} "
+          f"layers); this model has {cfg.num_layers}: run `specjax profile` for it")
+    window = prompt_window(session, self.window)
+    weights = self._weights(session.cache.size)
+    state = KnapSpecState(window, DraftPlan.full(cfg.num_layers), self.max_gamma, 0, 0,
+                          weights, [])
+    return self._select(state, session)
+
+  def plan(self, state: KnapSpecState) -> DraftPlan:
+    return state.plan
+
+  def draft_length(self, state: KnapSpecState) -> int:
+    return state.gamma
+
+  def update(self, state: KnapSpecState, out, session) -> KnapSpecState:
+    n_commit = int(out.n_commit)
+    start = len(session.context) - 1 - n_commit  # position of the round's first input
+    window = push_round(state.window, out.residuals, jnp.int32(session.context[start]),
+                        out.tokens, jnp.int32(start), jnp.int32(n_commit))
+    state = dataclasses.replace(state, window=window, rounds=state.rounds + 1,
+                                total_rounds=state.total_rounds + 1)
+    if state.rounds >= self.interval:
+      state = self._select(state, session)
+    return state
+
+  # --- selection ------------------------------------------------------------------------
+  def _weights(self, n: int) -> np.ndarray:
+    w = self.profile.weights(n, self.cap)
+    if self.coupled:
+      w = w[0::2] + w[1::2]
+    return w
+
+  def _select(self, state: KnapSpecState, session) -> KnapSpecState:
+    cfg, n = session.config, session.cache.size
+    L = cfg.num_layers
+    items = sublayer_items(L, self.coupled)
+    weights = state.weights
+    slots = slots_for(weights)
+    cands = run_dp(session.state, session.cache, state.window, weights,
+                   np.zeros_like(weights), self.tau if self.prune else -1.0,
+                   graphdef=session.graphdef, items=items, slots=slots,
+                   agreement=self.objective == "tpt")
+    bits, alive, cosine, alpha = jax.device_get(
+        (cands.bits, cands.alive, cands.cosine, cands.agreement))
+    budgets = np.flatnonzero(alive)
+    if budgets.size == 0:  # everything pruned: draft with the full model's first layers
+      budgets = np.asarray([slots - 1]) if alive.size else np.asarray([0])
+    t_draft = self.profile.draft_time(bits[budgets], n)
+    gammas = np.arange(1, self.max_gamma + 1)
+    t_target = np.asarray([self.profile.t_target(n, g + 1) for g in gammas])
+    if self.objective == "tpt":
+      tpt = tokens_per_time(alpha[budgets, None], gammas[None], t_draft[:, None],
+                            t_target[None])  # [candidates, γ]
+      best = np.unravel_index(np.argmax(tpt), tpt.shape)
+      pick, gamma = budgets[best[0]], int(gammas[best[1]])
+      best_tpt = float(tpt[best])
+    else:
+      limit = self.cosine_share * float(np.sum(weights))
+      ok = budgets[budgets <= limit]
+      ok = ok if ok.size else budgets[:1]
+      pick, gamma = int(ok[np.argmax(cosine[ok])]), self.max_gamma
+      tpt = None
+      best_tpt = float("nan")
+    records = [dict(budget=int(b), alpha=float(alpha[b]), cosine=float(cosine[b]),
+                    t_draft=float(t_draft[i]),
+                    gamma=int(gammas[np.argmax(tpt[i])]) if tpt is not None else gamma,
+                    tpt=float(np.max(tpt[i])) if tpt is not None else float("nan"))
+               for i, b in enumerate(budgets)]
+    chosen = bits[pick]
+    sel = Selection(round=state.total_rounds, context=len(session.context),
+                    chosen_bits=chosen, gamma=gamma, predicted_tpt=best_tpt,
+                    candidates=records)
+    return dataclasses.replace(state, plan=bits_to_plan(chosen), gamma=gamma, rounds=0,
+                               selections=state.selections + [sel])
+

@@ -1,0 +1,238 @@
+"""Latency profile of one model on one device: what a sub-layer costs in a draft step.
+
+Measured inside the real draft executable (so conditionals, dispatch and cache reads are
+included) by difference: a step running every attention sub-layer and no MLP, minus a
+step running nothing, over L, is one attention sub-layer; likewise the MLP. The empty
+step is the base (embedding, final norm, LM head, loop). Verification is timed as the
+real verify executable over T = γ+1 tokens and as one AR step (T = 1).
+
+Each is the median of several repeats after warm-up, at several cache sizes n, and fit:
+`t_attn(n) = a·n + b`, `t_mlp = c`, base and verification linear in n. n is the cache
+allocation, not the number of valid tokens: the dense decode attention scans every slot
+(masked), so that is what the time follows.
+
+Profiles are saved as JSON per (model, device, dtype) under the specjax cache and reused;
+a profile made for another model or device is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.plan import DraftPlan
+
+
+class MissingProfileError(FileNotFoundError):
+  def __str__(self) -> str:
+    return self.args[0]
+
+
+class ProfileMismatchError(ValueError):
+  pass
+
+
+def device_name() -> str:
+  d = jax.devices()[0]
+  return f"{d.platform}-{re.sub(r'[^A-Za-z0-9]+', '_', d.device_kind).strip('_').lower()}"
+
+
+def _fit(xs, ys) -> tuple[float, float]:
+  """Least-squares y = slope·x + intercept (a constant when there is one point)."""
+  if len(xs) < 2:
+    return 0.0, float(ys[0])
+  slope, intercept = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
+  return float(slope), float(intercept)
+
+
+@dataclasses.dataclass(frozen=True)
+class LatencyProfile:
+  model: str
+  device: str
+  dtype: str
+  num_layers: int
+  verify_tokens: int  # T of the timed verification (γ + 1)
+  lengths: tuple[int, ...]  # cache sizes profiled
+  attn: tuple[float, ...]  # seconds per attention sub-layer, at each length
+  mlp: tuple[float, ...]
+  base: tuple[float, ...]  # draft step running no sub-layer
+  verify: tuple[float, ...]  # verification of `verify_tokens` tokens
+  step: tuple[float, ...]  # one AR step (T = 1)
+
+  # --- fits -----------------------------------------------------------------------------
+  def t_attn(self, n: float) -> float:
+    a, b = _fit(self.lengths, self.attn)
+    return max(a * n + b, 1e-7)
+
+  def t_mlp(self, n: float = 0) -> float:
+    return max(float(np.median(self.mlp)), 1e-7)
+
+  def t_base(self, n: float) -> float:
+    a, b = _fit(self.lengths, self.base)
+    return max(a * n + b, 0.0)
+
+  def t_target(self, n: float, tokens: int) -> float:
+    """Verification of `tokens` positions (linear between one AR step and γ+1 tokens)."""
+    a1, b1 = _fit(self.lengths, self.step)
+    a2, b2 = _fit(self.lengths, self.verify)
+    t1, t2 = a1 * n + b1, a2 * n + b2
+    frac = (tokens - 1) / max(self.verify_tokens - 1, 1)
+    return max(t1 + frac * (t2 - t1), 1e-7)
+
+  def sublayer_times(self, n: float) -> np.ndarray:
+    """Seconds per sub-layer in model order (attn_0, mlp_0, attn_1, ...)."""
+    t = np.empty(2 * self.num_layers)
+    t[0::2], t[1::2] = self.t_attn(n), self.t_mlp(n)
+    return t
+
+  def draft_time(self, bits: np.ndarray, n: float) -> np.ndarray:
+    """One draft step for each plan in bits[..., 2L] at cache size n."""
+    return self.t_base(n) + np.asarray(bits, float) @ self.sublayer_times(n)
+
+  def weights(self, n: float, cap: int = 5) -> np.ndarray:
+    """Integer knapsack weights per sub-layer: w = round(t / Δ), Δ = min(t_attn, t_mlp),
+    capped at `cap` (KnapSpec)."""
+    t = self.sublayer_times(n)
+    return np.clip(np.rint(t / t.min()), 1, cap).astype(np.int32)
+
+  # --- storage --------------------------------------------------------------------------
+  def check(self, model: str, num_layers: int, device: str | None = None) -> LatencyProfile:
+    device = device or device_name()
+    if self.model != model or self.num_layers != num_layers:
+      raise ProfileMismatchError(
+          f"the latency profile is for {self.model} ({self.num_layers} layers), not {model} "
+          f"({num_layers} layers): run `specjax profile --model {model}`")
+    if self.device != device:
+      raise ProfileMismatchError(
+          f"the latency profile was measured on {self.device}, this is {device}: run "
+          f"`specjax profile --model {model}` here")
+    return self
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, obj: dict) -> LatencyProfile:
+    fields = {f.name for f in dataclasses.fields(cls)}
+    if not fields <= set(obj):
+      raise ProfileMismatchError(f"not a latency profile: missing {sorted(fields - set(obj))}")
+    return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in obj.items()
+                  if k in fields})
+
+
+def profile_path(model: str, device: str | None = None, dtype: str = "float32") -> Path:
+  from specjax.registry import cache_root
+
+  return cache_root() / "profiles" / f"{model}__{device or device_name()}__{dtype}.json"
+
+
+def save_profile(profile: LatencyProfile, path: Path | None = None) -> Path:
+  path = Path(path or profile_path(profile.model, profile.device, profile.dtype))
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text(json.dumps(profile.to_json(), indent=1))
+  tmp.replace(path)
+  return path
+
+
+def load_profile(model: str, num_layers: int, path: Path | None = None,
+                 dtype: str = "float32") -> LatencyProfile:
+  """The saved profile for this model on this device; a clear error if there is none or
+  it was made for another model or device."""
+  path = Path(path or profile_path(model, dtype=dtype))
+  if not path.exists():
+    raise MissingProfileError(
+        f"no latency profile for {model} on {device_name()} ({path}): run "
+        f"`specjax profile --model {model}` first (about a minute on a CPU)")
+  try:
+    obj = json.loads(path.read_text())
+  except ValueError as err:
+    raise ProfileMismatchError(f"{path} is not a valid profile ({err}): run "
+                               f"`specjax profile --model {model}` again") from err
+  return LatencyProfile.from_json(obj).check(model, num_layers)
+
+
+def _median_time(fn, repeats: int, warmup: int = 2) -> float:
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t)
+  return statistics.median(times)
+
+
+def measure(model, lengths=(256, 1024, 2048, 4096), gamma: int = 4, repeats: int = 7,
+            verbose: bool = True) -> LatencyProfile:
+  """Profile a loaded model (`loader.LoadedModel`) at the given cache sizes."""
+  from tqdm.auto import tqdm
+
+  from specjax.engine import Draft, draft_step, verify_step
+  from specjax.generate import decode_step
+  from specjax.jit_cache import compiled
+  from specjax.kv_cache import KVCache
+  from specjax.sampling import SamplingParams
+
+  cfg, graphdef, state = model.config, model.graphdef, model.state
+  L = cfg.num_layers
+  lengths = tuple(sorted({min(int(n), cfg.max_context) for n in lengths}))
+  greedy = SamplingParams()
+  ones, zeros = np.ones(L, bool), np.zeros(L, bool)
+  plans = {name: DraftPlan.from_masks(a, m) for name, (a, m) in
+           dict(none=(zeros, zeros), attn=(ones, zeros), mlp=(zeros, ones)).items()}
+  full = DraftPlan.full(L)
+  key, last = jax.random.key(0), jnp.int32(1)
+  rows = {k: [] for k in ("attn", "mlp", "base", "verify", "step")}
+  for n in tqdm(lengths, desc=f"profile {model.name}", unit="length", disable=not verbose):
+    cache = KVCache.create(cfg, 1, n).with_length(n - gamma - 2)
+    length = n - gamma - 2  # a host int: the cache (and its length) is donated
+    draft = compiled(draft_step, state, cache, last, full, key, jnp.int32(1), graphdef=graphdef,
+                     vocab=cfg.vocab_size, gamma=1, threshold=0.0, sampling=greedy)
+    t = {name: _median_time(lambda p=p: draft(state, cache, last, p, key, jnp.int32(1)).n,
+                            repeats) for name, p in plans.items()}
+    rows["base"].append(t["none"])
+    rows["attn"].append(max(t["attn"] - t["none"], 0.0) / L)
+    rows["mlp"].append(max(t["mlp"] - t["none"], 0.0) / L)
+    proto = Draft(n=jnp.int32(gamma), tokens=jnp.ones((gamma,), jnp.int32), q_rows=None)
+    verify = compiled(verify_step, state, cache, last, proto, full, key, graphdef=graphdef,
+                      sampling=greedy, residuals=False)
+    step = compiled(decode_step, state, cache, jnp.ones((1,), jnp.int32), full, key,
+                    graphdef=graphdef, sampling=greedy)
+    holder = {"cache": cache}
+
+    def run_verify():
+      out, c = verify(state, holder["cache"], last, proto, full, key)
+      holder["cache"] = c.with_length(length)  # donated: keep the returned buffers
+      return out.n_commit
+
+    def run_step():
+      tok, c = step(state, holder["cache"], jnp.ones((1,), jnp.int32), full, key)
+      holder["cache"] = c.with_length(length)
+      return tok
+
+    rows["verify"].append(_median_time(run_verify, repeats))
+    rows["step"].append(_median_time(run_step, repeats))
+  dtype = str(jax.tree.leaves(state)[0].dtype)
+  return LatencyProfile(model=model.name, device=device_name(), dtype=dtype, num_layers=L,
+                        verify_tokens=gamma + 1, lengths=lengths,
+                        **{k: tuple(v) for k, v in rows.items()})
+
+
+def table(profile: LatencyProfile) -> str:
+  """Markdown table of the measured points (milliseconds)."""
+  lines = ["| cache n | attn sub-layer | MLP sub-layer | base (head) | AR step | "
+           f"verify T={profile.verify_tokens} |", "|" + " ---: |" * 6]
+  for i, n in enumerate(profile.lengths):
+    lines.append(f"| {n} | {profile.attn[i] * 1e3:.3f} | {profile.mlp[i] * 1e3:.3f} | "
+                 f"{profile.base[i] * 1e3:.2f} | {profile.step[i] * 1e3:.2f} | "
+                 f"{profile.verify[i] * 1e3:.2f} |")
+  return "\n".join(lines)
