@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from specjax.drafters.base import Drafter
+from specjax.drafters.clasp import ClaspDrafter
 from specjax.drafters.early_exit import EarlyExitDrafter
+from specjax.drafters.knapspec import KnapSpecDrafter
 from specjax.drafters.self_sd import SelfSDDrafter
 from specjax.drafters.static import StaticDrafter
 from specjax.drafters.swift import SwiftDrafter
 
 DRAFTERS: dict[str, type[Drafter]] = {
-    d.name: d for d in (StaticDrafter, EarlyExitDrafter, SelfSDDrafter, SwiftDrafter)
+    d.name: d for d in (StaticDrafter, EarlyExitDrafter, SelfSDDrafter, SwiftDrafter,
+                        ClaspDrafter, KnapSpecDrafter)
 }
 
 
@@ -24,5 +27,6 @@ def drafter_class(name: str) -> type[Drafter]:
   return DRAFTERS[name]
 
 
-__all__ = ["DRAFTERS", "Drafter", "EarlyExitDrafter", "SelfSDDrafter", "StaticDrafter",
-           "SwiftDrafter", "UnknownDrafterError", "drafter_class"]
+__all__ = ["DRAFTERS", "ClaspDrafter", "Drafter", "EarlyExitDrafter", "KnapSpecDrafter",
+           "SelfSDDrafter", "StaticDrafter", "SwiftDrafter", "UnknownDrafterError",
+           "drafter_class"]

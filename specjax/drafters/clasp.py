@@ -1,0 +1,80 @@
+"""`clasp`: per-round whole-layer selection by dynamic programming (CLaSp, Chen et al. 2025).
+
+Skip exactly `skip` layers. g[l][m] is the best residual state after l layers with m of
+them skipped, best meaning closest (cosine) to the full model's residual after layer l
+for the last verified token(s); g[l+1][m] comes from running layer l on g[l][m] or
+skipping it from g[l][m−1]. All m-branches of a layer run as one batched call against the
+verified KV cache (`layer_dp` with run cost 0, skip cost 1); the plan at m = `skip` is
+backtracked. Selection reruns every `interval` rounds on the newest verified tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import numpy as np
+
+from specjax.drafters.base import Drafter
+from specjax.layer_dp import run_dp, sublayer_items
+from specjax.layer_probe import Window, bits_to_plan, prompt_window, push_round
+from specjax.plan import DraftPlan, PlanError
+
+
+@dataclasses.dataclass
+class ClaspState:
+  window: Window
+  plan: DraftPlan
+  rounds: int  # since the last selection
+  plans: list[np.ndarray]  # bits chosen at each selection (for reports)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaspDrafter(Drafter):
+  name = "clasp"
+  wants_residuals: ClassVar[bool] = True
+  skip: int | None = None  # layers skipped; default half of them
+  window: int = 1  # verified tokens compared (CLaSp: the last one)
+  interval: int = 8  # rounds between selections
+
+  def __post_init__(self):
+    if self.skip is not None and self.skip < 0:
+      raise PlanError(f"clasp: cannot skip {self.skip} layers")
+    if self.window < 1 or self.interval < 1:
+      raise ValueError("window and interval must be >= 1")
+
+  def skip_for(self, num_layers: int) -> int:
+    skip = num_layers // 2 if self.skip is None else self.skip
+    if skip > num_layers:
+      raise PlanError(f"clasp: cannot skip {skip} layers of a {num_layers}-layer model")
+    return skip
+
+  def init(self, session, prior=None) -> ClaspState:
+    self.skip_for(session.config.num_layers)
+    state = ClaspState(prompt_window(session, self.window),
+                       DraftPlan.full(session.config.num_layers), 0, [])
+    return self._select(state, session)
+
+  def plan(self, state: ClaspState) -> DraftPlan:
+    return state.plan
+
+  def update(self, state: ClaspState, out, session) -> ClaspState:
+    import jax.numpy as jnp
+
+    n_commit = int(out.n_commit)
+    start = len(session.context) - 1 - n_commit
+    window = push_round(state.window, out.residuals, jnp.int32(session.context[start]),
+                        out.tokens, jnp.int32(start), jnp.int32(n_commit))
+    state = dataclasses.replace(state, window=window, rounds=state.rounds + 1)
+    return self._select(state, session) if state.rounds >= self.interval else state
+
+  def _select(self, state: ClaspState, session) -> ClaspState:
+    L = session.config.num_layers
+    skip = self.skip_for(L)
+    cands = run_dp(session.state, session.cache, state.window, np.zeros(L, np.int32),
+                   np.ones(L, np.int32), -1.0, graphdef=session.graphdef,
+                   items=sublayer_items(L, coupled=True), slots=skip + 1, agreement=False)
+    bits = np.asarray(jax.device_get(cands.bits[skip]))
+    return dataclasses.replace(state, plan=bits_to_plan(bits), rounds=0,
+                               plans=state.plans + [bits])

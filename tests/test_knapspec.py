@@ -1,0 +1,158 @@
+"""CLaSp and KnapSpec as drafters, and the latency profile they read: lossless (greedy ==
+AR) whatever they select, draft lengths chosen per round, weights that follow the
+profile, and clear errors for bad settings, missing or mismatched profiles."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from specjax import profiler
+from specjax.config import tiny_config
+from specjax.drafters import ClaspDrafter, KnapSpecDrafter
+from specjax.drafters.knapspec import slots_for, tokens_per_time
+from specjax.engine import speculative_generate
+from specjax.generate import generate
+from specjax.model import init_model
+from specjax.plan import PlanError
+from specjax.profiler import LatencyProfile, MissingProfileError, ProfileMismatchError
+from specjax.sampling import SamplingParams
+
+PROMPT = list(range(3, 40))
+
+
+@functools.cache
+def tiny(arch: str = "llama", layers: int = 6):
+  config = tiny_config(arch, num_layers=layers, vocab_size=97)
+  return (config, *nnx.split(init_model(config, seed=1)))
+
+
+def synthetic_profile(layers: int = 6, model: str = "tiny-llama", a: float = 2e-6,
+                      b: float = 1e-4, c: float = 3e-4) -> LatencyProfile:
+  """t_attn(n) = a·n + b, t_mlp = c, exactly (for weight tests and fast drafter tests)."""
+  lengths = (128, 1024, 4096)
+  return LatencyProfile(
+      model=model, device=profiler.device_name(), dtype="float32", num_layers=layers,
+      verify_tokens=5, lengths=lengths, attn=tuple(a * n + b for n in lengths),
+      mlp=(c,) * 3, base=(1e-3,) * 3, verify=tuple(8e-3 + 1e-6 * n for n in lengths),
+      step=tuple(5e-3 + 5e-7 * n for n in lengths))
+
+
+def run(drafter, arch="llama", n=40, sampling=SamplingParams(), gamma=5):
+  config, graphdef, state = tiny(arch)
+  return speculative_generate(graphdef, state, config, PROMPT, drafter, max_new_tokens=n,
+                              gamma=gamma, eos_ids=(), sampling=sampling)
+
+
+@functools.cache
+def ar(arch="llama", n=40):
+  config, graphdef, state = tiny(arch)
+  return generate(graphdef, state, config, PROMPT, max_new_tokens=n, eos_ids=()).tokens
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("kw", [dict(), dict(coupled=True), dict(objective="cosine"),
+                                dict(prune=False, window=3)])
+def test_knapspec_is_lossless(arch, kw):
+  out = run(KnapSpecDrafter(profile=synthetic_profile(), interval=2, **kw), arch)
+  assert out.tokens == ar(arch)
+  sel = out.drafter_state.selections
+  assert len(sel) >= 3  # selection reran during the generation
+  assert all(1 <= s.gamma <= 6 for s in sel)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_clasp_is_lossless_and_skips_exactly_m(arch):
+  out = run(ClaspDrafter(skip=2, interval=2), arch)
+  assert out.tokens == ar(arch)
+  for bits in out.drafter_state.plans:
+    assert np.sum(~bits[0::2]) == 2 and np.array_equal(bits[0::2], bits[1::2])
+
+
+def test_knapspec_uses_the_draft_length_it_chooses():
+  """Each round drafts at most the γ of the last selection (the engine caps it)."""
+
+  class Fixed(KnapSpecDrafter):
+    def draft_length(self, state):
+      return 2
+
+  out = run(Fixed(profile=synthetic_profile(), interval=4), gamma=5)
+  assert out.tokens == ar()
+  assert out.drafted <= 2 * out.rounds
+
+
+def test_knapspec_sampling_runs_and_stays_in_vocab():
+  out = run(KnapSpecDrafter(profile=synthetic_profile(), interval=3),
+            sampling=SamplingParams(0.8, 0.9))
+  assert len(out.tokens) == 40 and all(0 <= t < 97 for t in out.tokens)
+
+
+def test_weights_follow_the_profile():
+  p = synthetic_profile(a=2e-6, b=1e-4, c=3e-4)
+  # n = 100: t_attn = 3e-4 = t_mlp -> all ones.
+  np.testing.assert_array_equal(p.weights(100), np.ones(12))
+  # n = 1000: t_attn = 2.1e-3 = 7·t_mlp -> attention capped at 5, MLP 1.
+  w = p.weights(1000, cap=5)
+  np.testing.assert_array_equal(w[0::2], 5)
+  np.testing.assert_array_equal(w[1::2], 1)
+  # n = 400: t_attn = 9e-4 = 3·t_mlp.
+  np.testing.assert_array_equal(p.weights(400)[0::2], 3)
+  assert p.t_attn(1000) == pytest.approx(2.1e-3)
+  assert p.t_target(1000, 5) == pytest.approx(9e-3)
+  assert p.t_target(1000, 1) == pytest.approx(5.5e-3)
+  assert slots_for(p.weights(1000)) == 48  # 6·5 + 6·1 + 1 -> rounded up to 16
+
+
+def test_tokens_per_time():
+  # α = 0: one token per round; α = 1: γ + 1.
+  assert tokens_per_time(np.float64(0.0), 3, 1.0, 2.0) == pytest.approx(1 / 5)
+  assert tokens_per_time(np.float64(1.0), 3, 1.0, 2.0) == pytest.approx(4 / 5)
+  assert tokens_per_time(np.float64(0.5), 1, 1.0, 1.0) == pytest.approx(1.5 / 2)
+
+
+def test_measured_profile_round_trips_and_is_checked(tmp_path):
+  config, graphdef, state = tiny()
+
+  class Loaded:
+    name = "tiny-llama"
+
+  m = Loaded()
+  m.config, m.graphdef, m.state = config, graphdef, state
+  p = profiler.measure(m, lengths=(64, 128), gamma=2, repeats=2, verbose=False)
+  assert p.lengths == (64, 128) and all(t > 0 for t in p.verify + p.step + p.base)
+  assert p.weights(128).shape == (12,) and p.weights(128).min() >= 1
+  path = profiler.save_profile(p, tmp_path / "p.json")
+  assert profiler.load_profile("tiny-llama", 6, path) == p
+  with pytest.raises(ProfileMismatchError, match="specjax profile --model other"):
+    profiler.load_profile("other", 6, path)
+  obj = json.loads(path.read_text())
+  obj["device"] = "tpu-v9"
+  path.write_text(json.dumps(obj))
+  with pytest.raises(ProfileMismatchError, match="measured on tpu-v9"):
+    profiler.load_profile("tiny-llama", 6, path)
+  path.write_text("{not json")
+  with pytest.raises(ProfileMismatchError, match="not a valid profile"):
+    profiler.load_profile("tiny-llama", 6, path)
+  with pytest.raises(MissingProfileError, match="run `specjax profile --model tiny-llama`"):
+    profiler.load_profile("tiny-llama", 6, tmp_path / "none.json")
+
+
+def test_bad_settings_are_clear_errors():
+  p = synthetic_profile()
+  for tau in (0.0, -0.1, 1.5):
+    with pytest.raises(ValueError, match="tau must be in"):
+      KnapSpecDrafter(profile=p, tau=tau)
+  with pytest.raises(ValueError, match="needs a latency profile"):
+    KnapSpecDrafter()
+  with pytest.raises(ValueError, match="objective"):
+    KnapSpecDrafter(profile=p, objective="speed")
+  with pytest.raises(ProfileMismatchError, match="8 layers"):
+    run(KnapSpecDrafter(profile=synthetic_profile(layers=8)))
+  with pytest.raises(PlanError, match="cannot skip 9 layers of a 6-layer"):
+    run(ClaspDrafter(skip=9))
+  with pytest.raises(PlanError, match="cannot skip -1"):
+    ClaspDrafter(skip=-1)
