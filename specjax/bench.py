@@ -16,8 +16,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from specjax import data, docs, metrics
-from specjax.drafters import (EarlyExitDrafter, SelfSDDrafter, StaticDrafter, SwiftDrafter,
-                              drafter_class)
+from specjax.drafters import (ClaspDrafter, EarlyExitDrafter, KnapSpecDrafter, SelfSDDrafter,
+                              StaticDrafter, SwiftDrafter, drafter_class)
 from specjax.drafters import self_sd
 from specjax.drafters.static import load_plan, save_plan
 from specjax.engine import speculative_generate
@@ -36,7 +36,7 @@ class BenchConfig:
   max_new_tokens: int
   max_turns: int
   gamma: int
-  threshold: float
+  threshold: float | None  # None: each drafter's own
   temperature: float
   top_p: float
   seed: int
@@ -89,8 +89,26 @@ def _make_drafter(name: str, cfg: BenchConfig, model, out_dir: Path, search_prom
             f"predicted {res.objective:.2f}x, agreement {res.alpha:.2f}); benchmarking it "
             f"anyway", file=sys.stderr)
     return SelfSDDrafter(res.plan)
+  if name == "clasp":
+    return ClaspDrafter()
+  if name == "knapspec":
+    return KnapSpecDrafter(profile=latency_profile(model, cfg.gamma))
   drafter_class(name)  # raises UnknownDrafterError with the list of names
   raise ValueError(f"drafter {name!r} is not benchmarked by `specjax bench` yet")
+
+
+def latency_profile(model, gamma: int, verbose: bool = True):
+  """The saved latency profile of this model on this device; measured now (and saved)
+  when there is none. A profile of another model or device is refused, not replaced."""
+  from specjax import profiler
+
+  try:
+    return profiler.load_profile(model.name, model.config.num_layers)
+  except profiler.MissingProfileError as err:
+    print(f"{err}\nrunning the profiler now", file=sys.stderr)
+    prof = profiler.measure(model, gamma=gamma, verbose=verbose)
+    profiler.save_profile(prof)
+    return prof
 
 
 def _read_records(path: Path) -> list[dict]:
@@ -291,7 +309,7 @@ def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict) -> 
   body = "\n".join([
       f"## SSD vs AR on Spec-Bench ({cfg.model})", "",
       f"{n} prompts ({cfg.per_category} per category), {cfg.max_new_tokens} new tokens, "
-      f"γ = {cfg.gamma}, threshold {cfg.threshold}, "
+      f"γ ≤ {cfg.gamma}, threshold {'per drafter (0.8; KnapSpec 0.7)' if cfg.threshold is None else cfg.threshold}, "
       f"{'greedy' if cfg.temperature == 0 else f'T={cfg.temperature}'}; AR and every drafter "
       f"in the same process. Machine: {docs.machine()}.", "",
       table, "", "Speedup vs AR by category:", "", cat_table,
@@ -305,7 +323,7 @@ def _command(cfg: BenchConfig) -> str:
 
   parts = [f"specjax bench --model {cfg.model} --per-category {cfg.per_category}",
            f"--max-new-tokens {cfg.max_new_tokens} --drafters {','.join(cfg.drafters)}",
-           f"--gamma {cfg.gamma} --threshold {cfg.threshold}",
+           f"--gamma {cfg.gamma}" + ("" if cfg.threshold is None else f" --threshold {cfg.threshold}"),
            f"--search-iterations {cfg.search_iterations}"]
   if tuple(cfg.categories) != SPEC_BENCH_CATEGORIES:
     parts.append(f"--categories {','.join(cfg.categories)}")

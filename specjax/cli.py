@@ -87,6 +87,25 @@ def _cmd_bench(args: argparse.Namespace) -> int:
   return 0
 
 
+def _cmd_profile(args: argparse.Namespace) -> int:
+  from specjax import profiler
+  from specjax.loader import load_model
+
+  lengths = tuple(int(n) for n in args.lengths.split(",") if n)
+  if not lengths or min(lengths) < args.gamma + 8:
+    raise ValueError(f"--lengths must be cache sizes above {args.gamma + 8}, got {args.lengths}")
+  model = load_model(args.model)
+  prof = profiler.measure(model, lengths=lengths, gamma=args.gamma, repeats=args.repeats)
+  path = profiler.save_profile(prof, args.out)
+  print(profiler.table(prof))
+  print(f"t_attn(n) = {prof.t_attn(1) - prof.t_attn(0):.3e}·n + {prof.t_attn(0):.3e} s, "
+        f"t_mlp = {prof.t_mlp():.3e} s; saved to {path}", file=sys.stderr)
+  print(json.dumps({"model": prof.model, "device": prof.device, "path": str(path),
+                    **{k: getattr(prof, k) for k in ("lengths", "attn", "mlp", "base",
+                                                      "step", "verify")}}))
+  return 0
+
+
 def _cmd_data_fetch(args: argparse.Namespace) -> int:
   from specjax import data
 
@@ -119,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
   p = sub.add_parser("bench", help="AR vs every drafter on a Spec-Bench subset")
   p.add_argument("--model", default=DEFAULT_MODEL)
   p.add_argument("--drafters", default="early_exit,self_sd,swift",
-                 help="comma-separated: static, early_exit, self_sd, swift")
+                 help="comma-separated: static, early_exit, self_sd, swift, clasp, knapspec")
   p.add_argument("--plan", help="plan file for the static drafter")
   p.add_argument("--categories", default="", help="comma-separated; default all 13")
   p.add_argument("--per-category", type=int, default=1,
@@ -127,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--max-turns", type=int, default=1, help="MT-bench prompts have 2 turns")
   p.add_argument("--gamma", type=int, default=4, help="maximum draft length")
-  p.add_argument("--threshold", type=float, default=0.8, help="draft early-stop top-1 prob")
+  p.add_argument("--threshold", type=float, default=None,
+                 help="draft early-stop top-1 prob (default: each drafter's, 0.8 / KnapSpec 0.7)")
   p.add_argument("--temperature", type=float, default=0.0)
   p.add_argument("--top-p", type=float, default=1.0)
   p.add_argument("--seed", type=int, default=0)
@@ -139,6 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--write-docs", action="store_true",
                  help="regenerate this model's section of docs/BENCHMARKS.md")
   p.set_defaults(func=_cmd_bench)
+
+  p = sub.add_parser("profile", help="time attention / MLP sub-layers and verification "
+                     "at several context lengths (KnapSpec reads it)")
+  p.add_argument("--model", default=DEFAULT_MODEL)
+  p.add_argument("--lengths", default="256,1024,2048,4096", help="cache sizes to time")
+  p.add_argument("--gamma", type=int, default=4, help="verification is timed on γ+1 tokens")
+  p.add_argument("--repeats", type=int, default=7, help="timed repeats per point (median)")
+  p.add_argument("--out", help="profile file (default: the specjax cache, per model/device)")
+  p.set_defaults(func=_cmd_profile)
 
   p = sub.add_parser("data", help="prompt sets")
   data_sub = p.add_subparsers(dest="data_command", required=True)

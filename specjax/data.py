@@ -144,3 +144,82 @@ def task_stream(
       pools[current] = list(domains[current])
       rng.shuffle(pools[current])
     yield pools[current].pop()
+
+
+@dataclasses.dataclass(frozen=True)
+class LongPrompt:
+  id: str
+  ids: tuple[int, ...]  # token ids, chat template applied
+  documents: int  # how many documents went in
+  question: str
+
+
+def _documents(directory) -> list[tuple[str, str]]:
+  """(body, question) pairs from Spec-Bench's long inputs: rag passages with their
+  question, news articles with a summarisation request."""
+  docs = []
+  for p in load_spec_bench(directory, ("rag", "summarization")):
+    text = p.turns[0].strip()
+    if p.category == "rag":
+      body, _, question = text.rpartition("\n")
+      docs.append((body.strip(), question.strip()))
+    else:
+      body = text.removeprefix("Summarize:").strip()
+      docs.append((body, "Summarize that document in three sentences."))
+  return docs
+
+
+def long_context_prompts(tokenizer, target_tokens: int, count: int = 1,
+                         directory: str | Path | None = None, seed: int = 0) -> list[LongPrompt]:
+  """Prompts of about `target_tokens` tokens (within 2 %, never over) made of real
+  documents — Spec-Bench rag passages and summarisation articles, concatenated and
+  numbered — followed by a question about the last one (its rag question, or a summary
+  request). Prompt k starts at a different document."""
+  docs = _documents(directory)
+  rng = random.Random(seed)
+  order = list(range(len(docs)))
+  rng.shuffle(order)
+  out = []
+  for k in range(count):
+    parts: list[str] = []
+    i = k * 7  # each prompt starts elsewhere in the shuffled order
+    ids: list[int] = []
+    question = ""
+    while True:
+      body, q = docs[order[i % len(order)]]
+      trial = parts + [f"Document {len(parts) + 1}:\n{body}"]
+      text = "\n\n".join(trial) + f"\n\nQuestion about document {len(trial)}: {q}"
+      trial_ids = _encode_user(tokenizer, text)
+      if len(trial_ids) > target_tokens:
+        break
+      parts, ids, question = trial, trial_ids, q
+      i += 1
+      if i - k * 7 > len(order):
+        raise ValueError(f"not enough documents for {target_tokens} tokens")
+    # Fill the rest with the beginning of the next document, cut to fit.
+    body, q = docs[order[i % len(order)]]
+    words = body.split()
+    lo, hi = 0, len(words)
+    while lo < hi:  # the longest prefix of words that still fits
+      mid = (lo + hi + 1) // 2
+      trial = parts + [f"Document {len(parts) + 1}:\n{' '.join(words[:mid])}"]
+      text = "\n\n".join(trial) + f"\n\nQuestion about document {len(trial)}: {q}"
+      if len(_encode_user(tokenizer, text)) <= target_tokens:
+        lo = mid
+      else:
+        hi = mid - 1
+    if lo > 0:
+      parts = parts + [f"Document {len(parts) + 1}:\n{' '.join(words[:lo])}"]
+      question = q
+      text = "\n\n".join(parts) + f"\n\nQuestion about document {len(parts)}: {q}"
+      ids = _encode_user(tokenizer, text)
+    if not ids:
+      raise ValueError(f"target of {target_tokens} tokens is too short for one document")
+    out.append(LongPrompt(f"long/{target_tokens}/{k}", tuple(ids), len(parts), question))
+  return out
+
+
+def _encode_user(tokenizer, text: str) -> list[int]:
+  if getattr(tokenizer, "is_chat", False):
+    return tokenizer.encode_chat([{"role": "user", "content": text}])
+  return tokenizer.encode(text)

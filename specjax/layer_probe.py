@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.jit_cache import compiled
 from specjax.kv_cache import KVCache
 from specjax.model import Block, Transformer
 from specjax.plan import DraftPlan
@@ -133,8 +134,8 @@ def prompt_window(session, size: int) -> Window:
   n = min(size, end)
   start = end - n
   span = jnp.asarray(ctx[start:end] + [0] * (size - n), jnp.int32)  # padding after: causal
-  res = full_residuals(session.state, session.cache, span, jnp.int32(start),
-                       graphdef=session.graphdef)
+  args = (session.state, session.cache, span, jnp.int32(start))
+  res = compiled(full_residuals, *args, graphdef=session.graphdef)(*args)
   pad = size - n  # valid rows go last, as push_round expects
   positions = np.concatenate([np.full(pad, start, np.int32),
                               np.arange(start, end, dtype=np.int32)])
@@ -145,8 +146,15 @@ def prompt_window(session, size: int) -> Window:
                 residuals=res[:, rows], valid=jnp.asarray(np.arange(size) >= pad))
 
 
-@jax.jit
 def push_round(window: Window, residuals: jax.Array, last: jax.Array, committed: jax.Array,
+               start: jax.Array, n_commit: jax.Array) -> Window:
+  """`push_step`, compiled ahead of time per round shape."""
+  args = (window, residuals, last, committed, start, n_commit)
+  return compiled(push_step, *args)(*args)
+
+
+@jax.jit
+def push_step(window: Window, residuals: jax.Array, last: jax.Array, committed: jax.Array,
                start: jax.Array, n_commit: jax.Array) -> Window:
   """Append one round's verified rows (the first n_commit of [last, accepted drafts]) and
   keep the newest W. residuals[2L, T, D] come from the verify pass, committed[T] are the

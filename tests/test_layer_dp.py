@@ -17,7 +17,8 @@ from flax import nnx
 from specjax.config import tiny_config
 from specjax.generate import prefill_step
 from specjax.kv_cache import KVCache
-from specjax.layer_dp import layer_dp, run_dp, sublayer_items
+from specjax.jit_cache import compiled_count
+from specjax.layer_dp import run_dp, sublayer_items
 from specjax.layer_probe import (Window, bits_to_plan, full_residuals, plan_to_bits,
                                  run_sublayers)
 from specjax.model import apply, init_model
@@ -189,8 +190,8 @@ def test_new_states_weights_and_windows_do_not_recompile():
     run_dp(state, cache.with_length(len(PROMPT) - k), win, cost, np.zeros_like(cost), 0.5,
            graphdef=graphdef, items=items, slots=16, agreement=True)
     if before is None:
-      before = layer_dp._cache_size()
-  assert layer_dp._cache_size() == before
+      before = compiled_count()
+  assert compiled_count() == before
 
 
 def test_plan_bits_round_trip():
