@@ -1,0 +1,318 @@
+"""AR vs Self-SD / SWIFT / CLaSp / KnapSpec on Spec-Bench prompts and on long prompts of
+growing length, all in one process (speedups are ratios measured in the same run).
+
+For each workload (Spec-Bench, then one per context length) and each prompt: AR, then
+every drafter; greedy outputs are checked against AR's. Per method: tokens/s, speedup, M,
+α, KnapSpec's predicted TPT, and the share of decode time spent in selection. Also:
+  * the masks KnapSpec chose, over rounds and over context length (a plot);
+  * predicted TPT vs measured throughput across KnapSpec's candidates (Pearson r): the
+    candidates of one selection, each decoded as a fixed plan with its own γ.
+Results are appended to results.jsonl prompt by prompt; --resume continues a crashed run.
+The last output line is one JSON object with the figures.
+
+  python experiments/bench_long_context.py --model smollm2-135m-instruct \
+      --contexts 1024,2048,4096 --write-docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).parent))
+import report  # noqa: E402
+
+from specjax import bench, data, metrics  # noqa: E402
+from specjax.drafters import KnapSpecDrafter, StaticDrafter  # noqa: E402
+from specjax.engine import speculative_generate  # noqa: E402
+from specjax.generate import generate  # noqa: E402
+from specjax.layer_probe import bits_to_plan  # noqa: E402
+from specjax.loader import load_model  # noqa: E402
+
+SPEC_CATEGORIES = ("writing", "qa", "math_reasoning", "translation", "summarization", "rag")
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedDrafter(StaticDrafter):
+  """A fixed plan with a fixed draft length: one KnapSpec candidate, measured alone."""
+
+  name = "fixed"
+  gamma: int = 4
+  threshold = 0.7
+
+  def draft_length(self, state) -> int:
+    return self.gamma
+
+
+def workloads(model, args) -> list[tuple[str, list[tuple[str, list[int]]]]]:
+  """[(workload, [(prompt id, token ids)])]: Spec-Bench first, then each context length."""
+  tok = model.tokenizer
+  spec = data.load_spec_bench(args.data_dir, SPEC_CATEGORIES, per_category=args.spec_bench)
+  out = [("spec-bench", [(p.id, tok.encode_chat([{"role": "user", "content": p.turns[0]}]))
+                         for p in spec])] if args.spec_bench else []
+  for n in args.contexts:
+    if n + args.max_new_tokens + args.gamma + 1 > model.config.max_context:
+      print(f"skipping {n}: beyond {model.name}'s context of {model.config.max_context}",
+            file=sys.stderr)
+      continue
+    prompts = data.long_context_prompts(tok, n, args.prompts, args.data_dir)
+    out.append((f"ctx-{n}", [(p.id, list(p.ids)) for p in prompts]))
+  return out
+
+
+def make_drafters(model, args, out_dir: Path) -> dict:
+  cfg = bench.BenchConfig(
+      model=model.name, drafters=tuple(args.drafters), per_category=1,
+      categories=data.SPEC_BENCH_CATEGORIES, max_new_tokens=args.max_new_tokens, max_turns=1,
+      gamma=args.gamma, threshold=None, temperature=0.0, top_p=1.0, seed=0,
+      search_iterations=args.search_iterations, plan_file=None)
+  # Self-SD searches once, on Spec-Bench prompts not used for evaluation.
+  search = [p for p in data.load_spec_bench(args.data_dir) if p.category in SPEC_CATEGORIES]
+  search = [ps for ps in ([p for p in search if p.category == c] for c in SPEC_CATEGORIES)]
+  search_prompts = [ps[-1] for ps in search if ps][:6]
+  drafters = {}
+  for name in args.drafters:
+    if name == "knapspec":
+      drafters[name] = KnapSpecDrafter(profile=bench.latency_profile(model, args.gamma),
+                                       interval=args.interval, window=args.window,
+                                       max_gamma=args.gamma)
+    else:
+      drafters[name] = bench._make_drafter(name, cfg, model, out_dir, search_prompts)
+  return drafters
+
+
+def record(workload, pid, method, g, ar_tokens=None) -> dict:
+  rec = dict(workload=workload, prompt_id=pid, category=workload, method=method,
+             prompt_tokens=len(g.prompt_tokens), decode_tokens=len(g.tokens) - 1,
+             decode_s=g.decode_s, prefill_s=g.prefill_s, tokens=g.tokens)
+  if method != metrics.AR:
+    for k in ("rounds", "drafted", "accepted", "committed", "draft_s", "verify_s",
+              "selection_s", "other_s"):
+      rec[k] = getattr(g, k)
+    rec["matches_ar"] = g.tokens == ar_tokens
+  else:
+    rec["verify_s"] = g.decode_s
+  if method == "knapspec":
+    st = g.drafter_state
+    rec["selections"] = [dict(round=s.round, context=s.context, gamma=s.gamma,
+                              bits=np.asarray(s.chosen_bits).astype(int).tolist(),
+                              predicted_tpt=s.predicted_tpt, candidates=s.candidates)
+                         for s in st.selections]
+  return rec
+
+
+def tpt_correlation(model, ids, sel: dict, args, ar_tps: float) -> dict:
+  """Decode with each of (up to) `args.tpt_candidates` candidates of one selection as a
+  fixed plan with its own γ; Pearson r of predicted TPT vs measured tokens/s."""
+  cands = sorted(sel["candidates"], key=lambda c: c["budget"])
+  take = np.unique(np.linspace(0, len(cands) - 1, min(args.tpt_candidates, len(cands)))
+                   .astype(int))
+  rows = []
+  for i in take:
+    c = cands[i]
+    d = FixedDrafter(bits_to_plan(np.asarray(c["bits"], bool)), gamma=c["gamma"])
+    g = speculative_generate(model.graphdef, model.state, model.config, ids, d,
+                             max_new_tokens=args.max_new_tokens, gamma=args.gamma)
+    rows.append(dict(budget=c["budget"], gamma=c["gamma"], alpha_hat=c["alpha"],
+                     predicted=c["tpt"], measured=g.decode_tokens_per_s,
+                     measured_alpha=g.acceptance_rate))
+  pred = np.asarray([r["predicted"] for r in rows])
+  meas = np.asarray([r["measured"] for r in rows])
+  r = float(np.corrcoef(pred, meas)[0, 1]) if len(rows) > 2 and np.std(pred) > 0 else None
+  return dict(rows=rows, pearson=r, ar_tokens_per_s=ar_tps)
+
+
+def run(args) -> dict:
+  out_dir = Path(args.out or f"runs/long-context-{args.model}")
+  out_dir.mkdir(parents=True, exist_ok=True)
+  path = out_dir / "results.jsonl"
+  done = {(r["workload"], r["prompt_id"]) for r in bench._read_records(path)
+          if r.get("method") == "complete"} if args.resume else set()
+  if path.exists() and not args.resume:
+    raise SystemExit(f"{path} exists: pass --resume to continue it, or choose another --out")
+  model = load_model(args.model)
+  drafters = make_drafters(model, args, out_dir)
+  work = workloads(model, args)
+  total = sum(len(ps) for _, ps in work)
+  bar = tqdm(total=total, desc=f"long-context {model.name}", unit="prompt")
+  for workload, prompts in work:
+    for j, (pid, ids) in enumerate(prompts):
+      if (workload, pid) in done:
+        bar.update()
+        continue
+      kw = dict(max_new_tokens=args.max_new_tokens)
+      ar = generate(model.graphdef, model.state, model.config, ids, **kw)
+      recs = [record(workload, pid, metrics.AR, ar)]
+      carried = {}
+      for name, d in drafters.items():
+        g = speculative_generate(model.graphdef, model.state, model.config, ids, d,
+                                 gamma=args.gamma, drafter_state=carried.get(name), **kw)
+        if name == "swift":
+          carried[name] = g.drafter_state
+        recs.append(record(workload, pid, name, g, ar.tokens))
+      if j == 0 and workload != "spec-bench" and args.tpt_candidates and "knapspec" in drafters:
+        sel = next(r for r in recs if r["method"] == "knapspec")["selections"][0]
+        recs.append(dict(workload=workload, prompt_id=pid, method="tpt_correlation",
+                         **tpt_correlation(model, ids, sel, args, ar.decode_tokens_per_s)))
+      recs.append(dict(workload=workload, prompt_id=pid, method="complete"))
+      with path.open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in recs))
+      bar.update()
+  bar.close()
+  return finish(model, args, out_dir, bench._read_records(path))
+
+
+def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
+  runs = [r for r in records if r["method"] not in ("complete", "tpt_correlation")]
+  methods = [metrics.AR] + list(args.drafters)
+  order = list(dict.fromkeys(r["workload"] for r in runs))
+  summary = {w: metrics.summarize([r for r in runs if r["workload"] == w]) for w in order}
+  ctx_len = {w: int(np.mean([r["prompt_tokens"] for r in runs if r["workload"] == w]))
+             for w in order}
+  tpt = {}
+  for w in order:
+    ks = [s for r in runs if r["workload"] == w and r["method"] == "knapspec"
+          for s in r["selections"]]
+    tpt[w] = float(np.mean([s["predicted_tpt"] for s in ks])) if ks else None
+  header = ["workload", "prompt tokens", "method", "tok/s", "speedup", "M", "α",
+            "selection share", "mismatches"]
+  rows = []
+  for w in order:
+    for m in methods:
+      s = summary[w].get(m)
+      if not s:
+        continue
+      if m == metrics.AR:
+        rows.append([w, ctx_len[w], "AR", round(s["tokens_per_s"], 1), "1.00", "–", "–", "–",
+                     "–"])
+      else:
+        rows.append([w, ctx_len[w], m, round(s["tokens_per_s"], 1), f"{s['speedup']:.2f}",
+                     f"{s['M']:.2f}", f"{s['alpha']:.2f}", f"{s['selection_share']:.0%}",
+                     s["mismatches"]])
+  table = report.markdown_table(header, rows)
+  corr = [r for r in records if r["method"] == "tpt_correlation"]
+  corr_rows = [[c["workload"], len(c["rows"]),
+                "n/a" if c["pearson"] is None else f"{c['pearson']:.2f}",
+                f"{min(x['measured'] for x in c['rows']):.1f}–"
+                f"{max(x['measured'] for x in c['rows']):.1f}",
+                f"{min(x['predicted'] for x in c['rows']):.1f}–"
+                f"{max(x['predicted'] for x in c['rows']):.1f}"] for c in corr]
+  corr_table = report.markdown_table(
+      ["workload", "candidates", "Pearson r", "measured tok/s", "predicted TPT"], corr_rows)
+  masks_png = plot_masks(runs, order, out_dir / "knapspec_masks.png")
+  print(f"\n{table}\n\nKnapSpec predicted TPT vs measured throughput\n{corr_table}\n")
+  figures = {
+      "model": model.name,
+      "workloads": {w: {m: {k: (round(v, 4) if isinstance(v, float) else v)
+                            for k, v in s.items()} for m, s in summary[w].items()}
+                    for w in order},
+      "prompt_tokens": ctx_len,
+      "knapspec_predicted_tpt": tpt,
+      "tpt_pearson": {c["workload"]: c["pearson"] for c in corr},
+      "mismatches": sum(s.get("mismatches", 0) for w in order for s in summary[w].values()),
+  }
+  if args.write_docs:
+    import shutil
+
+    img = report.DOCS.parent / "img" / f"knapspec_masks_{model.name}.png"
+    if masks_png:
+      img.parent.mkdir(exist_ok=True)
+      shutil.copy(masks_png, img)
+    body = "\n".join([
+        f"## Long context: layer-skipping drafters vs AR ({model.name})", "",
+        f"Spec-Bench ({args.spec_bench} prompt per category of {', '.join(SPEC_CATEGORIES)}) "
+        f"and long prompts built from Spec-Bench rag/summarization documents "
+        f"({args.prompts} per length), {args.max_new_tokens} new tokens, greedy, γ ≤ "
+        f"{args.gamma}; KnapSpec window {args.window} tokens, selection every "
+        f"{args.interval} rounds. AR and every drafter in the same process. "
+        f"Machine: {report.machine()}.", "", table, "",
+        "KnapSpec: predicted tokens-per-time vs measured throughput across the candidates "
+        "of one selection (each decoded as a fixed plan with its own γ):", "", corr_table,
+        "", f"![KnapSpec masks](img/{img.name})" if masks_png else ""])
+    report.write_section(f"long-context-{model.name}", body)
+  return figures
+
+
+def plot_masks(runs: list[dict], order: list[str], path: Path) -> Path | None:
+  """Left: the sub-layers KnapSpec ran at each selection of one prompt per workload
+  (columns), attention and MLP rows apart. Right: share of attention / MLP sub-layers
+  run vs prompt length."""
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return None
+  ks = [r for r in runs if r["method"] == "knapspec"]
+  if not ks:
+    return None
+  first = {}
+  for r in ks:
+    first.setdefault(r["workload"], r)
+  cols, labels = [], []
+  for w in order:
+    if w in first:
+      for s in first[w]["selections"]:
+        cols.append(s["bits"])
+        labels.append(f"{w}@{s['round']}")
+  bits = np.asarray(cols, float).T  # [2L, selections]
+  L = bits.shape[0] // 2
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5),
+                                 gridspec_kw=dict(width_ratios=[2.2, 1]))
+  ax1.imshow(np.concatenate([bits[0::2], bits[1::2]]), aspect="auto", cmap="Greys",
+             interpolation="nearest")
+  ax1.axhline(L - 0.5, color="r", lw=1)
+  ax1.set_yticks([L / 2, 1.5 * L], ["attention", "MLP"])
+  ax1.set_xticks(range(len(labels)), labels, rotation=70, fontsize=6)
+  ax1.set_title("sub-layers run (black) at each selection")
+  xs, att, mlp = [], [], []
+  for r in ks:
+    for s in r["selections"]:
+      b = np.asarray(s["bits"], float)
+      xs.append(s["context"])
+      att.append(b[0::2].mean())
+      mlp.append(b[1::2].mean())
+  ax2.scatter(xs, att, s=10, label="attention run")
+  ax2.scatter(xs, mlp, s=10, marker="x", label="MLP run")
+  ax2.set_xscale("log")
+  ax2.set_xlabel("context tokens")
+  ax2.set_ylabel("share of sub-layers run")
+  ax2.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--model", default="smollm2-135m-instruct")
+  p.add_argument("--contexts", default="1024,2048,4096")
+  p.add_argument("--prompts", type=int, default=2, help="long prompts per context length")
+  p.add_argument("--spec-bench", type=int, default=1, help="Spec-Bench prompts per category")
+  p.add_argument("--drafters", default="self_sd,swift,clasp,knapspec")
+  p.add_argument("--max-new-tokens", type=int, default=64)
+  p.add_argument("--gamma", type=int, default=4)
+  p.add_argument("--interval", type=int, default=16, help="KnapSpec rounds between selections")
+  p.add_argument("--window", type=int, default=4, help="KnapSpec verified tokens scored")
+  p.add_argument("--tpt-candidates", type=int, default=6)
+  p.add_argument("--search-iterations", type=int, default=40)
+  p.add_argument("--data-dir")
+  p.add_argument("--out")
+  p.add_argument("--resume", action="store_true")
+  p.add_argument("--write-docs", action="store_true")
+  args = p.parse_args(argv)
+  args.contexts = [int(n) for n in args.contexts.split(",") if n]
+  args.drafters = [d for d in args.drafters.split(",") if d]
+  report.print_json(run(args))
+
+
+if __name__ == "__main__":
+  main()
