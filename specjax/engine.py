@@ -62,15 +62,17 @@ def _draft(state, cache, last, plan, key, limit, *, graphdef, vocab, gamma, thre
     pos = jnp.reshape(cache.length + i, (1, 1))
     out, buffer = apply(state, cache, token[None, None], pos, plan, graphdef=graphdef,
                         logits="last", buffer=buffer)
-    logits = out.logits[0, 0]
+    logits = out.logits[0, 0]  # [V], or [K] over the plan's shortlist
     if sampling.greedy:
-      nxt = jnp.argmax(logits).astype(jnp.int32)
+      nxt = to_vocab(plan, jnp.argmax(logits).astype(jnp.int32))
       confidence = jnp.max(jax.nn.softmax(logits))
     else:
       key, sub = jax.random.split(key)
       q = probs(logits, sampling)
-      nxt = jax.random.categorical(sub, jnp.log(q)).astype(jnp.int32)
+      nxt = to_vocab(plan, jax.random.categorical(sub, jnp.log(q)).astype(jnp.int32))
       confidence = jnp.max(q)
+      if plan.vocab is not None:  # the draft's distribution over the whole vocabulary
+        q = jnp.zeros((vocab,), q.dtype).at[jnp.maximum(plan.vocab, 0)].add(q)
       q_rows = q_rows.at[i].set(q)
     drafts = drafts.at[i].set(nxt)
     return i + 1, buffer, nxt, drafts, q_rows, confidence >= threshold, key
@@ -79,6 +81,11 @@ def _draft(state, cache, last, plan, key, limit, *, graphdef, vocab, gamma, thre
           jnp.bool_(True), key)
   n, _, _, drafts, q_rows, _, _ = jax.lax.while_loop(cond, body, init)
   return n, drafts, q_rows
+
+
+def to_vocab(plan: DraftPlan, idx: jax.Array) -> jax.Array:
+  """An index into the draft's logits -> a vocabulary id (identity without a shortlist)."""
+  return idx if plan.vocab is None else plan.vocab[idx]
 
 
 def _accept_greedy(drafts, n, logits):
@@ -200,7 +207,7 @@ def agreement(
   view = cache.with_length(start)
   out, _ = apply(state, view, tokens[None], positions_for(view, W, 1), plan,
                  graphdef=graphdef, logits="all", write_cache=False)
-  return jnp.mean(jnp.argmax(out.logits[0], axis=-1) == targets)
+  return jnp.mean(to_vocab(plan, jnp.argmax(out.logits[0], axis=-1)) == targets)
 
 
 @dataclasses.dataclass
@@ -308,9 +315,17 @@ def speculative_generate(
   prefill = compiled(prefill_step, state, cache, prompt, n, full, key, graphdef=graphdef,
                      sampling=sampling)
   last0 = prompt[0, 0]
-  drafter_exe = compiled(draft_step, state, cache, last0, full, key, jnp.int32(gamma),
-                         **d_static)
-  proto = drafter_exe.out_info  # the Draft's shapes, without tracing the draft again
+  draft_exes = {}
+
+  def drafter_exe(plan: DraftPlan):
+    """The draft executable for this plan's structure (a shortlist adds a field)."""
+    sig = (jax.tree.structure(plan), tuple(x.shape for x in jax.tree.leaves(plan)))
+    if sig not in draft_exes:
+      draft_exes[sig] = compiled(draft_step, state, cache, last0, plan, key, jnp.int32(gamma),
+                                 **d_static)
+    return draft_exes[sig]
+
+  proto = drafter_exe(full).out_info  # the Draft's shapes, without tracing the draft again
 
   def verifier(length: int):
     """The verify executable for a draft length (compiled on first use, timed apart)."""
@@ -348,9 +363,10 @@ def speculative_generate(
     key, k_draft, k_accept = jax.random.split(key, 3)
     last = jnp.asarray(tokens[-1], jnp.int32)
     t_b, c1 = time.perf_counter(), compile_seconds()
+    drafter_exe(plan)  # compiled here (timed as compilation) the first time a structure shows
     verify = verifier(length)  # a dict lookup, or a compile the first time (not timed)
     t_c = time.perf_counter()
-    draft = drafter_exe(state, cache, last, plan, k_draft, jnp.int32(length))
+    draft = drafter_exe(plan)(state, cache, last, plan, k_draft, jnp.int32(length))
     draft.n.block_until_ready()
     t_v = time.perf_counter()
     out, cache = verify(state, cache, last, draft, full, k_accept)

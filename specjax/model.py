@@ -262,6 +262,18 @@ class Transformer(nnx.Module):
       return jnp.einsum("btd,vd->btv", h, self.embedding[...], preferred_element_type=jnp.float32)
     return jnp.einsum("btd,dv->btv", h, self.lm_head[...], preferred_element_type=jnp.float32)
 
+  def head_shortlist(self, hidden: jax.Array, ids: jax.Array) -> jax.Array:
+    """Logits over the shortlist ids[K] only (a gather of K head rows, then the matmul);
+    padding ids (-1) get -inf. [B, T, D] -> [B, T, K]."""
+    h = self.final_norm(hidden)
+    safe = jnp.maximum(ids, 0)
+    if self.config.tie_embeddings:
+      rows = jnp.take(self.embedding[...], safe, axis=0)  # [K, D]
+    else:
+      rows = jnp.take(self.lm_head[...], safe, axis=1).T
+    logits = jnp.einsum("btd,kd->btk", h, rows, preferred_element_type=jnp.float32)
+    return jnp.where(ids >= 0, logits, -jnp.inf)
+
   def __call__(
       self,
       tokens: jax.Array,
@@ -276,7 +288,8 @@ class Transformer(nnx.Module):
   ) -> tuple[ForwardOut, KVCache | DraftBuffer]:
     """Process tokens[B, T] at positions[B, T], writing K/V at slots [length, length+T).
 
-    `logits` is "all", "last" or "none" (static). The returned cache has length + T.
+    `logits` is "all", "last" or "none" (static); with a shortlist in the plan they are
+    over its K ids (`plan.vocab`), not the vocabulary. The returned cache has length + T.
     With `write_cache=False` the cache is only read and returned unchanged: candidate
     plans are scored against the verified cache without a copy of it. With a draft
     `buffer`, the cache is only read, the tokens' K/V go to the buffer (rows of skipped
@@ -314,10 +327,11 @@ class Transformer(nnx.Module):
       x = block.mlp_sublayer(plan.mlp[l], x)
       if return_residuals:
         residuals.append(x)
+    head = self.head if plan.vocab is None else (lambda h: self.head_shortlist(h, plan.vocab))
     if logits == "all":
-      out_logits = self.head(x)
+      out_logits = head(x)
     elif logits == "last":
-      out_logits = self.head(x[:, -1:])
+      out_logits = head(x[:, -1:])
     elif logits == "none":
       out_logits = None
     else:

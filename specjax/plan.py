@@ -21,10 +21,13 @@ class PlanError(ValueError):
 
 @flax.struct.dataclass
 class DraftPlan:
-  """`attn[l]` / `mlp[l]`: run the attention / MLP sub-layer of layer l."""
+  """`attn[l]` / `mlp[l]`: run the attention / MLP sub-layer of layer l. `vocab`, when
+  set, is the draft's LM-head shortlist: full-vocabulary ids, -1 for padding; the draft
+  scores only those rows (verification always uses the full vocabulary)."""
 
   attn: jax.Array  # bool[L]
   mlp: jax.Array  # bool[L]
+  vocab: jax.Array | None = None  # int32[K] shortlist; None: the full vocabulary
 
   @property
   def num_layers(self) -> int:
@@ -75,7 +78,34 @@ class DraftPlan:
         )
       if arr.dtype != jnp.bool_:
         raise PlanError(f"plan.{name} must be bool, got {arr.dtype}")
+    if self.vocab is not None and (self.vocab.ndim != 1 or self.vocab.dtype != jnp.int32):
+      raise PlanError(f"plan.vocab must be int32[K], got {self.vocab.dtype}{self.vocab.shape}")
     return self
+
+  def with_shortlist(self, ids, vocab_size: int, eos_ids=(), size: int | None = None
+                     ) -> DraftPlan:
+    """This plan with a draft-head shortlist of `ids`, padded with -1 to `size`.
+
+    The shortlist must hold every EOS id: a draft that cannot propose EOS would never let
+    a generation end early. Ids must be distinct and inside the vocabulary."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+      raise PlanError(f"a shortlist is a non-empty 1-D list of token ids, got {arr.shape} "
+                      f"{arr.dtype}")
+    if arr.min() < 0 or arr.max() >= vocab_size:
+      raise PlanError(f"shortlist ids must be in [0, {vocab_size}), got {arr.min()}..{arr.max()}")
+    if np.unique(arr).size != arr.size:
+      raise PlanError("shortlist ids must be distinct")
+    missing = sorted(set(int(e) for e in eos_ids) - set(arr.tolist()))
+    if missing:
+      raise PlanError(f"the shortlist is missing EOS id(s) {missing}: the draft could never "
+                      f"propose the end of the answer; add them")
+    size = arr.size if size is None else size
+    if size < arr.size:
+      raise PlanError(f"shortlist of {arr.size} ids does not fit size {size}")
+    padded = np.full(size, -1, np.int32)
+    padded[: arr.size] = arr
+    return self.replace(vocab=jnp.asarray(padded))
 
   @property
   def active_fraction(self) -> float:
@@ -83,7 +113,10 @@ class DraftPlan:
     return float((np.sum(self.attn) + np.sum(self.mlp)) / (2 * self.num_layers))
 
   def to_json(self) -> dict:
-    return {"attn": np.asarray(self.attn).tolist(), "mlp": np.asarray(self.mlp).tolist()}
+    out = {"attn": np.asarray(self.attn).tolist(), "mlp": np.asarray(self.mlp).tolist()}
+    if self.vocab is not None:
+      out["vocab"] = np.asarray(self.vocab).tolist()
+    return out
 
   @classmethod
   def from_json(cls, obj: dict) -> DraftPlan:

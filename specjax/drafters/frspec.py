@@ -1,0 +1,119 @@
+"""`frspec`: the draft's LM head scores a fixed shortlist of frequent tokens (FR-Spec,
+Zhao et al. 2025), optionally on top of any layer-skipping drafter.
+
+The shortlist is the `size` most frequent tokens of a corpus — tokenised training prompts
+plus the model's own greedy continuations of them (so that it reflects what the model
+writes, not only what it reads) — with every EOS id forced in. Counts are computed once
+and saved with the model name; the draft gathers those rows of the head (gather +
+matmul) and maps its choice back to vocabulary ids. Verification keeps the full
+vocabulary, so the output is unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specjax.drafters.base import Drafter
+from specjax.plan import DraftPlan
+
+
+class CountsMismatchError(ValueError):
+  pass
+
+
+def count_tokens(model, prompts: Sequence[Sequence[int]], new_tokens: int = 48,
+                 verbose: bool = True) -> np.ndarray:
+  """Token counts int64[V] over the prompts and the model's greedy continuations."""
+  from tqdm.auto import tqdm
+
+  from specjax.generate import generate
+
+  counts = np.zeros(model.config.vocab_size, np.int64)
+  for ids in tqdm(prompts, desc="token counts", unit="prompt", disable=not verbose):
+    np.add.at(counts, np.asarray(ids), 1)
+    if new_tokens:
+      g = generate(model.graphdef, model.state, model.config, list(ids),
+                   max_new_tokens=new_tokens)
+      np.add.at(counts, np.asarray(g.tokens), 1)
+  return counts
+
+
+def save_counts(path: str | Path, counts: np.ndarray, *, model: str, **meta) -> None:
+  path = Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_name(path.name + ".tmp.npz")
+  np.savez(tmp, counts=counts, meta=json.dumps({"model": model, **meta}))
+  tmp.replace(path)
+
+
+def load_counts(path: str | Path, *, model: str) -> np.ndarray:
+  with np.load(Path(path)) as f:
+    meta = json.loads(str(f["meta"]))
+    if meta["model"] != model:
+      raise CountsMismatchError(f"{path} holds token counts of {meta['model']}, not {model}")
+    return f["counts"]
+
+
+def frequent_shortlist(counts: np.ndarray, size: int, eos_ids: Sequence[int] = ()
+                       ) -> np.ndarray:
+  """The `size` most frequent ids (ties by id), EOS ids always in."""
+  if not 0 < size <= counts.size:
+    raise ValueError(f"shortlist size must be in 1..{counts.size}, got {size}")
+  eos = [int(e) for e in eos_ids]
+  order = np.lexsort((np.arange(counts.size), -counts))
+  rest = order[~np.isin(order, eos)][: max(size - len(eos), 0)]
+  return np.concatenate([np.asarray(eos, np.int64), rest])[:size]
+
+
+@dataclasses.dataclass
+class ShortlistState:
+  base: Any  # the base drafter's state
+  plan: DraftPlan  # the full model with the shortlist (its `vocab` goes on every plan)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FRSpecDrafter(Drafter):
+  """A static shortlist on the base drafter's plan (the full model when `base` is None)."""
+
+  name = "frspec"
+  shortlist: np.ndarray | None = None  # vocabulary ids
+  base: Drafter | None = None
+
+  def __post_init__(self):
+    if self.shortlist is None:
+      raise ValueError("frspec needs a shortlist (see frequent_shortlist)")
+
+  @property
+  def wants_residuals(self) -> bool:  # type: ignore[override]
+    return bool(self.base and self.base.wants_residuals)
+
+  @property
+  def threshold(self) -> float:  # type: ignore[override]
+    return self.base.threshold if self.base else Drafter.threshold
+
+  def init(self, session, prior=None) -> ShortlistState:
+    cfg = session.config
+    plan = DraftPlan.full(cfg.num_layers).with_shortlist(self.shortlist, cfg.vocab_size,
+                                                         cfg.eos_ids)
+    base = self.base.init(session, prior) if self.base else None
+    return ShortlistState(base, plan)
+
+  def plan(self, state: ShortlistState) -> DraftPlan:
+    if self.base is None:
+      return state.plan
+    return self.base.plan(state.base).replace(vocab=state.plan.vocab)
+
+  def draft_length(self, state: ShortlistState) -> int | None:
+    return self.base.draft_length(state.base) if self.base else None
+
+  def update(self, state: ShortlistState, out, session) -> ShortlistState:
+    if self.base is None:
+      return state
+    return dataclasses.replace(state, base=self.base.update(state.base, out, session))
+
