@@ -44,43 +44,83 @@ class RoundOut:
   drafts: jax.Array  # int32[γ]: draft tokens (first n_drafted valid)
   target_top1: jax.Array  # int32[γ+1]: the target's argmax at each verified position
   residuals: jax.Array | None  # [2L, γ+1, D] verify-pass residual stream, on request
+  hidden_last: jax.Array  # [D] final hidden state at the last accepted input (the next
+  #                         round's h_prev: the position before its first token)
 
 
-def _draft(state, cache, last, plan, key, limit, *, graphdef, vocab, gamma, threshold,
-           sampling):
+def _draft(state, cache, last, plan, key, limit, h_prev, *, graphdef, vocab, gamma,
+           threshold, sampling):
   """Up to min(γ, limit) draft steps under `plan`; stop after a token whose top-1 prob
-  < threshold. The cache is only read; the drafted tokens' K/V live in a `DraftBuffer`."""
+  < threshold. The cache is only read; the drafted tokens' K/V live in a `DraftBuffer`.
+  `h_prev` is the hidden state before `last` (the router's input, DynaSpec)."""
   drafts = jnp.zeros((gamma,), jnp.int32)
   q_rows = None if sampling.greedy else jnp.zeros((gamma + 1, vocab), jnp.float32)
 
   def cond(carry):
-    i, _, _, _, _, go, _ = carry
+    i, *_, go, _ = carry
     return (i < jnp.minimum(gamma, limit)) & go
 
   def body(carry):
-    i, buffer, token, drafts, q_rows, _, key = carry
+    i, buffer, token, drafts, q_rows, h_prev, _, key = carry
     pos = jnp.reshape(cache.length + i, (1, 1))
+    routed = plan.router is not None
     out, buffer = apply(state, cache, token[None, None], pos, plan, graphdef=graphdef,
-                        logits="last", buffer=buffer)
-    logits = out.logits[0, 0]  # [V], or [K] over the plan's shortlist
-    if sampling.greedy:
-      nxt = to_vocab(plan, jnp.argmax(logits).astype(jnp.int32))
-      confidence = jnp.max(jax.nn.softmax(logits))
+                        logits="none" if routed else "last", buffer=buffer)
+    key, sub = jax.random.split(key)
+    h = out.hidden[0, -1]
+    if routed:
+      nxt, confidence, q = _routed_choice(state, graphdef, plan, token, h, h_prev, i, sub,
+                                          vocab, sampling)
     else:
-      key, sub = jax.random.split(key)
-      q = probs(logits, sampling)
-      nxt = to_vocab(plan, jax.random.categorical(sub, jnp.log(q)).astype(jnp.int32))
-      confidence = jnp.max(q)
-      if plan.vocab is not None:  # the draft's distribution over the whole vocabulary
-        q = jnp.zeros((vocab,), q.dtype).at[jnp.maximum(plan.vocab, 0)].add(q)
+      nxt, confidence, q = _choose(out.logits[0, 0], plan.vocab, sub, vocab, sampling)
+    if q is not None:
       q_rows = q_rows.at[i].set(q)
     drafts = drafts.at[i].set(nxt)
-    return i + 1, buffer, nxt, drafts, q_rows, confidence >= threshold, key
+    return i + 1, buffer, nxt, drafts, q_rows, h, confidence >= threshold, key
 
   init = (jnp.int32(0), DraftBuffer.like(cache, gamma), last, drafts, q_rows,
-          jnp.bool_(True), key)
-  n, _, _, drafts, q_rows, _, _ = jax.lax.while_loop(cond, body, init)
+          h_prev.astype(jnp.float32), jnp.bool_(True), key)
+  n, _, _, drafts, q_rows, _, _, _ = jax.lax.while_loop(cond, body, init)
   return n, drafts, q_rows
+
+
+def _choose(logits, ids, key, vocab, sampling):
+  """The draft's token from logits over the vocabulary, or over shortlist `ids` (-1 padded)
+  mapped back to vocabulary ids; its top-1 probability; and (sampling) its distribution
+  over the whole vocabulary."""
+  back = (lambda j: j) if ids is None else (lambda j: ids[j])
+  if sampling.greedy:
+    return back(jnp.argmax(logits).astype(jnp.int32)), jnp.max(jax.nn.softmax(logits)), None
+  q = probs(logits, sampling)
+  nxt = back(jax.random.categorical(key, jnp.log(q)).astype(jnp.int32))
+  if ids is not None:
+    q = jnp.zeros((vocab,), q.dtype).at[jnp.maximum(ids, 0)].add(q)
+  return nxt, jnp.max(q), q
+
+
+def _routed_choice(state, graphdef, plan, token, h, h_prev, i, key, vocab, sampling):
+  """DynaSpec: the router picks k(i) clusters from [embedding(token), h_prev]; the head
+  scores their tokens only. One `lax.switch` branch per distinct k, so each draft
+  position gathers a shortlist of its own static size."""
+  from flax import nnx
+
+  model = nnx.merge(graphdef, state)
+  router = plan.router
+  emb = model.embed(token[None])[0]
+  sizes = sorted(set(router.ks), reverse=True)
+  branch_of = jnp.asarray([sizes.index(k) for k in router.ks], jnp.int32)
+
+  def branch(k):
+    def run(h, h_prev, key):
+      ids = router.shortlist(emb, h_prev, k)
+      logits = model.head_shortlist(h[None, None], ids)[0, 0]
+      nxt, conf, q = _choose(logits, ids, key, vocab, sampling)
+      return nxt, conf, (jnp.zeros((0,), jnp.float32) if q is None else q)
+    return run
+
+  b = branch_of[jnp.minimum(i, len(router.ks) - 1)]
+  nxt, conf, q = jax.lax.switch(b, [branch(k) for k in sizes], h, h_prev, key)
+  return nxt, conf, (None if sampling.greedy else q)
 
 
 def to_vocab(plan: DraftPlan, idx: jax.Array) -> jax.Array:
@@ -125,13 +165,15 @@ class Draft:
   q_rows: jax.Array | None  # [γ+1, V] the draft's distributions (sampling only)
 
 
-def draft_fn(state, cache, last, plan, key, limit=None, *, graphdef, vocab, gamma,
-             threshold, sampling) -> Draft:
+def draft_fn(state, cache, last, plan, key, limit=None, h_prev=None, *, graphdef, vocab,
+             gamma, threshold, sampling) -> Draft:
   """Draft up to min(γ, limit) tokens under `plan`, reading the verified cache (never
   writing it). `limit` is traced: drafters that choose the draft length per round (KnapSpec)
   share one executable."""
   limit = jnp.int32(gamma) if limit is None else limit
-  n, drafts, q_rows = _draft(state, cache, last, plan, key, limit, graphdef=graphdef,
+  if h_prev is None:
+    h_prev = jnp.zeros((nnx.merge(graphdef, state).config.embed_dim,), jnp.float32)
+  n, drafts, q_rows = _draft(state, cache, last, plan, key, limit, h_prev, graphdef=graphdef,
                              vocab=vocab, gamma=gamma, threshold=threshold, sampling=sampling)
   return Draft(n, drafts, q_rows)
 
@@ -162,7 +204,8 @@ def verify_fn(state, cache, last, draft: Draft, full: DraftPlan, key, *, graphde
   cache = cache.with_length(L0 + a + 1)
   res = out.residuals[:, 0] if residuals else None
   return RoundOut(tokens=tokens, n_commit=a + 1, n_drafted=draft.n, drafts=draft.tokens,
-                  target_top1=target, residuals=res), cache
+                  target_top1=target, residuals=res,
+                  hidden_last=out.hidden[0, a].astype(jnp.float32)), cache
 
 
 def round_fn(state, cache, last, plan, key, *, graphdef, vocab, gamma, threshold, sampling,
@@ -313,16 +356,17 @@ def speculative_generate(
 
   t_compile = time.perf_counter()
   prefill = compiled(prefill_step, state, cache, prompt, n, full, key, graphdef=graphdef,
-                     sampling=sampling)
+                     sampling=sampling, return_hidden=True)
   last0 = prompt[0, 0]
   draft_exes = {}
+  h0_proto = jnp.zeros((config.embed_dim,), jnp.float32)
 
   def drafter_exe(plan: DraftPlan):
     """The draft executable for this plan's structure (a shortlist adds a field)."""
     sig = (jax.tree.structure(plan), tuple(x.shape for x in jax.tree.leaves(plan)))
     if sig not in draft_exes:
       draft_exes[sig] = compiled(draft_step, state, cache, last0, plan, key, jnp.int32(gamma),
-                                 **d_static)
+                                 h0_proto, **d_static)
     return draft_exes[sig]
 
   proto = drafter_exe(full).out_info  # the Draft's shapes, without tracing the draft again
@@ -337,7 +381,7 @@ def speculative_generate(
   compile_s = time.perf_counter() - t_compile
   t0 = time.perf_counter()
   key, sub = jax.random.split(key)
-  first, cache = prefill(state, cache, prompt, n, full, sub)
+  first, cache, h_prev = prefill(state, cache, prompt, n, full, sub)
   tokens = [int(first[0])]
   if on_token:
     on_token(tokens[0])
@@ -366,11 +410,12 @@ def speculative_generate(
     drafter_exe(plan)  # compiled here (timed as compilation) the first time a structure shows
     verify = verifier(length)  # a dict lookup, or a compile the first time (not timed)
     t_c = time.perf_counter()
-    draft = drafter_exe(plan)(state, cache, last, plan, k_draft, jnp.int32(length))
+    draft = drafter_exe(plan)(state, cache, last, plan, k_draft, jnp.int32(length), h_prev)
     draft.n.block_until_ready()
     t_v = time.perf_counter()
     out, cache = verify(state, cache, last, draft, full, k_accept)
     n_commit = int(out.n_commit)  # waits for the device
+    h_prev = out.hidden_last
     t_d = time.perf_counter()
     committed = [int(t) for t in jax.device_get(out.tokens[:n_commit])]
     stats["rounds"] += 1

@@ -39,7 +39,8 @@ def pad_prompt(prompt_tokens: Sequence[int], limit: int, bucket: int = PROMPT_BU
   return jnp.asarray([list(prompt_tokens) + [0] * (padded - n)], jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "return_hidden"),
+                   donate_argnames=("cache",))
 def prefill_step(
     state: nnx.State,
     cache: KVCache,
@@ -50,9 +51,11 @@ def prefill_step(
     *,
     graphdef: nnx.GraphDef,
     sampling: SamplingParams,
-) -> tuple[jax.Array, KVCache]:
+    return_hidden: bool = False,
+) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
   """Process a padded prompt tokens[B, T] of which the first n are real; return the first
-  new token [B] and the cache holding exactly the n prompt tokens."""
+  new token [B] and the cache holding exactly the n prompt tokens (and, on request, the
+  final hidden state [D] of the last prompt token, B = 1)."""
   B, T = tokens.shape
   start = cache.length
   out, cache = apply(
@@ -60,6 +63,9 @@ def prefill_step(
   )
   last = jax.lax.dynamic_slice_in_dim(out.hidden, n - 1, 1, axis=1)
   logits = nnx.merge(graphdef, state).head(last)[:, 0]
+  if return_hidden:
+    return (sample(key, logits, sampling), cache.with_length(start + n),
+            last[0, 0].astype(jnp.float32))
   return sample(key, logits, sampling), cache.with_length(start + n)
 
 

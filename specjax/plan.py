@@ -8,6 +8,7 @@ shortlist) without changing the forward pass signature.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import flax.struct
 import jax
@@ -23,11 +24,13 @@ class PlanError(ValueError):
 class DraftPlan:
   """`attn[l]` / `mlp[l]`: run the attention / MLP sub-layer of layer l. `vocab`, when
   set, is the draft's LM-head shortlist: full-vocabulary ids, -1 for padding; the draft
-  scores only those rows (verification always uses the full vocabulary)."""
+  scores only those rows (verification always uses the full vocabulary). `router`, when
+  set, picks the shortlist per draft step instead (DynaSpec)."""
 
   attn: jax.Array  # bool[L]
   mlp: jax.Array  # bool[L]
   vocab: jax.Array | None = None  # int32[K] shortlist; None: the full vocabulary
+  router: Any = None  # router.RouterPlan: a shortlist chosen per draft step (DynaSpec)
 
   @property
   def num_layers(self) -> int:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from specjax.drafters.base import Drafter
 from specjax.drafters.clasp import ClaspDrafter
+from specjax.drafters.dynaspec import DynaSpecDrafter
 from specjax.drafters.early_exit import EarlyExitDrafter
+from specjax.drafters.frspec import FRSpecDrafter
 from specjax.drafters.knapspec import KnapSpecDrafter
 from specjax.drafters.self_sd import SelfSDDrafter
 from specjax.drafters.static import StaticDrafter
@@ -12,7 +14,7 @@ from specjax.drafters.swift import SwiftDrafter
 
 DRAFTERS: dict[str, type[Drafter]] = {
     d.name: d for d in (StaticDrafter, EarlyExitDrafter, SelfSDDrafter, SwiftDrafter,
-                        ClaspDrafter, KnapSpecDrafter)
+                        ClaspDrafter, KnapSpecDrafter, FRSpecDrafter, DynaSpecDrafter)
 }
 
 
@@ -27,6 +29,7 @@ def drafter_class(name: str) -> type[Drafter]:
   return DRAFTERS[name]
 
 
-__all__ = ["DRAFTERS", "ClaspDrafter", "Drafter", "EarlyExitDrafter", "KnapSpecDrafter",
+__all__ = ["DRAFTERS", "ClaspDrafter", "Drafter", "DynaSpecDrafter", "EarlyExitDrafter",
+           "FRSpecDrafter", "KnapSpecDrafter",
            "SelfSDDrafter", "StaticDrafter", "SwiftDrafter", "UnknownDrafterError",
            "drafter_class"]
