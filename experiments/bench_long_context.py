@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
-from specjax import bench, data, metrics  # noqa: E402
+from specjax import bench, data, metrics, profiler  # noqa: E402
 from specjax.drafters import KnapSpecDrafter, StaticDrafter  # noqa: E402
 from specjax.engine import speculative_generate  # noqa: E402
 from specjax.generate import generate  # noqa: E402
@@ -232,6 +232,8 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
         f"{args.gamma}; KnapSpec window {args.window} tokens, selection every "
         f"{args.interval} rounds. AR and every drafter in the same process. "
         f"Machine: {report.machine()}.", "", table, "",
+        "Latency profile (`specjax profile`, medians; what KnapSpec's weights come from):",
+        "", profiler.table(bench.latency_profile(model, args.gamma)), "",
         "KnapSpec: predicted tokens-per-time vs measured throughput across the candidates "
         "of one selection (each decoded as a fixed plan with its own γ):", "", corr_table,
         "", f"![KnapSpec masks](img/{img.name})" if masks_png else ""])

@@ -106,6 +106,31 @@ def _cmd_profile(args: argparse.Namespace) -> int:
   return 0
 
 
+def _cmd_router_train(args: argparse.Namespace) -> int:
+  from pathlib import Path
+
+  from specjax import shortlists
+  from specjax.loader import load_model
+  from specjax.registry import cache_root
+
+  if not 1 <= args.k_max <= args.clusters:
+    raise ValueError(f"--k-max must be in 1..--clusters ({args.clusters}), got {args.k_max}")
+  model = load_model(args.model)
+  out = Path(args.out or cache_root() / "shortlists" / model.name)
+  counts, bundle, curves = shortlists.build(
+      model, out, prompts=args.prompts, new_tokens=args.new_tokens, clusters=args.clusters,
+      k_max=args.k_max, hidden=args.hidden, epochs=args.epochs, data_dir=args.data_dir)
+  sizes = bundle.clusters.sizes()
+  print(f"router for {model.name} in {out / 'router'} (curves: {out / 'curves.png'}); "
+        f"{bundle.clusters.num_clusters} clusters of {sizes.min()}..{sizes.max()} tokens",
+        file=sys.stderr)
+  print(json.dumps({"model": model.name, "out": str(out), "clusters": int(sizes.size),
+                    "capacity": bundle.clusters.capacity, "k_max": bundle.k_max,
+                    "val_loss": curves.get("val_loss"), "val_recall": curves.get("val_recall"),
+                    "counted_tokens": int(counts.sum())}))
+  return 0
+
+
 def _cmd_data_fetch(args: argparse.Namespace) -> int:
   from specjax import data
 
@@ -168,6 +193,21 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--repeats", type=int, default=7, help="timed repeats per point (median)")
   p.add_argument("--out", help="profile file (default: the specjax cache, per model/device)")
   p.set_defaults(func=_cmd_profile)
+
+  p = sub.add_parser("router", help="DynaSpec router / FR-Spec counts")
+  router_sub = p.add_subparsers(dest="router_command", required=True)
+  q = router_sub.add_parser("train", help="token counts, clusters and router from training "
+                            "prompts (never the evaluation ones)")
+  q.add_argument("--model", default=DEFAULT_MODEL)
+  q.add_argument("--prompts", type=int, default=48, help="training prompts")
+  q.add_argument("--new-tokens", type=int, default=48, help="own continuation per prompt")
+  q.add_argument("--clusters", type=int, default=1024, help="M token clusters")
+  q.add_argument("--k-max", type=int, default=32, help="clusters in the first shortlists")
+  q.add_argument("--hidden", type=int, default=512, help="router MLP width")
+  q.add_argument("--epochs", type=int, default=10)
+  q.add_argument("--data-dir")
+  q.add_argument("--out", help="folder (default: the specjax cache, per model)")
+  q.set_defaults(func=_cmd_router_train)
 
   p = sub.add_parser("data", help="prompt sets")
   data_sub = p.add_subparsers(dest="data_command", required=True)

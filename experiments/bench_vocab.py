@@ -1,0 +1,226 @@
+"""Vocabulary shortlists for the draft head: full head vs FR-Spec vs DynaSpec, alone and
+on a KnapSpec layer plan, against AR in the same process.
+
+1. Builds (or reuses) FR-Spec's token counts and DynaSpec's clusters + router from
+   training prompts (`specjax router train`; never the evaluation prompts).
+2. Times one draft step (median) with the full head, FR-Spec 8k/16k/32k and DynaSpec.
+3. Decodes Spec-Bench evaluation prompts with AR and each drafter; greedy outputs are
+   checked against AR's. Reports tokens/s, speedup, M, α and the share of
+   full-vocabulary M kept (vs the all-layer full-head draft).
+4. Router recall: is the next token of AR's outputs on the evaluation prompts in the
+   router's top-k clusters? And the shortlist sizes per draft position.
+The last line is one JSON object with the figures.
+
+  python experiments/bench_vocab.py --model gemma3-270m --write-docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).parent))
+import report  # noqa: E402
+
+from specjax import bench, data, metrics, shortlists  # noqa: E402
+from specjax.drafters import (DynaSpecDrafter, FRSpecDrafter, KnapSpecDrafter,  # noqa: E402
+                              StaticDrafter)
+from specjax.drafters.frspec import frequent_shortlist  # noqa: E402
+from specjax.engine import draft_step  # noqa: E402
+from specjax.jit_cache import compiled  # noqa: E402
+from specjax.kv_cache import KVCache  # noqa: E402
+from specjax.loader import load_model  # noqa: E402
+from specjax.plan import DraftPlan  # noqa: E402
+from specjax.registry import cache_root  # noqa: E402
+from specjax.router import collect_pairs, recall_at  # noqa: E402
+from specjax.sampling import SamplingParams  # noqa: E402
+
+CATEGORIES = ("writing", "coding", "qa", "math_reasoning", "translation", "summarization",
+              "extraction", "rag")
+FR_SIZES = (8192, 16384, 32768)
+
+
+def draft_step_times(model, plans: dict, gamma: int, repeats: int) -> dict[str, float]:
+  """Median seconds per draft token: γ draft steps (no early stop) over a 512-slot cache."""
+  cfg = model.config
+  cache = KVCache.create(cfg, 1, 512).with_length(300)
+  key, last, h0 = jax.random.key(0), jnp.int32(11), jnp.zeros((cfg.embed_dim,), jnp.float32)
+  out = {}
+  for name, plan in plans.items():
+    exe = compiled(draft_step, model.state, cache, last, plan, key, jnp.int32(gamma), h0,
+                   graphdef=model.graphdef, vocab=cfg.vocab_size, gamma=gamma, threshold=0.0,
+                   sampling=SamplingParams())
+    run = lambda: exe(model.state, cache, last, plan, key, jnp.int32(gamma), h0).n
+    for _ in range(2):
+      jax.block_until_ready(run())
+    ts = []
+    for _ in range(repeats):
+      t = time.perf_counter()
+      jax.block_until_ready(run())
+      ts.append(time.perf_counter() - t)
+    out[name] = statistics.median(ts) / gamma
+  return out
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--model", default="gemma3-270m")
+  p.add_argument("--categories", default=",".join(CATEGORIES))
+  p.add_argument("--per-category", type=int, default=1)
+  p.add_argument("--max-new-tokens", type=int, default=64)
+  p.add_argument("--gamma", type=int, default=4)
+  p.add_argument("--repeats", type=int, default=7)
+  p.add_argument("--train-prompts", type=int, default=48)
+  p.add_argument("--clusters", type=int, default=1024)
+  p.add_argument("--k-max", type=int, default=32)
+  p.add_argument("--methods", default="full-vocab,frspec-8k,frspec-32k,dynaspec,knapspec,"
+                 "dynaspec+knapspec")
+  p.add_argument("--data-dir")
+  p.add_argument("--out")
+  p.add_argument("--resume", action="store_true")
+  p.add_argument("--write-docs", action="store_true")
+  args = p.parse_args(argv)
+  cats = tuple(c for c in args.categories.split(",") if c)
+  methods = [m for m in args.methods.split(",") if m]
+  out_dir = Path(args.out or f"runs/vocab-{args.model}")
+  out_dir.mkdir(parents=True, exist_ok=True)
+  path = out_dir / "results.jsonl"
+  if path.exists() and not args.resume:
+    raise SystemExit(f"{path} exists: pass --resume to continue it, or choose another --out")
+
+  model = load_model(args.model)
+  cfg = model.config
+  counts, bundle, curves = shortlists.build(
+      model, cache_root() / "shortlists" / model.name, prompts=args.train_prompts,
+      clusters=args.clusters, k_max=args.k_max, data_dir=args.data_dir)
+  L = cfg.num_layers
+  full = DraftPlan.full(L)
+  fr = {n: frequent_shortlist(counts, min(n, cfg.vocab_size), cfg.eos_ids) for n in FR_SIZES}
+
+  # 2. Draft-step cost.
+  step_plans = {"full head": full}
+  step_plans |= {f"FR-Spec {n // 1024}k": full.with_shortlist(fr[n], cfg.vocab_size,
+                                                               cfg.eos_ids) for n in FR_SIZES}
+  step_plans["DynaSpec"] = full.replace(router=bundle.plan_field(args.gamma))
+  steps = draft_step_times(model, step_plans, args.gamma, args.repeats)
+
+  # 3. End to end.
+  knap = lambda: KnapSpecDrafter(profile=bench.latency_profile(model, args.gamma),
+                                 max_gamma=args.gamma)
+  make = {
+      "full-vocab": lambda: StaticDrafter(full),
+      "frspec-8k": lambda: FRSpecDrafter(fr[8192]),
+      "frspec-16k": lambda: FRSpecDrafter(fr[16384]),
+      "frspec-32k": lambda: FRSpecDrafter(fr[32768]),
+      "dynaspec": lambda: DynaSpecDrafter(bundle),
+      "knapspec": knap,
+      "dynaspec+knapspec": lambda: DynaSpecDrafter(bundle, knap()),
+      "frspec-32k+knapspec": lambda: FRSpecDrafter(fr[32768], knap()),
+  }
+  drafters = {m: make[m]() for m in methods}
+  bcfg = bench.BenchConfig(model=model.name, drafters=tuple(methods),
+                           per_category=args.per_category, categories=cats,
+                           max_new_tokens=args.max_new_tokens, max_turns=1, gamma=args.gamma,
+                           threshold=None, temperature=0.0, top_p=1.0, seed=0,
+                           search_iterations=0, plan_file=None)
+  prompts = data.load_spec_bench(args.data_dir, cats, per_category=args.per_category)
+  assert args.per_category <= shortlists.RESERVED  # evaluation never overlaps training
+  records = bench._read_records(path) if args.resume else []
+  done = {r["prompt_id"] for r in records if r["method"] == "complete"}
+  records = [r for r in records if r["prompt_id"] in done]
+  greedy = SamplingParams()
+  for prompt in tqdm(prompts, desc=f"vocab {model.name}", unit="prompt"):
+    if prompt.id in done:
+      continue
+    recs = bench._run_prompt(model, prompt, drafters, bcfg, greedy, {})
+    recs.append(dict(prompt_id=prompt.id, method="complete"))
+    with path.open("a") as f:
+      f.write("".join(json.dumps(r) + "\n" for r in recs))
+    records += recs
+  runs = [r for r in records if r["method"] != "complete"]
+  summary = metrics.summarize(runs)
+
+  # 4. Router recall on AR's outputs for the evaluation prompts (held out from training).
+  ar_seqs = [bench._chat_ids(model.tokenizer, [next(p for p in prompts
+                                                   if p.id == r["prompt_id"]).turns[0]], [])
+             + r["tokens"][0] for r in runs if r["method"] == metrics.AR]
+  pairs = collect_pairs(model, ar_seqs, verbose=False)
+  ks = sorted(set(bundle.plan_field(args.gamma).ks), reverse=True)
+  recall = {k: recall_at(bundle.router, pairs, bundle.clusters, k) for k in ks}
+  sizes = bundle.clusters.sizes()
+  scores = np.asarray(bundle.router(jnp.asarray(pairs.emb), jnp.asarray(pairs.h_prev)))
+  real = {k: float(np.mean(np.sort(np.take(sizes, np.argsort(-scores, 1)[:, :k]), 1).sum(1)))
+          for k in ks}
+  sched = bundle.plan_field(args.gamma).ks
+  mean_short = float(np.mean([real[k] for k in sched]))
+
+  full_M = summary.get("full-vocab", {}).get("M")
+  knap_M = summary.get("knapspec", {}).get("M")
+  kept = lambda m: (summary[m]["M"] / (knap_M if "knapspec" in m else full_M)
+                    if m in summary and (knap_M if "knapspec" in m else full_M) else None)
+  step_rows = [[n, f"{t * 1e3:.2f}", f"{steps['full head'] / t:.2f}×"] for n, t in steps.items()]
+  e2e_rows = [["AR", f"{summary[metrics.AR]['tokens_per_s']:.1f}", "1.00", "–", "–", "–",
+               "–", "–"]]
+  for m in methods:
+    s = summary[m]
+    short = ("full" if m in ("full-vocab", "knapspec") else
+             f"{int(m.split('-')[1].split('k')[0]) * 1024}" if m.startswith("frspec") else
+             f"{mean_short:.0f} (mean)")
+    e2e_rows.append([m, f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}", f"{s['M']:.2f}",
+                     f"{s['alpha']:.2f}", "–" if kept(m) is None else f"{kept(m):.1%}",
+                     short, s["mismatches"]])
+  step_table = report.markdown_table(["draft head", "ms per draft step", "vs full head"],
+                                     step_rows)
+  e2e_table = report.markdown_table(
+      ["method", "tok/s", "speedup", "M", "α", "M kept vs full vocab", "shortlist",
+       "mismatches"], e2e_rows)
+  rec_table = report.markdown_table(
+      ["k clusters", "padded shortlist", "mean real shortlist", "recall of next token"],
+      [[k, k * bundle.clusters.capacity, f"{real[k]:.0f}", f"{recall[k]:.3f}"] for k in ks])
+  print(f"\n{step_table}\n\n{e2e_table}\n\n{rec_table}\n")
+  figures = dict(model=model.name, draft_step_ms={k: round(v * 1e3, 3) for k, v in steps.items()},
+                 methods={m: {k: (round(v, 4) if isinstance(v, float) else v)
+                              for k, v in s.items()} for m, s in summary.items()},
+                 m_kept={m: kept(m) for m in methods}, router_recall=recall,
+                 dynaspec_mean_shortlist=mean_short, k_schedule=list(sched),
+                 router_val_loss=curves.get("val_loss"),
+                 mismatches=sum(s.get("mismatches", 0) for s in summary.values()))
+  if args.write_docs:
+    import shutil
+
+    img = report.DOCS.parent / "img" / f"router_curves_{model.name}.png"
+    src = cache_root() / "shortlists" / model.name / "curves.png"
+    if src.exists():
+      img.parent.mkdir(exist_ok=True)
+      shutil.copy(src, img)
+    body = "\n".join([
+        f"## Vocabulary shortlists: FR-Spec and DynaSpec ({model.name})", "",
+        f"{len(prompts)} Spec-Bench prompts ({args.per_category} per category of "
+        f"{', '.join(cats)}), {args.max_new_tokens} new tokens, greedy, γ ≤ {args.gamma}. "
+        f"Counts, clusters ({bundle.clusters.num_clusters}, capacity "
+        f"{bundle.clusters.capacity}) and router (k_max = {bundle.k_max}, schedule "
+        f"{list(sched)}) built from {args.train_prompts} training prompts (GSM8K train + "
+        f"Spec-Bench prompts past the first {shortlists.RESERVED} of each category) and the "
+        f"model's continuations. AR and every drafter in the same process. "
+        f"Machine: {report.machine()}.", "",
+        "Draft step (all layers; median of "
+        f"{args.repeats}, γ = {args.gamma} steps per call):", "", step_table, "",
+        "End to end (M kept: DynaSpec/FR-Spec vs the all-layer full-head draft; "
+        "`+knapspec` vs KnapSpec with the full head):", "", e2e_table, "",
+        "Router on the evaluation prompts' AR outputs (held out):", "", rec_table, "",
+        f"![router curves](img/{img.name})" if src.exists() else ""])
+    report.write_section(f"vocab-{model.name}", body)
+  report.print_json(figures)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,121 @@
+"""Build what the vocabulary drafters read, for one model, from training prompts only:
+FR-Spec's token counts and DynaSpec's clusters + router (`specjax router train`).
+
+Training prompts are GSM8K train questions and Spec-Bench prompts past the first
+`RESERVED` of each category — the benchmarks evaluate on those first ones, never seen
+here. Each prompt is extended by the model's own greedy continuation (what the draft
+will have to predict). Everything is written under one folder as it is made
+(sequences.json, counts.npz, router/, curves.png), so a crash resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from specjax import data
+from specjax.drafters.frspec import count_tokens, load_counts, save_counts
+from specjax.router import (RouterBundle, collect_pairs, load_bundle, save_bundle,
+                            train_router)
+from specjax.vocab_clusters import spherical_kmeans
+
+RESERVED = 5  # Spec-Bench prompts per category kept for evaluation
+
+
+def training_prompts(tokenizer, count: int, data_dir=None) -> list[list[int]]:
+  """`count` chat-formatted training prompts: half GSM8K train, half held-out Spec-Bench."""
+  spec = data.load_spec_bench(data_dir)
+  by_cat: dict[str, list] = {}
+  for p in spec:
+    by_cat.setdefault(p.category, []).append(p)
+  held = [p for ps in by_cat.values() for p in ps[RESERVED:]]
+  rng = np.random.default_rng(0)
+  held = [held[i] for i in rng.permutation(len(held))[: count - count // 2]]
+  gsm = data.load_gsm8k(data_dir, limit=count // 2)
+  encode = lambda text: tokenizer.encode_chat([{"role": "user", "content": text}]) \
+      if getattr(tokenizer, "is_chat", False) else tokenizer.encode(text)
+  return [encode(p.turns[0])[:768] for p in held + gsm]
+
+
+def sequences(model, out: Path, count: int, new_tokens: int, data_dir=None,
+              verbose: bool = True) -> list[list[int]]:
+  """Training prompts + the model's greedy continuations, cached in sequences.json."""
+  from tqdm.auto import tqdm
+
+  from specjax.generate import generate
+
+  path = out / "sequences.json"
+  done = json.loads(path.read_text()) if path.exists() else []
+  prompts = training_prompts(model.tokenizer, count, data_dir)
+  for ids in tqdm(prompts[len(done):], desc="own continuations", unit="prompt",
+                  disable=not verbose, initial=len(done), total=len(prompts)):
+    g = generate(model.graphdef, model.state, model.config, ids, max_new_tokens=new_tokens)
+    done.append(list(ids) + g.tokens)
+    path.write_text(json.dumps(done))  # as it goes: a crash loses one prompt at most
+  return done
+
+
+def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
+          clusters: int = 1024, k_max: int = 32, hidden: int = 512, epochs: int = 10,
+          data_dir=None, verbose: bool = True) -> tuple[np.ndarray, RouterBundle, dict]:
+  """Counts and router bundle for `model` (reused from `out` when already there)."""
+  out.mkdir(parents=True, exist_ok=True)
+  seqs = sequences(model, out, prompts, new_tokens, data_dir, verbose)
+  counts_path = out / "counts.npz"
+  if counts_path.exists():
+    counts = load_counts(counts_path, model=model.name)
+  else:
+    counts = count_tokens(model, seqs, new_tokens=0, verbose=verbose)
+    save_counts(counts_path, counts, model=model.name, sequences=len(seqs))
+  router_dir = out / "router"
+  curves_path = out / "curves.json"
+  if (router_dir / "meta.json").exists():
+    bundle = load_bundle(router_dir, model=model.name)
+    curves = json.loads(curves_path.read_text()) if curves_path.exists() else {}
+    return counts, bundle, curves
+  from flax import nnx
+
+  rows = np.asarray(_head_rows(nnx.merge(model.graphdef, model.state)))
+  vc = spherical_kmeans(rows, clusters, iterations=15, verbose=verbose)
+  pairs = collect_pairs(model, seqs, verbose=verbose)
+  result = train_router(pairs, vc, k_max=k_max, hidden=hidden, epochs=epochs,
+                        verbose=verbose)
+  bundle = RouterBundle(model.name, result.router, vc, k_max, hidden)
+  curves = dict(train_loss=result.train_loss, val_loss=result.val_loss,
+                val_recall=result.val_recall, pairs=int(pairs.next_token.size))
+  save_bundle(router_dir, bundle, pairs=curves["pairs"], sequences=len(seqs))
+  curves_path.write_text(json.dumps(curves))
+  plot_curves(curves, out / "curves.png", model.name, k_max)
+  return counts, bundle, curves
+
+
+def _head_rows(module):
+  if module.config.tie_embeddings:
+    return module.embedding[...]
+  return module.lm_head[...].T
+
+
+def plot_curves(curves: dict, path: Path, name: str, k_max: int) -> None:
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return
+  fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
+  ep = np.arange(len(curves["val_loss"]))
+  a.plot(ep[1:], curves["train_loss"][1:], label="train")
+  a.plot(ep, curves["val_loss"], label="validation")
+  a.set_xlabel("epoch")
+  a.set_ylabel("cross-entropy over clusters")
+  a.legend()
+  b.plot(ep, curves["val_recall"])
+  b.set_xlabel("epoch")
+  b.set_ylabel(f"validation recall@{k_max} clusters")
+  fig.suptitle(f"DynaSpec router, {name}")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
