@@ -4,6 +4,7 @@ profile, and clear errors for bad settings, missing or mismatched profiles."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -58,7 +59,8 @@ def ar(arch="llama", n=40):
 @pytest.mark.parametrize("kw", [dict(), dict(coupled=True), dict(objective="cosine"),
                                 dict(prune=False, window=3)])
 def test_knapspec_is_lossless(arch, kw):
-  out = run(KnapSpecDrafter(profile=synthetic_profile(), interval=2, **kw), arch)
+  out = run(KnapSpecDrafter(profile=synthetic_profile(), interval=2, selection_budget=None,
+                            **kw), arch)
   assert out.tokens == ar(arch)
   sel = out.drafter_state.selections
   assert len(sel) >= 3  # selection reran during the generation
@@ -71,6 +73,28 @@ def test_clasp_is_lossless_and_skips_exactly_m(arch):
   assert out.tokens == ar(arch)
   for bits in out.drafter_state.plans:
     assert np.sum(~bits[0::2]) == 2 and np.array_equal(bits[0::2], bits[1::2])
+
+
+def test_selection_budget_spaces_selections_and_carries_across_prompts():
+  """With a budget, selection waits until the DP's measured cost is within that share of
+  the decode time since the last one; the next prompt (same cache size) starts from the
+  carried selection instead of a new DP."""
+  d = KnapSpecDrafter(profile=synthetic_profile(), interval=2, selection_budget=0.05)
+  first = run(d)
+  assert first.tokens == ar()
+  st = first.drafter_state
+  assert st.dp_seconds > 0
+  due = lambda **kw: d._due(dataclasses.replace(st, **kw))
+  assert not due(rounds=5, since_s=st.dp_seconds / 0.05 * 0.9)
+  assert due(rounds=5, since_s=st.dp_seconds / 0.05 * 1.1)
+  assert not due(rounds=1, since_s=1e9)  # never before `interval` rounds
+  config, graphdef, state = tiny()
+  second = speculative_generate(graphdef, state, config, PROMPT, d, max_new_tokens=40,
+                                gamma=5, eos_ids=(), drafter_state=st)
+  assert second.tokens == ar()
+  assert all(s.round > st.total_rounds for s in second.drafter_state.selections)
+  with pytest.raises(ValueError, match="selection_budget"):
+    KnapSpecDrafter(profile=synthetic_profile(), selection_budget=1.5)
 
 
 def test_knapspec_uses_the_draft_length_it_chooses():
