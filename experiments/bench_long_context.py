@@ -78,10 +78,11 @@ def make_drafters(model, args, out_dir: Path) -> dict:
   search_prompts = [ps[-1] for ps in search if ps][:6]
   drafters = {}
   for name in args.drafters:
-    if name == "knapspec":
-      drafters[name] = KnapSpecDrafter(profile=bench.latency_profile(model, args.gamma),
-                                       interval=args.interval, window=args.window,
-                                       max_gamma=args.gamma)
+    if name in ("knapspec", "knapspec-fixed"):  # -fixed: every `interval` rounds (paper)
+      drafters[name] = KnapSpecDrafter(
+          profile=bench.latency_profile(model, args.gamma), interval=args.interval,
+          window=args.window, max_gamma=args.gamma,
+          selection_budget=None if name == "knapspec-fixed" else args.selection_budget)
     else:
       drafters[name] = bench._make_drafter(name, cfg, model, out_dir, search_prompts)
   return drafters
@@ -98,7 +99,7 @@ def record(workload, pid, method, g, ar_tokens=None) -> dict:
     rec["matches_ar"] = g.tokens == ar_tokens
   else:
     rec["verify_s"] = g.decode_s
-  if method == "knapspec":
+  if method.startswith("knapspec"):
     st = g.drafter_state
     rec["selections"] = [dict(round=s.round, context=s.context, gamma=s.gamma,
                               bits=np.asarray(s.chosen_bits).astype(int).tolist(),
@@ -141,6 +142,7 @@ def run(args) -> dict:
   work = workloads(model, args)
   total = sum(len(ps) for _, ps in work)
   bar = tqdm(total=total, desc=f"long-context {model.name}", unit="prompt")
+  carried: dict = {}
   for workload, prompts in work:
     for j, (pid, ids) in enumerate(prompts):
       if (workload, pid) in done:
@@ -149,15 +151,17 @@ def run(args) -> dict:
       kw = dict(max_new_tokens=args.max_new_tokens)
       ar = generate(model.graphdef, model.state, model.config, ids, **kw)
       recs = [record(workload, pid, metrics.AR, ar)]
-      carried = {}
       for name, d in drafters.items():
         g = speculative_generate(model.graphdef, model.state, model.config, ids, d,
                                  gamma=args.gamma, drafter_state=carried.get(name), **kw)
-        if name == "swift":
-          carried[name] = g.drafter_state
+        carried[name] = g.drafter_state  # SWIFT and budgeted KnapSpec learn across prompts
         recs.append(record(workload, pid, name, g, ar.tokens))
-      if j == 0 and workload != "spec-bench" and args.tpt_candidates and "knapspec" in drafters:
-        sel = next(r for r in recs if r["method"] == "knapspec")["selections"][0]
+      if j == 0 and workload != "spec-bench" and args.tpt_candidates:
+        ks = [r for r in recs if r["method"].startswith("knapspec") and r["selections"]]
+        sel = ks[0]["selections"][0] if ks else None
+      else:
+        sel = None
+      if sel is not None:
         recs.append(dict(workload=workload, prompt_id=pid, method="tpt_correlation",
                          **tpt_correlation(model, ids, sel, args, ar.decode_tokens_per_s)))
       recs.append(dict(workload=workload, prompt_id=pid, method="complete"))
@@ -177,7 +181,7 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
              for w in order}
   tpt = {}
   for w in order:
-    ks = [s for r in runs if r["workload"] == w and r["method"] == "knapspec"
+    ks = [s for r in runs if r["workload"] == w and r["method"].startswith("knapspec")
           for s in r["selections"]]
     tpt[w] = float(np.mean([s["predicted_tpt"] for s in ks])) if ks else None
   header = ["workload", "prompt tokens", "method", "tok/s", "speedup", "M", "α",
@@ -229,8 +233,10 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
         f"Spec-Bench ({args.spec_bench} prompt per category of {', '.join(SPEC_CATEGORIES)}) "
         f"and long prompts built from Spec-Bench rag/summarization documents "
         f"({args.prompts} per length), {args.max_new_tokens} new tokens, greedy, γ ≤ "
-        f"{args.gamma}; KnapSpec window {args.window} tokens, selection every "
-        f"{args.interval} rounds. AR and every drafter in the same process. "
+        f"{args.gamma}; KnapSpec window {args.window} tokens; `knapspec` selects within "
+        f"{args.selection_budget:.0%} of decode time (at least {args.interval} rounds apart, "
+        f"state carried across prompts), `knapspec-fixed` every {args.interval} rounds and at "
+        f"every prompt. AR and every drafter in the same process. "
         f"Machine: {report.machine()}.", "", table, "",
         "Latency profile (`specjax profile`, medians; what KnapSpec's weights come from):",
         "", profiler.table(bench.latency_profile(model, args.gamma)), "",
@@ -252,7 +258,7 @@ def plot_masks(runs: list[dict], order: list[str], path: Path) -> Path | None:
     import matplotlib.pyplot as plt
   except ImportError:
     return None
-  ks = [r for r in runs if r["method"] == "knapspec"]
+  ks = [r for r in runs if r["method"].startswith("knapspec")]
   if not ks:
     return None
   first = {}
@@ -303,6 +309,8 @@ def main(argv=None) -> None:
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--gamma", type=int, default=4)
   p.add_argument("--interval", type=int, default=16, help="KnapSpec rounds between selections")
+  p.add_argument("--selection-budget", type=float, default=0.05,
+                 help="KnapSpec: share of decode time its DP may take (knapspec-fixed: none)")
   p.add_argument("--window", type=int, default=4, help="KnapSpec verified tokens scored")
   p.add_argument("--tpt-candidates", type=int, default=6)
   p.add_argument("--search-iterations", type=int, default=40)
