@@ -129,12 +129,14 @@ class TrainResult:
   train_loss: list[float]  # per epoch
   val_loss: list[float]
   val_recall: list[float]  # top-k_max recall of the next token's cluster, per epoch
+  best_epoch: int = 0  # the router kept (lowest validation loss; 0 = before training)
 
 
 def train_router(pairs: Pairs, clusters: VocabClusters, *, k_max: int, hidden: int = 512,
                  epochs: int = 8, batch: int = 256, lr: float = 2e-3, val_share: float = 0.15,
                  seed: int = 0, verbose: bool = True) -> TrainResult:
-  """AdamW on cross-entropy over clusters; the validation split is by sequence."""
+  """AdamW on cross-entropy over clusters; the validation split is by sequence, and the
+  router returned is the epoch of lowest validation loss (it overfits small pair sets)."""
   from tqdm.auto import tqdm
 
   labels = clusters.assignment[pairs.next_token]
@@ -174,6 +176,7 @@ def train_router(pairs: Pairs, clusters: VocabClusters, *, k_max: int, hidden: i
   result.val_loss.append(v0[0])
   result.val_recall.append(v0[1])
   result.train_loss.append(float("nan"))
+  best = (v0[0], nnx.clone(router))
   bar = tqdm(range(epochs), desc="router", unit="epoch", disable=not verbose)
   for _ in bar:
     order = rng.permutation(tr)
@@ -186,6 +189,10 @@ def train_router(pairs: Pairs, clusters: VocabClusters, *, k_max: int, hidden: i
     result.val_loss.append(vl)
     result.val_recall.append(vr)
     bar.set_postfix(train=f"{result.train_loss[-1]:.3f}", val=f"{vl:.3f}", recall=f"{vr:.2f}")
+    if vl < best[0]:
+      best = (vl, nnx.clone(router))
+  result.router = best[1]
+  result.best_epoch = int(np.argmin(result.val_loss))
   return result
 
 

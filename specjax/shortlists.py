@@ -83,7 +83,7 @@ def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
   result = train_router(pairs, vc, k_max=k_max, hidden=hidden, epochs=epochs,
                         verbose=verbose)
   bundle = RouterBundle(model.name, result.router, vc, k_max, hidden)
-  curves = dict(train_loss=result.train_loss, val_loss=result.val_loss,
+  curves = dict(train_loss=result.train_loss, val_loss=result.val_loss, best_epoch=result.best_epoch,
                 val_recall=result.val_recall, pairs=int(pairs.next_token.size))
   save_bundle(router_dir, bundle, pairs=curves["pairs"], sequences=len(seqs))
   curves_path.write_text(json.dumps(curves))
