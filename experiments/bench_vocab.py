@@ -138,10 +138,11 @@ def main(argv=None) -> None:
   done = {r["prompt_id"] for r in records if r["method"] == "complete"}
   records = [r for r in records if r["prompt_id"] in done]
   greedy = SamplingParams()
+  carried: dict = {}  # drafter states handed from prompt to prompt (budgeted KnapSpec)
   for prompt in tqdm(prompts, desc=f"vocab {model.name}", unit="prompt"):
     if prompt.id in done:
       continue
-    recs = bench._run_prompt(model, prompt, drafters, bcfg, greedy, {})
+    recs = bench._run_prompt(model, prompt, drafters, bcfg, greedy, carried)
     recs.append(dict(prompt_id=prompt.id, method="complete"))
     with path.open("a") as f:
       f.write("".join(json.dumps(r) + "\n" for r in recs))
