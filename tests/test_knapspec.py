@@ -55,9 +55,9 @@ def ar(arch="llama", n=40):
   return generate(graphdef, state, config, PROMPT, max_new_tokens=n, eos_ids=()).tokens
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-@pytest.mark.parametrize("kw", [dict(), dict(coupled=True), dict(objective="cosine"),
-                                dict(prune=False, window=3)])
+@pytest.mark.parametrize("arch,kw", [
+    ("llama", dict()), ("gemma3", dict()), ("llama", dict(coupled=True)),
+    ("llama", dict(objective="cosine")), ("qwen3", dict(prune=False, window=3))])
 def test_knapspec_is_lossless(arch, kw):
   out = run(KnapSpecDrafter(profile=synthetic_profile(), interval=2, selection_budget=None,
                             **kw), arch)
