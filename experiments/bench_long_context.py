@@ -223,12 +223,7 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
       "mismatches": sum(s.get("mismatches", 0) for w in order for s in summary[w].values()),
   }
   if args.write_docs:
-    import shutil
-
-    img = report.DOCS.parent / "img" / f"knapspec_masks_{model.name}.png"
-    if masks_png:
-      img.parent.mkdir(exist_ok=True)
-      shutil.copy(masks_png, img)
+    image = report.copy_image(masks_png, f"knapspec_masks_{model.name}.png")
     body = "\n".join([
         f"## Long context: layer-skipping drafters vs AR ({model.name})", "",
         f"Spec-Bench ({args.spec_bench} prompt per category of {', '.join(SPEC_CATEGORIES)}) "
@@ -246,7 +241,7 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
         "off the critical path or on a device where the batched DP is nearly free.", "",
         "KnapSpec: predicted tokens-per-time vs measured throughput across the candidates "
         "of one selection (each decoded as a fixed plan with its own γ):", "", corr_table,
-        "", f"![KnapSpec masks](img/{img.name})" if masks_png else ""])
+        "", image])
     report.write_section(f"long-context-{model.name}", body)
   return figures
 

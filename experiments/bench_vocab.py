@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -40,6 +38,7 @@ from specjax.jit_cache import compiled  # noqa: E402
 from specjax.kv_cache import KVCache  # noqa: E402
 from specjax.loader import load_model  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402
+from specjax.profiler import median_time  # noqa: E402
 from specjax.registry import cache_root  # noqa: E402
 from specjax.router import collect_pairs, recall_at  # noqa: E402
 from specjax.sampling import SamplingParams  # noqa: E402
@@ -60,14 +59,7 @@ def draft_step_times(model, plans: dict, gamma: int, repeats: int) -> dict[str, 
                    graphdef=model.graphdef, vocab=cfg.vocab_size, gamma=gamma, threshold=0.0,
                    sampling=SamplingParams())
     run = lambda: exe(model.state, cache, last, plan, key, jnp.int32(gamma), h0).n
-    for _ in range(2):
-      jax.block_until_ready(run())
-    ts = []
-    for _ in range(repeats):
-      t = time.perf_counter()
-      jax.block_until_ready(run())
-      ts.append(time.perf_counter() - t)
-    out[name] = statistics.median(ts) / gamma
+    out[name] = median_time(run, repeats) / gamma
   return out
 
 
@@ -196,13 +188,8 @@ def main(argv=None) -> None:
                  router_val_loss=curves.get("val_loss"),
                  mismatches=sum(s.get("mismatches", 0) for s in summary.values()))
   if args.write_docs:
-    import shutil
-
-    img = report.DOCS.parent / "img" / f"router_curves_{model.name}.png"
-    src = cache_root() / "shortlists" / model.name / "curves.png"
-    if src.exists():
-      img.parent.mkdir(exist_ok=True)
-      shutil.copy(src, img)
+    image = report.copy_image(cache_root() / "shortlists" / model.name / "curves.png",
+                              f"router_curves_{model.name}.png")
     body = "\n".join([
         f"## Vocabulary shortlists: FR-Spec and DynaSpec ({model.name})", "",
         f"{len(prompts)} Spec-Bench prompts ({args.per_category} per category of "
@@ -218,7 +205,7 @@ def main(argv=None) -> None:
         "End to end (M kept: DynaSpec/FR-Spec vs the all-layer full-head draft; "
         "`+knapspec` vs KnapSpec with the full head):", "", e2e_table, "",
         "Router on the evaluation prompts' AR outputs (held out):", "", rec_table, "",
-        f"![router curves](img/{img.name})" if src.exists() else ""])
+        image])
     report.write_section(f"vocab-{model.name}", body)
   report.print_json(figures)
 

@@ -39,3 +39,17 @@ def git_revision() -> str:
                           text=True, cwd=DOCS.parent.parent).stdout.strip()
   except OSError:
     return "unknown"
+
+
+def copy_image(src, name: str) -> str:
+  """Copy a plot next to BENCHMARKS.md (docs/img/NAME); return its Markdown image link,
+  or "" when there is no plot."""
+  import shutil
+  from pathlib import Path
+
+  if not src or not Path(src).exists():
+    return ""
+  img = DOCS.parent / "img" / name
+  img.parent.mkdir(exist_ok=True)
+  shutil.copy(src, img)
+  return f"![{Path(name).stem}](img/{name})"

@@ -160,7 +160,8 @@ def load_profile(model: str, num_layers: int, path: Path | None = None,
   return LatencyProfile.from_json(obj).check(model, num_layers)
 
 
-def _median_time(fn, repeats: int, warmup: int = 2) -> float:
+def median_time(fn, repeats: int, warmup: int = 2) -> float:
+  """Median wall seconds of `fn()` (its result waited for) after `warmup` calls."""
   for _ in range(warmup):
     jax.block_until_ready(fn())
   times = []
@@ -197,7 +198,7 @@ def measure(model, lengths=(256, 1024, 2048, 4096), gamma: int = 4, repeats: int
     length = n - gamma - 2  # a host int: the cache (and its length) is donated
     draft = compiled(draft_step, state, cache, last, full, key, jnp.int32(1), graphdef=graphdef,
                      vocab=cfg.vocab_size, gamma=1, threshold=0.0, sampling=greedy)
-    t = {name: _median_time(lambda p=p: draft(state, cache, last, p, key, jnp.int32(1)).n,
+    t = {name: median_time(lambda p=p: draft(state, cache, last, p, key, jnp.int32(1)).n,
                             repeats) for name, p in plans.items()}
     rows["base"].append(t["none"])
     rows["attn"].append(max(t["attn"] - t["none"], 0.0) / L)
@@ -219,8 +220,8 @@ def measure(model, lengths=(256, 1024, 2048, 4096), gamma: int = 4, repeats: int
       holder["cache"] = c.with_length(length)
       return tok
 
-    rows["verify"].append(_median_time(run_verify, repeats))
-    rows["step"].append(_median_time(run_step, repeats))
+    rows["verify"].append(median_time(run_verify, repeats))
+    rows["step"].append(median_time(run_step, repeats))
   dtype = str(jax.tree.leaves(state)[0].dtype)
   return LatencyProfile(model=model.name, device=device_name(), dtype=dtype, num_layers=L,
                         verify_tokens=gamma + 1, lengths=lengths,

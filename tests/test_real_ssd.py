@@ -48,3 +48,32 @@ def test_smollm2_ssd_equals_ar_for_every_drafter():
       if out.tokens != ar:
         mismatches.append((d.name, text[:40]))
   assert mismatches == []
+
+
+def test_smollm2_per_round_and_shortlist_drafters_equal_ar():
+  """CLaSp, KnapSpec (profiled on this machine, re-selecting every 4 rounds), FR-Spec and
+  FR-Spec on KnapSpec: greedy SSD == greedy AR on the real model."""
+  import numpy as np
+
+  from specjax import profiler
+  from specjax.drafters import ClaspDrafter, FRSpecDrafter, KnapSpecDrafter
+  from specjax.drafters.frspec import frequent_shortlist
+
+  m = real_model("smollm2-135m-instruct")
+  prof = profiler.measure(m, lengths=(256, 512), repeats=3, verbose=False)
+  prompts = [m.tokenizer.encode_prompt(t) for t in _prompts()[:2]]
+  ars = [generate(m.graphdef, m.state, m.config, ids, max_new_tokens=40, eos_ids=()).tokens
+         for ids in prompts]
+  counts = np.bincount(np.concatenate([np.asarray(p) for p in prompts]),
+                       minlength=m.config.vocab_size)
+  short = frequent_shortlist(counts, 8192, m.config.eos_ids)
+  knap = KnapSpecDrafter(profile=prof, interval=4, selection_budget=None)
+  drafters = [ClaspDrafter(interval=4), knap, FRSpecDrafter(short), FRSpecDrafter(short, knap)]
+  mismatches = []
+  for ids, ar in zip(prompts, ars):
+    for d in drafters:
+      out = speculative_generate(m.graphdef, m.state, m.config, ids, d, max_new_tokens=40,
+                                 eos_ids=(), gamma=4)
+      if out.tokens != ar:
+        mismatches.append((d.name, len(ids)))
+  assert mismatches == []

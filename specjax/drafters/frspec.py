@@ -15,11 +15,11 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from specjax.drafters.base import Drafter
+from specjax.drafters.head import HeadDrafter
 from specjax.plan import DraftPlan
 
 
@@ -71,14 +71,8 @@ def frequent_shortlist(counts: np.ndarray, size: int, eos_ids: Sequence[int] = (
   return np.concatenate([np.asarray(eos, np.int64), rest])[:size]
 
 
-@dataclasses.dataclass
-class ShortlistState:
-  base: Any  # the base drafter's state
-  plan: DraftPlan  # the full model with the shortlist (its `vocab` goes on every plan)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
-class FRSpecDrafter(Drafter):
+class FRSpecDrafter(HeadDrafter):
   """A static shortlist on the base drafter's plan (the full model when `base` is None)."""
 
   name = "frspec"
@@ -89,31 +83,7 @@ class FRSpecDrafter(Drafter):
     if self.shortlist is None:
       raise ValueError("frspec needs a shortlist (see frequent_shortlist)")
 
-  @property
-  def wants_residuals(self) -> bool:  # type: ignore[override]
-    return bool(self.base and self.base.wants_residuals)
-
-  @property
-  def threshold(self) -> float:  # type: ignore[override]
-    return self.base.threshold if self.base else Drafter.threshold
-
-  def init(self, session, prior=None) -> ShortlistState:
+  def head_plan(self, session) -> DraftPlan:
     cfg = session.config
-    plan = DraftPlan.full(cfg.num_layers).with_shortlist(self.shortlist, cfg.vocab_size,
+    return DraftPlan.full(cfg.num_layers).with_shortlist(self.shortlist, cfg.vocab_size,
                                                          cfg.eos_ids)
-    base = self.base.init(session, prior) if self.base else None
-    return ShortlistState(base, plan)
-
-  def plan(self, state: ShortlistState) -> DraftPlan:
-    if self.base is None:
-      return state.plan
-    return self.base.plan(state.base).replace(vocab=state.plan.vocab)
-
-  def draft_length(self, state: ShortlistState) -> int | None:
-    return self.base.draft_length(state.base) if self.base else None
-
-  def update(self, state: ShortlistState, out, session) -> ShortlistState:
-    if self.base is None:
-      return state
-    return dataclasses.replace(state, base=self.base.update(state.base, out, session))
-
