@@ -18,6 +18,7 @@ a profile made for another model or device is refused.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import statistics
@@ -68,21 +69,26 @@ class LatencyProfile:
   step: tuple[float, ...]  # one AR step (T = 1)
 
   # --- fits -----------------------------------------------------------------------------
+  @functools.cached_property
+  def _fits(self) -> dict[str, tuple[float, float]]:
+    """Least-squares lines, fitted once (drafters query them every round)."""
+    return {k: _fit(self.lengths, getattr(self, k)) for k in ("attn", "base", "step", "verify")}
+
   def t_attn(self, n: float) -> float:
-    a, b = _fit(self.lengths, self.attn)
+    a, b = self._fits["attn"]
     return max(a * n + b, 1e-7)
 
   def t_mlp(self, n: float = 0) -> float:
     return max(float(np.median(self.mlp)), 1e-7)
 
   def t_base(self, n: float) -> float:
-    a, b = _fit(self.lengths, self.base)
+    a, b = self._fits["base"]
     return max(a * n + b, 0.0)
 
   def t_target(self, n: float, tokens: int) -> float:
     """Verification of `tokens` positions (linear between one AR step and γ+1 tokens)."""
-    a1, b1 = _fit(self.lengths, self.step)
-    a2, b2 = _fit(self.lengths, self.verify)
+    a1, b1 = self._fits["step"]
+    a2, b2 = self._fits["verify"]
     t1, t2 = a1 * n + b1, a2 * n + b2
     frac = (tokens - 1) / max(self.verify_tokens - 1, 1)
     return max(t1 + frac * (t2 - t1), 1e-7)

@@ -39,8 +39,7 @@ import numpy as np
 from specjax.drafters.base import Drafter
 from specjax.layer_dp import run_dp, sublayer_items
 from specjax.jit_cache import compile_seconds
-from specjax.layer_probe import (Window, bits_to_plan, plan_to_bits, prompt_window,
-                                 push_round)
+from specjax.layer_probe import Window, bits_to_plan, prompt_window, push_round
 from specjax.plan import DraftPlan
 from specjax.profiler import LatencyProfile, ProfileMismatchError
 
@@ -61,6 +60,7 @@ class Selection:
 class KnapSpecState:
   window: Window
   plan: DraftPlan
+  bits: np.ndarray  # bool[2L] the plan on the host (for the per-round time estimate)
   gamma: int
   rounds: int  # rounds since the last selection
   total_rounds: int
@@ -133,8 +133,9 @@ class KnapSpecDrafter(Drafter):
     if (self.selection_budget is not None and isinstance(prior, KnapSpecState)
         and np.array_equal(prior.weights, weights)):  # same cache size: keep selecting on
       return dataclasses.replace(prior, window=window, selections=[])
-    state = KnapSpecState(window, DraftPlan.full(cfg.num_layers), self.max_gamma, 0, 0,
-                          0.0, 0.0, weights, [])
+    state = KnapSpecState(window, DraftPlan.full(cfg.num_layers),
+                          np.ones(2 * cfg.num_layers, bool), self.max_gamma, 0, 0, 0.0, 0.0,
+                          weights, [])
     return self._select(state, session)
 
   def plan(self, state: KnapSpecState) -> DraftPlan:
@@ -149,7 +150,7 @@ class KnapSpecDrafter(Drafter):
     window = push_round(state.window, out.residuals, jnp.int32(session.context[start]),
                         out.tokens, jnp.int32(start), jnp.int32(n_commit))
     n = session.cache.size
-    round_s = (int(out.n_drafted) * float(self.profile.draft_time(plan_to_bits(state.plan), n))
+    round_s = (int(out.n_drafted) * float(self.profile.draft_time(state.bits, n))
                + self.profile.t_target(n, state.gamma + 1))
     state = dataclasses.replace(state, window=window, rounds=state.rounds + 1,
                                 total_rounds=state.total_rounds + 1,
@@ -214,7 +215,8 @@ class KnapSpecDrafter(Drafter):
     sel = Selection(round=state.total_rounds, context=len(session.context),
                     chosen_bits=chosen, gamma=gamma, predicted_tpt=best_tpt,
                     candidates=records)
-    return dataclasses.replace(state, plan=bits_to_plan(chosen), gamma=gamma, rounds=0,
+    return dataclasses.replace(state, plan=bits_to_plan(chosen), bits=chosen, gamma=gamma,
+                               rounds=0,
                                selections=state.selections + [sel], dp_seconds=dp_seconds,
                                since_s=0.0)
 
