@@ -146,10 +146,13 @@ def prompt_window(session, size: int) -> Window:
                 residuals=res[:, rows], valid=jnp.asarray(np.arange(size) >= pad))
 
 
-def push_round(window: Window, residuals: jax.Array, last: jax.Array, committed: jax.Array,
-               start: jax.Array, n_commit: jax.Array) -> Window:
-  """`push_step`, compiled ahead of time per round shape."""
-  args = (window, residuals, last, committed, start, n_commit)
+def push_round(window: Window, out, session) -> Window:
+  """The window after one round: its verified rows (`engine.RoundOut` with residuals)
+  appended on device by `push_step`, compiled ahead of time per round shape."""
+  n_commit = int(out.n_commit)
+  start = len(session.context) - 1 - n_commit  # position of the round's first input
+  args = (window, out.residuals, jnp.int32(session.context[start]), out.tokens,
+          jnp.int32(start), jnp.int32(n_commit))
   return compiled(push_step, *args)(*args)
 
 

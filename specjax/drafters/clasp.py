@@ -60,12 +60,7 @@ class ClaspDrafter(Drafter):
     return state.plan
 
   def update(self, state: ClaspState, out, session) -> ClaspState:
-    import jax.numpy as jnp
-
-    n_commit = int(out.n_commit)
-    start = len(session.context) - 1 - n_commit
-    window = push_round(state.window, out.residuals, jnp.int32(session.context[start]),
-                        out.tokens, jnp.int32(start), jnp.int32(n_commit))
+    window = push_round(state.window, out, session)
     state = dataclasses.replace(state, window=window, rounds=state.rounds + 1)
     return self._select(state, session) if state.rounds >= self.interval else state
 

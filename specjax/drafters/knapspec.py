@@ -33,7 +33,6 @@ import time
 from typing import ClassVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters.base import Drafter
@@ -145,10 +144,7 @@ class KnapSpecDrafter(Drafter):
     return state.gamma
 
   def update(self, state: KnapSpecState, out, session) -> KnapSpecState:
-    n_commit = int(out.n_commit)
-    start = len(session.context) - 1 - n_commit  # position of the round's first input
-    window = push_round(state.window, out.residuals, jnp.int32(session.context[start]),
-                        out.tokens, jnp.int32(start), jnp.int32(n_commit))
+    window = push_round(state.window, out, session)
     n = session.cache.size
     round_s = (int(out.n_drafted) * float(self.profile.draft_time(state.bits, n))
                + self.profile.t_target(n, state.gamma + 1))
