@@ -16,8 +16,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from specjax import data, docs, metrics
-from specjax.drafters import (ClaspDrafter, EarlyExitDrafter, KnapSpecDrafter, SelfSDDrafter,
-                              StaticDrafter, SwiftDrafter, drafter_class)
+from specjax.drafters import (ClaspDrafter, EarlyExitDrafter, KnapSpecDrafter, KNNDrafter,
+                              SelfSDDrafter, StaticDrafter, SwiftDrafter, drafter_class)
 from specjax.drafters import self_sd
 from specjax.drafters.static import load_plan, save_plan
 from specjax.engine import speculative_generate
@@ -65,7 +65,8 @@ def _chat_ids(tok, turns: list[str], answers: list[str]) -> list[int]:
   return tok.encode("\n\n".join(parts))
 
 
-def _make_drafter(name: str, cfg: BenchConfig, model, out_dir: Path, search_prompts):
+def _make_drafter(name: str, cfg: BenchConfig, model, out_dir: Path, search_prompts,
+                  data_dir=None):
   L = model.config.num_layers
   if name == "early_exit":
     return EarlyExitDrafter(k=L // 2)
@@ -93,6 +94,8 @@ def _make_drafter(name: str, cfg: BenchConfig, model, out_dir: Path, search_prom
     return ClaspDrafter()
   if name == "knapspec":
     return KnapSpecDrafter(profile=latency_profile(model, cfg.gamma))
+  if name == "knn":
+    return KNNDrafter(knn_library(model, cfg, data_dir))
   drafter_class(name)  # raises UnknownDrafterError with the list of names
   raise ValueError(f"drafter {name!r} is not benchmarked by `specjax bench` yet")
 
@@ -109,6 +112,23 @@ def latency_profile(model, gamma: int, verbose: bool = True):
     prof = profiler.measure(model, gamma=gamma, verbose=verbose)
     profiler.save_profile(prof)
     return prof
+
+
+def knn_library(model, cfg: BenchConfig, data_dir=None, verbose: bool = True):
+  """The model's saved KNN-SSD library; built now (and saved) from the default domains'
+  build prompts when there is none. Another model's library is refused, not replaced."""
+  from specjax import knn_build, knn_library
+
+  path = knn_library.default_dir(model.name)
+  if (path / "meta.json").exists():
+    return knn_library.load_library(path, model=model.name, num_layers=model.config.num_layers,
+                                    embed_dim=model.config.embed_dim)
+  print(f"no KNN-SSD library for {model.name} at {path}: building it now (`specjax knn "
+        f"build --model {model.name}` does the same)", file=sys.stderr)
+  build, _ = knn_build.domain_prompts(data_dir)
+  return knn_build.build(model, {d: ps[:40] for d, ps in build.items()}, path,
+                         iterations=min(cfg.search_iterations, 40), gamma=cfg.gamma,
+                         seed=cfg.seed, verbose=verbose)
 
 
 def _read_records(path: Path) -> list[dict]:
@@ -151,7 +171,8 @@ def run(cfg: BenchConfig, out_dir: Path, *, data_dir=None, resume: bool = False,
 
   model = load_model(cfg.model, verbose=verbose)
   sampling = SamplingParams(cfg.temperature, cfg.top_p)
-  drafters = {n: _make_drafter(n, cfg, model, out_dir, search_prompts) for n in cfg.drafters}
+  drafters = {n: _make_drafter(n, cfg, model, out_dir, search_prompts, data_dir)
+              for n in cfg.drafters}
   methods = [metrics.AR] + list(drafters)
 
   records = _read_records(results_path)

@@ -131,6 +131,29 @@ def _cmd_router_train(args: argparse.Namespace) -> int:
   return 0
 
 
+def _cmd_knn_build(args: argparse.Namespace) -> int:
+  from pathlib import Path
+
+  from specjax import knn_build
+  from specjax.loader import load_model
+
+  domains = tuple(d for d in args.domains.split(",") if d)
+  build, _ = knn_build.domain_prompts(args.data_dir, domains)
+  model = load_model(args.model)
+  build = {d: ps[: args.prompts_per_domain] for d, ps in build.items()}
+  out = Path(args.out) if args.out else None
+  lib = knn_build.build(model, build, out, anchors=args.anchors,
+                        search_prompts=args.search_prompts, iterations=args.iterations,
+                        gamma=args.gamma, seed=args.seed)
+  print(knn_build.summary_table(lib))
+  print(json.dumps({"model": lib.model, "out": str(out or knn_build.default_dir(lib.model)),
+                    "domains": {d: {"anchors": int((lib.anchor_domain == i).sum()),
+                                    "skipped": int((~lib.attn[i]).sum() + (~lib.mlp[i]).sum()),
+                                    "alpha": lib.meta[d].get("alpha")}
+                                for i, d in enumerate(lib.domains)}}))
+  return 0
+
+
 def _cmd_data_fetch(args: argparse.Namespace) -> int:
   from specjax import data
 
@@ -163,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
   p = sub.add_parser("bench", help="AR vs every drafter on a Spec-Bench subset")
   p.add_argument("--model", default=DEFAULT_MODEL)
   p.add_argument("--drafters", default="early_exit,self_sd,swift",
-                 help="comma-separated: static, early_exit, self_sd, swift, clasp, knapspec")
+                 help="comma-separated: static, early_exit, self_sd, swift, clasp, knapspec, "
+                 "knn")
   p.add_argument("--plan", help="plan file for the static drafter")
   p.add_argument("--categories", default="", help="comma-separated; default all 13")
   p.add_argument("--per-category", type=int, default=1,
@@ -208,6 +232,24 @@ def build_parser() -> argparse.ArgumentParser:
   q.add_argument("--data-dir")
   q.add_argument("--out", help="folder (default: the specjax cache, per model)")
   q.set_defaults(func=_cmd_router_train)
+
+  p = sub.add_parser("knn", help="KNN-SSD skip library")
+  knn_sub = p.add_subparsers(dest="knn_command", required=True)
+  q = knn_sub.add_parser("build", help="anchors (k-means) and a Self-SD skip set per domain, "
+                         "from the domains' build prompts (never the held-out ones)")
+  q.add_argument("--model", default=DEFAULT_MODEL)
+  q.add_argument("--domains", default=",".join(("mt_bench", "translation", "summarization",
+                                                "qa", "math_reasoning", "rag", "gsm8k")))
+  q.add_argument("--prompts-per-domain", type=int, default=40, help="prompts embedded")
+  q.add_argument("--anchors", type=int, default=10, help="k-means anchors per domain")
+  q.add_argument("--search-prompts", type=int, default=3,
+                 help="representative prompts the Self-SD search scores on")
+  q.add_argument("--iterations", type=int, default=40, help="Self-SD search iterations")
+  q.add_argument("--gamma", type=int, default=4)
+  q.add_argument("--seed", type=int, default=0)
+  q.add_argument("--data-dir")
+  q.add_argument("--out", help="library folder (default: the specjax cache, per model)")
+  q.set_defaults(func=_cmd_knn_build)
 
   p = sub.add_parser("data", help="prompt sets")
   data_sub = p.add_subparsers(dest="data_command", required=True)

@@ -262,6 +262,7 @@ class Session:
   config: ModelConfig
   cache: KVCache  # the verified cache; context[-1] is not in it yet
   context: list[int]  # prompt + committed tokens
+  prompt_embedding: jax.Array | None = None  # float32[D], `generate.pooled_prompt`
 
   def score(self, plan: DraftPlan, window: int = 32) -> float | None:
     """Top-1 agreement of `plan` over the last `window` committed tokens (None if fewer)."""
@@ -381,13 +382,13 @@ def speculative_generate(
   compile_s = time.perf_counter() - t_compile
   t0 = time.perf_counter()
   key, sub = jax.random.split(key)
-  first, cache, h_prev = prefill(state, cache, prompt, n, full, sub)
+  first, cache, h_prev, pooled = prefill(state, cache, prompt, n, full, sub)
   tokens = [int(first[0])]
   if on_token:
     on_token(tokens[0])
   t1 = time.perf_counter()
 
-  session = Session(graphdef, state, config, cache, list(prompt_tokens) + tokens)
+  session = Session(graphdef, state, config, cache, list(prompt_tokens) + tokens, pooled)
   c0 = compile_seconds()
   dstate = drafter.init(session, drafter_state)
   stats = dict(rounds=0, drafted=0, accepted=0, committed=0)

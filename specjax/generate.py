@@ -54,19 +54,30 @@ def prefill_step(
     return_hidden: bool = False,
 ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
   """Process a padded prompt tokens[B, T] of which the first n are real; return the first
-  new token [B] and the cache holding exactly the n prompt tokens (and, on request, the
-  final hidden state [D] of the last prompt token, B = 1)."""
+  new token [B] and the cache holding exactly the n prompt tokens. On request (B = 1) also
+  the final hidden state [D] of the last prompt token (DynaSpec's h_prev) and the prompt
+  embedding [D] (KNN-SSD's key, `pooled_prompt`)."""
   B, T = tokens.shape
   start = cache.length
   out, cache = apply(
       state, cache, tokens, positions_for(cache, T, B), plan, graphdef=graphdef, logits="none"
   )
+  model = nnx.merge(graphdef, state)
   last = jax.lax.dynamic_slice_in_dim(out.hidden, n - 1, 1, axis=1)
-  logits = nnx.merge(graphdef, state).head(last)[:, 0]
+  logits = model.head(last)[:, 0]
   if return_hidden:
     return (sample(key, logits, sampling), cache.with_length(start + n),
-            last[0, 0].astype(jnp.float32))
+            last[0, 0].astype(jnp.float32), pooled_prompt(model, out.hidden[0], n))
   return sample(key, logits, sampling), cache.with_length(start + n)
+
+
+def pooled_prompt(model, hidden: jax.Array, n: jax.Array) -> jax.Array:
+  """The mean over the n real prompt tokens of the last hidden state (after the final
+  norm, as a model's `last_hidden_state` is): [T, D] -> float32[D]. Without the norm a
+  few massive-activation channels of the residual stream dominate every cosine."""
+  h = model.final_norm(hidden).astype(jnp.float32)
+  real = (jnp.arange(h.shape[0]) < n)[:, None]
+  return jnp.sum(jnp.where(real, h, 0.0), axis=0) / n.astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))

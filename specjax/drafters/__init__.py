@@ -8,13 +8,14 @@ from specjax.drafters.dynaspec import DynaSpecDrafter
 from specjax.drafters.early_exit import EarlyExitDrafter
 from specjax.drafters.frspec import FRSpecDrafter
 from specjax.drafters.knapspec import KnapSpecDrafter
+from specjax.drafters.knn import KNNDrafter
 from specjax.drafters.self_sd import SelfSDDrafter
 from specjax.drafters.static import StaticDrafter
 from specjax.drafters.swift import SwiftDrafter
 
 DRAFTERS: dict[str, type[Drafter]] = {
     d.name: d for d in (StaticDrafter, EarlyExitDrafter, SelfSDDrafter, SwiftDrafter,
-                        ClaspDrafter, KnapSpecDrafter, FRSpecDrafter, DynaSpecDrafter)
+                        ClaspDrafter, KnapSpecDrafter, KNNDrafter, FRSpecDrafter, DynaSpecDrafter)
 }
 
 
@@ -30,6 +31,6 @@ def drafter_class(name: str) -> type[Drafter]:
 
 
 __all__ = ["DRAFTERS", "ClaspDrafter", "Drafter", "DynaSpecDrafter", "EarlyExitDrafter",
-           "FRSpecDrafter", "KnapSpecDrafter",
+           "FRSpecDrafter", "KNNDrafter", "KnapSpecDrafter",
            "SelfSDDrafter", "StaticDrafter", "SwiftDrafter", "UnknownDrafterError",
            "drafter_class"]

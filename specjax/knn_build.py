@@ -1,0 +1,138 @@
+"""`specjax knn build`: KNN-SSD's skip library for one model, one domain at a time.
+
+Per domain: embed its build prompts, pick anchors by k-means, run the Self-SD search on
+the representatives of the largest clusters, and write the domain's part
+(`<library>.parts/<domain>.npz`) before moving on — an interrupted build resumes at the
+next domain. The parts are then joined into the orbax library.
+
+Domains are Spec-Bench categories, MT-bench (its 8 categories as one domain) and GSM8K
+train. The first 30 % of every category, in file order, are held out: the benchmarks
+evaluate on them, and they never shape a library.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from specjax import data
+from specjax.drafters import self_sd
+from specjax.knn_library import (LibraryError, SkipLibrary, choose_anchors, default_dir, embed,
+                                 from_parts, save_library)
+
+DEFAULT_DOMAINS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag",
+                   "gsm8k")
+HELD_OUT_SHARE = 0.3
+
+
+def domain_prompts(data_dir=None, domains: Sequence[str] = DEFAULT_DOMAINS,
+                   gsm8k_rows: int = 100) -> tuple[dict, dict]:
+  """(build, held_out): prompts per domain, split by category as the module says."""
+  spec = data.load_spec_bench(data_dir)
+  by_cat: dict[str, list[data.Prompt]] = {}
+  for p in spec:
+    by_cat.setdefault(p.category, []).append(p)
+  by_cat["gsm8k"] = data.load_gsm8k(data_dir, limit=gsm8k_rows)
+  build: dict[str, list] = {}
+  held: dict[str, list] = {}
+  for domain in domains:
+    cats = data.MT_BENCH_CATEGORIES if domain == "mt_bench" else (domain,)
+    if any(c not in by_cat for c in cats):
+      raise ValueError(f"unknown domain {domain!r}; known: mt_bench, gsm8k and the "
+                       f"Spec-Bench categories {', '.join(data.SPEC_BENCH_CATEGORIES)}")
+    for c in cats:
+      k = math.ceil(HELD_OUT_SHARE * len(by_cat[c]))
+      held.setdefault(domain, []).extend(by_cat[c][:k])
+      build.setdefault(domain, []).extend(by_cat[c][k:])
+  return build, held
+
+
+def prompt_ids(tokenizer, prompt: data.Prompt) -> list[int]:
+  """A prompt's first turn as the model sees it (chat template when it has one)."""
+  return tokenizer.encode_prompt(prompt.turns[0])
+
+
+def embed_all(model, prompts: Sequence[data.Prompt], desc: str = "embed",
+              verbose: bool = True) -> np.ndarray:
+  """float32[N, D]: the prompt embedding of each prompt (`knn_library.embed`)."""
+  rows = [embed(model.graphdef, model.state, model.config, prompt_ids(model.tokenizer, p))
+          for p in tqdm(prompts, desc=desc, unit="prompt", disable=not verbose, leave=False)]
+  return np.stack(rows) if rows else np.zeros((0, model.config.embed_dim), np.float32)
+
+
+def build_domain(model, name: str, prompts: Sequence[data.Prompt], *, anchors: int = 10,
+                 search_prompts: int = 3, iterations: int = 40, gamma: int = 4,
+                 seed: int = 0, verbose: bool = True) -> dict:
+  """One domain's part: anchors [k, D], the searched skip masks, and the search record."""
+  if not prompts:
+    raise LibraryError(f"domain {name!r} has no prompts: every domain needs some to pick "
+                       f"anchors and search a skip set on")
+  x = embed_all(model, prompts, f"embed {name}", verbose)
+  chosen = choose_anchors(x, anchors, seed)
+  reps = [prompts[i] for i in chosen.rows[:search_prompts]]
+  ids = [prompt_ids(model.tokenizer, p) for p in reps]
+  res = self_sd.search(model.graphdef, model.state, model.config, ids, iterations=iterations,
+                       gamma=gamma, seed=seed, verbose=verbose)
+  return dict(anchors=x[chosen.rows], attn=np.asarray(res.plan.attn),
+              mlp=np.asarray(res.plan.mlp), anchor_ids=[prompts[i].id for i in chosen.rows],
+              cluster_sizes=chosen.sizes.tolist(), search_ids=[p.id for p in reps],
+              objective=res.objective, alpha=res.alpha, cost=res.cost)
+
+
+def parts_dir(library: Path) -> Path:
+  return library.with_name(library.name + ".parts")
+
+
+def build(model, domains: Mapping[str, Sequence[data.Prompt]], out: Path | None = None, *,
+          verbose: bool = True, **kw) -> SkipLibrary:
+  """Build (or resume) the library for `domains` and save it at `out`."""
+  out = Path(out or default_dir(model.name))
+  parts_path = parts_dir(out)
+  parts_path.mkdir(parents=True, exist_ok=True)
+  parts = {}
+  for name in tqdm(list(domains), desc="knn library", unit="domain", disable=not verbose):
+    path = parts_path / f"{name}.npz"
+    settings = dict(kw, prompts=[p.id for p in domains[name]])
+    if path.exists():
+      parts[name] = _read_part(path)
+      if parts[name].get("settings") == settings:
+        continue  # built by an earlier, interrupted run with the same settings
+    parts[name] = build_domain(model, name, domains[name], verbose=verbose, **kw)
+    parts[name]["settings"] = settings
+    _write_part(path, parts[name])
+  lib = from_parts(model.name, parts).check(model.config.num_layers, model.config.embed_dim)
+  save_library(out, lib)
+  return lib
+
+
+def _write_part(path: Path, part: dict) -> None:
+  arrays = {k: part[k] for k in ("anchors", "attn", "mlp")}
+  meta = {k: v for k, v in part.items() if k not in arrays}
+  tmp = path.with_suffix(".tmp.npz")
+  np.savez(tmp, meta=json.dumps(meta), **arrays)
+  tmp.replace(path)
+
+
+def _read_part(path: Path) -> dict:
+  with np.load(path) as z:
+    part = json.loads(str(z["meta"]))
+    part.update(anchors=z["anchors"], attn=z["attn"], mlp=z["mlp"])
+  return part
+
+
+def summary_table(lib: SkipLibrary) -> str:
+  """Markdown: per domain, its anchors and the skip set the search found."""
+  rows = ["| domain | anchors | skipped attn | skipped MLP | search α | predicted speedup |",
+          "| --- | --- | --- | --- | --- | --- |"]
+  for i, d in enumerate(lib.domains):
+    m = lib.meta.get(d, {})
+    alpha, obj = m.get("alpha"), m.get("objective")
+    rows.append(f"| {d} | {int((lib.anchor_domain == i).sum())} | {int((~lib.attn[i]).sum())} "
+                f"| {int((~lib.mlp[i]).sum())} | {'' if alpha is None else f'{alpha:.2f}'} "
+                f"| {'' if obj is None else f'{obj:.2f}'} |")
+  return "\n".join(rows)

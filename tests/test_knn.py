@@ -1,0 +1,218 @@
+"""KNN-SSD: anchors and 1-NN on synthetic clusters, the library's bit-exact round trip and
+its refusals (another model, empty domain, NaN anchors, damage), a resumable build, and
+the drafter lossless (greedy == AR) on tiny models."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import types
+
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specjax import knn_build
+from specjax.config import tiny_config
+from specjax.data import Prompt
+from specjax.drafters import KNNDrafter
+from specjax.engine import speculative_generate
+from specjax.generate import generate
+from specjax.knn_library import (LibraryError, SkipLibrary, choose_anchors, embed, from_parts,
+                                 load_library, save_library, unit)
+from specjax.model import init_model
+from specjax.sampling import SamplingParams
+
+
+def clusters(seed: int, k: int = 4, per: int = 30, d: int = 24, noise: float = 0.05):
+  """k clusters of unit vectors around random directions; (x[k*per, d], labels)."""
+  rng = np.random.default_rng(seed)
+  centres = unit(rng.normal(size=(k, d)))
+  x = np.concatenate([c + noise * rng.normal(size=(per, d)) for c in centres])
+  scale = rng.uniform(0.5, 20.0, size=(len(x), 1))  # cosine ignores the norm
+  return (x * scale).astype(np.float32), np.repeat(np.arange(k), per)
+
+
+def library_of(parts: dict, model: str = "tiny-llama") -> SkipLibrary:
+  return from_parts(model, parts)
+
+
+def random_parts(x, labels, k_anchors, L=4, seed=0):
+  rng = np.random.default_rng(seed)
+  parts = {}
+  for c in np.unique(labels):
+    rows = x[labels == c]
+    a = choose_anchors(rows, k_anchors, seed)
+    parts[f"d{c}"] = dict(anchors=rows[a.rows], attn=rng.random(L) < 0.5,
+                          mlp=rng.random(L) < 0.5, note=f"domain {c}")
+  return parts
+
+
+def test_one_anchor_per_cluster_nearest_its_centroid():
+  x, labels = clusters(0)
+  a = choose_anchors(x, k=4)
+  assert sorted(labels[a.rows]) == [0, 1, 2, 3]  # one representative per cluster
+  assert a.sizes.tolist() == [30, 30, 30, 30]
+  u = unit(x)
+  for r in a.rows:  # each is its cluster's member closest to the cluster mean
+    members = u[labels == labels[r]]
+    centre = members.mean(0)
+    best = members[np.argmin(((members - centre) ** 2).sum(1))]
+    np.testing.assert_array_equal(u[r], best)
+
+
+def test_anchor_count_capped_and_largest_cluster_first():
+  x, labels = clusters(1, k=2, per=5)
+  x = np.concatenate([x, x[:3]])  # duplicates do not become extra anchors
+  assert len(choose_anchors(x, k=50).rows) == 10
+  big = np.concatenate([np.tile(x[:1], (20, 1)), x[5:8]])
+  a = choose_anchors(big, k=2)
+  assert a.sizes.tolist() == [20, 3]
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), k=st.integers(2, 6), anchors=st.integers(1, 5))
+def test_nearest_anchor_recovers_the_cluster(seed, k, anchors):
+  x, labels = clusters(seed, k=k, per=12)
+  lib = library_of(random_parts(x, labels, anchors))
+  probe, truth = clusters(seed, k=k, per=12)  # the same centres, fresh noise and scale
+  rng = np.random.default_rng(seed + 1)
+  probe = probe + 0.05 * rng.normal(size=probe.shape) * np.linalg.norm(probe, axis=1,
+                                                                      keepdims=True)
+  got = [lib.nearest(p).domain for p in probe]
+  assert got == truth.tolist()
+
+
+def test_unlike_input_still_gets_the_nearest_domain_with_its_similarity():
+  x, labels = clusters(2, k=3)
+  lib = library_of(random_parts(x, labels, 3))
+  far = np.random.default_rng(9).normal(size=x.shape[1]).astype(np.float32)
+  m = lib.nearest(far)
+  sims = lib.anchors @ unit(far)
+  assert m.anchor == int(np.argmax(sims)) and m.similarity == pytest.approx(float(sims.max()))
+  assert m.similarity < 0.9 < lib.nearest(x[0]).similarity
+
+
+def test_library_saves_and_restores_bit_exactly(tmp_path):
+  x, labels = clusters(3, k=3)
+  lib = library_of(random_parts(x, labels, 4))
+  save_library(tmp_path / "lib", lib)
+  back = load_library(tmp_path / "lib", model="tiny-llama", num_layers=4, embed_dim=24)
+  assert back.domains == lib.domains and back.model == lib.model
+  for name in ("anchors", "anchor_domain", "attn", "mlp"):
+    a, b = getattr(lib, name), getattr(back, name)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert a.tobytes() == b.tobytes(), name
+  assert back.meta["d0"]["note"] == "domain 0"
+  for d in range(3):
+    assert np.array_equal(back.plan(d).attn, lib.plan(d).attn)
+
+
+def test_bad_libraries_are_refused_clearly(tmp_path):
+  x, labels = clusters(4, k=2)
+  parts = random_parts(x, labels, 2)
+  save_library(tmp_path / "lib", library_of(parts))
+  with pytest.raises(LibraryError, match="built for tiny-llama, not smollm2.*specjax knn build "
+                                         "--model smollm2"):
+    load_library(tmp_path / "lib", model="smollm2")
+  with pytest.raises(LibraryError, match="4 layers, the model 6"):
+    load_library(tmp_path / "lib", model="tiny-llama", num_layers=6)
+  with pytest.raises(LibraryError, match="24-dimensional, the model's hidden states 64"):
+    load_library(tmp_path / "lib", model="tiny-llama", embed_dim=64)
+  with pytest.raises(LibraryError, match="no skip library at"):
+    load_library(tmp_path / "nowhere", model="tiny-llama")
+  empty = dict(parts, d1=dict(parts["d1"], anchors=np.zeros((0, 24), np.float32)))
+  with pytest.raises(LibraryError, match="'d1' has no anchors"):
+    library_of(empty)
+  nan = parts["d0"]["anchors"].copy()
+  nan[1, 3] = np.nan
+  with pytest.raises(LibraryError, match=r"NaN/inf \(rows \[1\]\)"):
+    library_of(dict(parts, d0=dict(parts["d0"], anchors=nan)))
+  with pytest.raises(LibraryError, match="NaN"):
+    choose_anchors(nan, 2)
+  with pytest.raises(LibraryError, match="prompt embedding contain NaN"):
+    library_of(parts).nearest(np.full(24, np.nan, np.float32))
+  shutil.rmtree(tmp_path / "lib" / "tree")
+  with pytest.raises(LibraryError, match="unreadable|no checkpoint.*rebuild it with"):
+    load_library(tmp_path / "lib", model="tiny-llama")
+
+
+# --- tiny models: the drafter and the build --------------------------------------------------
+
+
+@functools.cache
+def tiny(arch: str = "llama"):
+  config = tiny_config(arch, num_layers=4, vocab_size=97)
+  return (config, *nnx.split(init_model(config, seed=2)))
+
+
+PROMPTS = {"up": list(range(3, 30)), "down": list(range(60, 33, -1))}
+
+
+def tiny_library(arch: str) -> SkipLibrary:
+  """Two domains keyed by the tiny model's own prompt embeddings, with different plans."""
+  config, graphdef, state = tiny(arch)
+  keys = {d: embed(graphdef, state, config, ids) for d, ids in PROMPTS.items()}
+  masks = {"up": ([1, 0, 1, 1], [1, 1, 0, 1]), "down": ([1, 1, 1, 0], [0, 1, 1, 1])}
+  return from_parts(f"tiny-{arch}", {
+      d: dict(anchors=keys[d][None], attn=np.asarray(masks[d][0], bool),
+              mlp=np.asarray(masks[d][1], bool)) for d in PROMPTS})
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_knn_drafter_is_lossless_and_picks_the_prompts_domain(arch):
+  config, graphdef, state = tiny(arch)
+  drafter = KNNDrafter(tiny_library(arch))
+  for domain, ids in PROMPTS.items():
+    ar = generate(graphdef, state, config, ids, max_new_tokens=30, eos_ids=()).tokens
+    out = speculative_generate(graphdef, state, config, ids, drafter, max_new_tokens=30,
+                               gamma=4, eos_ids=(), keep_plans=True)
+    assert out.tokens == ar
+    assert out.drafter_state.domain == domain
+    # the engine's prefill embedding is the library's: the prompt is its own anchor
+    assert out.drafter_state.similarity == pytest.approx(1.0, abs=1e-5)
+    assert np.array_equal(out.plans[0].attn, drafter.library.plan(
+        drafter.library.domains.index(domain)).attn)
+
+
+def test_knn_drafter_sampling_runs_and_rejects_a_mismatched_library():
+  config, graphdef, state = tiny("llama")
+  drafter = KNNDrafter(tiny_library("llama"))
+  out = speculative_generate(graphdef, state, config, PROMPTS["up"], drafter,
+                             max_new_tokens=20, gamma=3, eos_ids=(),
+                             sampling=SamplingParams(temperature=0.8))
+  assert len(out.tokens) == 20
+  other = tiny_config("llama", num_layers=6, vocab_size=97)
+  g6, s6 = nnx.split(init_model(other, seed=2))
+  with pytest.raises(LibraryError, match="4 layers, the model 6"):
+    speculative_generate(g6, s6, other, PROMPTS["up"], drafter, max_new_tokens=5, eos_ids=())
+
+
+class CharTokenizer:
+  def encode_prompt(self, text: str) -> list[int]:
+    return [3 + ord(c) % 90 for c in text]
+
+
+def test_build_is_resumable_and_keys_domains_apart(tmp_path, monkeypatch):
+  config, graphdef, state = tiny("llama")
+  model = types.SimpleNamespace(name="tiny-llama", graphdef=graphdef, state=state,
+                                config=config, tokenizer=CharTokenizer())
+  domains = {"letters": [Prompt(f"l{i}", "letters", ("abcdefgh" * (3 + i),)) for i in range(5)],
+             "digits": [Prompt(f"d{i}", "digits", ("0123456789" * (2 + i),)) for i in range(5)]}
+  kw = dict(anchors=3, search_prompts=1, iterations=3, verbose=False)
+  lib = knn_build.build(model, domains, tmp_path / "lib", **kw)
+  assert lib.domains == ("letters", "digits") and lib.anchors.shape == (6, config.embed_dim)
+  assert lib.meta["letters"]["search_ids"][0].startswith("l")
+  shutil.rmtree(tmp_path / "lib")
+
+  def fail(*a, **k):
+    raise AssertionError("a finished domain was rebuilt")
+
+  monkeypatch.setattr(knn_build, "build_domain", fail)
+  again = knn_build.build(model, domains, tmp_path / "lib", **kw)  # from the parts alone
+  assert again.anchors.tobytes() == lib.anchors.tobytes()
+  with pytest.raises(LibraryError, match="'empty' has no prompts"):
+    monkeypatch.undo()
+    knn_build.build(model, dict(domains, empty=[]), tmp_path / "lib2", **kw)
