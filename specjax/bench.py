@@ -127,7 +127,7 @@ def knn_library(model, cfg: BenchConfig, data_dir=None, verbose: bool = True):
         f"build --model {model.name}` does the same)", file=sys.stderr)
   build, _ = knn_build.domain_prompts(data_dir)
   return knn_build.build(model, {d: ps[:40] for d, ps in build.items()}, path,
-                         iterations=min(cfg.search_iterations, 40), gamma=cfg.gamma,
+                         iterations=cfg.search_iterations, gamma=cfg.gamma,
                          seed=cfg.seed, verbose=verbose)
 
 

@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
   q.add_argument("--anchors", type=int, default=10, help="k-means anchors per domain")
   q.add_argument("--search-prompts", type=int, default=3,
                  help="representative prompts the Self-SD search scores on")
-  q.add_argument("--iterations", type=int, default=40, help="Self-SD search iterations")
+  q.add_argument("--iterations", type=int, default=120, help="Self-SD search iterations")
   q.add_argument("--gamma", type=int, default=4)
   q.add_argument("--seed", type=int, default=0)
   q.add_argument("--data-dir")

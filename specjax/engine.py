@@ -31,6 +31,7 @@ from specjax.jit_cache import compile_seconds, compiled
 from specjax.kv_cache import DraftBuffer, KVCache
 from specjax.model import apply
 from specjax.plan import DraftPlan
+from specjax.quant_kv_cache import create_cache
 from specjax.sampling import SamplingParams, probs
 
 
@@ -264,6 +265,11 @@ class Session:
   context: list[int]  # prompt + committed tokens
   prompt_embedding: jax.Array | None = None  # float32[D], `generate.pooled_prompt`
 
+  def dense_cache(self) -> KVCache:
+    """The verified cache as a full-precision `KVCache` (itself, or an 8-bit view of a
+    quantised one) for code that indexes slots by position, like the layer probes."""
+    return self.cache if isinstance(self.cache, KVCache) else self.cache.dense(8)
+
   def score(self, plan: DraftPlan, window: int = 32) -> float | None:
     """Top-1 agreement of `plan` over the last `window` committed tokens (None if fewer)."""
     end = len(self.context) - 1  # == cache.length
@@ -331,15 +337,19 @@ def speculative_generate(
     on_token: Callable[[int], None] | None = None,
     keep_plans: bool = False,
     drafter_state=None,
+    kv_cache=None,
 ) -> SSDGeneration:
   """Self-speculative decoding of one prompt: prefill, then a draft and a verify call per
   round.
 
   `gamma` is the longest draft; a drafter may choose a shorter one per round
   (`Drafter.draft_length`). `threshold` (draft early stop on top-1 probability) defaults
-  to the drafter's own (0.8, Self-SD; 0.7, KnapSpec).
+  to the drafter's own (0.8, Self-SD; 0.7, KnapSpec). `kv_cache` (default: the drafter's,
+  full precision for all but QuantSpec) is None or a `quant_kv_cache.QuantKV`: one
+  quantised cache that verification reads at 8 bits and a `kv_bits=4` plan at 4.
   """
   threshold = drafter.threshold if threshold is None else threshold
+  kv_cache = drafter.kv_cache if kv_cache is None else kv_cache
   if gamma < 1:
     raise ValueError(f"gamma (draft length) must be >= 1, got {gamma}")
   if not 0.0 <= threshold <= 1.0:
@@ -347,7 +357,11 @@ def speculative_generate(
   size = check_prompt(prompt_tokens, max_new_tokens + gamma + 1, config.max_context)
   eos = set(config.eos_ids if eos_ids is None else eos_ids)
   L = config.num_layers
-  cache = KVCache.create(config, 1, size)
+  if kv_cache is not None and kv_cache.residual < gamma + 1:
+    raise ValueError(f"the quantised cache's buffer flushes R={kv_cache.residual} tokens at a "
+                     f"time; R must be >= gamma + 1 = {gamma + 1} so that rejected drafts "
+                     f"are still in the full-precision buffer")
+  cache = create_cache(config, size, kv_cache)
   key = jax.random.key(seed)
   prompt, n = pad_prompt(prompt_tokens, size), jnp.int32(len(prompt_tokens))
   full = DraftPlan.full(L)
@@ -383,6 +397,8 @@ def speculative_generate(
   t0 = time.perf_counter()
   key, sub = jax.random.split(key)
   first, cache, h_prev, pooled = prefill(state, cache, prompt, n, full, sub)
+  if kv_cache is not None:
+    cache.check_finite()
   tokens = [int(first[0])]
   if on_token:
     on_token(tokens[0])
@@ -416,6 +432,8 @@ def speculative_generate(
     t_v = time.perf_counter()
     out, cache = verify(state, cache, last, draft, full, k_accept)
     n_commit = int(out.n_commit)  # waits for the device
+    if kv_cache is not None:
+      cache.check_finite()
     h_prev = out.hidden_last
     t_d = time.perf_counter()
     committed = [int(t) for t in jax.device_get(out.tokens[:n_commit])]

@@ -145,12 +145,16 @@ def generate(
     eos_ids: Sequence[int] | None = None,
     on_token: Callable[[int], None] | None = None,
     cache_dtype=jnp.float32,
+    kv_cache=None,
 ) -> Generation:
-  """Greedy or sampled AR decoding of one prompt (B = 1)."""
+  """Greedy or sampled AR decoding of one prompt (B = 1). `kv_cache`: None for a
+  full-precision cache, or a `quant_kv_cache.QuantKV` (the target reads it at 8 bits)."""
+  from specjax.quant_kv_cache import create_cache
+
   size = check_prompt(prompt_tokens, max_new_tokens, config.max_context)
   eos = set(config.eos_ids if eos_ids is None else eos_ids)
   plan = DraftPlan.full(config.num_layers)
-  cache = KVCache.create(config, 1, size, cache_dtype)
+  cache = create_cache(config, size, kv_cache, cache_dtype)
   key = jax.random.key(seed)
   tokens: list[int] = []
 
@@ -176,6 +180,8 @@ def generate(
     token, cache = step(state, cache, token, plan, sub)
     done = emit(int(token[0]))
   t2 = time.perf_counter()
+  if kv_cache is not None:
+    cache.check_finite()
   return Generation(
       prompt_tokens=list(prompt_tokens),
       tokens=tokens,

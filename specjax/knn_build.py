@@ -65,14 +65,11 @@ def embed_all(model, prompts: Sequence[data.Prompt], desc: str = "embed",
   return np.stack(rows) if rows else np.zeros((0, model.config.embed_dim), np.float32)
 
 
-def build_domain(model, name: str, prompts: Sequence[data.Prompt], *, anchors: int = 10,
-                 search_prompts: int = 3, iterations: int = 40, gamma: int = 4,
-                 seed: int = 0, verbose: bool = True) -> dict:
-  """One domain's part: anchors [k, D], the searched skip masks, and the search record."""
-  if not prompts:
-    raise LibraryError(f"domain {name!r} has no prompts: every domain needs some to pick "
-                       f"anchors and search a skip set on")
-  x = embed_all(model, prompts, f"embed {name}", verbose)
+def build_domain(model, name: str, prompts: Sequence[data.Prompt], x: np.ndarray, *,
+                 anchors: int = 10, search_prompts: int = 3, iterations: int = 40,
+                 gamma: int = 4, seed: int = 0, verbose: bool = True) -> dict:
+  """One domain's part from its prompts' embeddings x[N, D]: anchors [k, D], the searched
+  skip masks, and the search record."""
   chosen = choose_anchors(x, anchors, seed)
   reps = [prompts[i] for i in chosen.rows[:search_prompts]]
   ids = [prompt_ids(model.tokenizer, p) for p in reps]
@@ -82,6 +79,24 @@ def build_domain(model, name: str, prompts: Sequence[data.Prompt], *, anchors: i
               mlp=np.asarray(res.plan.mlp), anchor_ids=[prompts[i].id for i in chosen.rows],
               cluster_sizes=chosen.sizes.tolist(), search_ids=[p.id for p in reps],
               objective=res.objective, alpha=res.alpha, cost=res.cost)
+
+
+def cached_embeddings(model, name: str, prompts: Sequence[data.Prompt], folder: Path,
+                      verbose: bool = True) -> np.ndarray:
+  """The prompts' embeddings, kept in `folder` so that a rebuild with other search
+  settings does not embed again (prefilling long rag/summarisation prompts is the slow
+  part on a CPU)."""
+  path = folder / f"{name}.embeddings.npz"
+  ids = [p.id for p in prompts]
+  if path.exists():
+    with np.load(path) as z:
+      if z["ids"].tolist() == ids:
+        return z["x"]
+  x = embed_all(model, prompts, f"embed {name}", verbose)
+  tmp = path.with_suffix(".tmp.npz")
+  np.savez(tmp, ids=np.asarray(ids), x=x)
+  tmp.replace(path)
+  return x
 
 
 def parts_dir(library: Path) -> Path:
@@ -102,7 +117,11 @@ def build(model, domains: Mapping[str, Sequence[data.Prompt]], out: Path | None 
       parts[name] = _read_part(path)
       if parts[name].get("settings") == settings:
         continue  # built by an earlier, interrupted run with the same settings
-    parts[name] = build_domain(model, name, domains[name], verbose=verbose, **kw)
+    if not domains[name]:
+      raise LibraryError(f"domain {name!r} has no prompts: every domain needs some to pick "
+                         f"anchors and search a skip set on")
+    x = cached_embeddings(model, name, domains[name], parts_path, verbose)
+    parts[name] = build_domain(model, name, domains[name], x, verbose=verbose, **kw)
     parts[name]["settings"] = settings
     _write_part(path, parts[name])
   lib = from_parts(model.name, parts).check(model.config.num_layers, model.config.embed_dim)

@@ -66,11 +66,13 @@ class DraftBuffer:
   count: jax.Array  # int32: rows [0, count) are valid
 
   @classmethod
-  def like(cls, cache: KVCache, size: int) -> DraftBuffer:
-    """An empty buffer of `size` rows matching the cache's layers, heads and dtype."""
+  def like(cls, cache, size: int) -> DraftBuffer:
+    """An empty buffer of `size` rows matching the cache's layers, heads and dtype (a
+    `KVCache`, or a `QuantKVCache` whose full-precision buffer sets the dtype)."""
+    k, v = (cache.buf_k, cache.buf_v) if hasattr(cache, "buf_k") else (cache.k, cache.v)
     zeros = lambda arrays: tuple(
         jnp.zeros(a.shape[:2] + (size, a.shape[3]), a.dtype) for a in arrays)
-    return cls(k=zeros(cache.k), v=zeros(cache.v), count=jnp.zeros((), jnp.int32))
+    return cls(k=zeros(k), v=zeros(v), count=jnp.zeros((), jnp.int32))
 
   @property
   def size(self) -> int:

@@ -134,7 +134,7 @@ def prompt_window(session, size: int) -> Window:
   n = min(size, end)
   start = end - n
   span = jnp.asarray(ctx[start:end] + [0] * (size - n), jnp.int32)  # padding after: causal
-  args = (session.state, session.cache, span, jnp.int32(start))
+  args = (session.state, session.dense_cache(), span, jnp.int32(start))
   res = compiled(full_residuals, *args, graphdef=session.graphdef)(*args)
   pad = size - n  # valid rows go last, as push_round expects
   positions = np.concatenate([np.full(pad, start, np.int32),

@@ -22,7 +22,9 @@ from flax import nnx
 
 from specjax.config import ModelConfig
 from specjax.kv_cache import DraftBuffer, KVCache
-from specjax.plan import DraftPlan
+from specjax.plan import DraftPlan, PlanError
+from specjax.quant import Int4MLP
+from specjax.quant_kv_cache import QuantKVCache
 
 _NEG_INF = -1e30
 
@@ -93,9 +95,13 @@ class Attention(nnx.Module):
     rope = lambda t: apply_rope(t, positions, self.rope_base, self.config.rope_interleaved)
     return rope(q), rope(k), v
 
-  def attend(self, q: jax.Array, positions: jax.Array, segments: list[Segment]) -> jax.Array:
+  def attend(self, q: jax.Array, positions: jax.Array, segments: list[Segment],
+             quantised: QuantRead | None = None) -> jax.Array:
     """Softmax of q[B, T, N, H] over the keys of every segment, each masked by validity,
-    causality (key position <= query position) and the sliding window; returns [B, T, D]."""
+    causality (key position <= query position) and the sliding window; returns [B, T, D].
+    With `quantised`, also over a layer of a quantised cache, read by the Pallas kernel."""
+    if quantised is not None:
+      return self._attend_kernel(q, positions, segments, quantised)
     B, T, N, H = q.shape
     K = segments[0].k.shape[1]
     qg = q.reshape(B, T, K, N // K, H)
@@ -118,6 +124,30 @@ class Attention(nnx.Module):
     return jnp.einsum("btnh,nhd->btd", out.reshape(B, T, N, H), self.o[...])
 
 
+  def _attend_kernel(self, q, positions, segments, read: QuantRead) -> jax.Array:
+    """`attend` with the quantised slots read by `pallas_kernels.quant_attention`: the
+    G = N/K query heads of a kv head and the T tokens are the kernel's Rq = G·T rows."""
+    from pallas_kernels import quant_attention
+
+    B, T, N, H = q.shape
+    K = segments[0].k.shape[1]
+    G = N // K
+    rows = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+    row_pos = jnp.broadcast_to(positions[:, None, :], (B, G, T)).reshape(B, G * T)
+    fp_k = jnp.concatenate([s.k for s in segments], axis=2)
+    fp_v = jnp.concatenate([s.v for s in segments], axis=2)
+    fp_pos = jnp.concatenate([s.positions for s in segments], axis=1)
+    fp_valid = jnp.concatenate([s.valid for s in segments], axis=1)
+    cache, layer = read.cache, read.layer
+    out = quant_attention(
+        rows, row_pos, cache.quantized, cache.k_codes[layer], cache.v_codes[layer],
+        fp_k, fp_v, fp_pos, fp_valid, bits=read.bits, group=cache.group,
+        value_group=cache.value_group, scale=self.config.scale, window=self.window,
+        interpret=jax.default_backend() == "cpu")
+    out = out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+    return jnp.einsum("btnh,nhd->btd", out.astype(q.dtype), self.o[...])
+
+
 class MLP(nnx.Module):
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32):
     D, F = config.embed_dim, config.hidden_dim
@@ -125,13 +155,17 @@ class MLP(nnx.Module):
     self.down = _param(rngs, (F, D), F, dtype)
     self.activation = config.activation
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    gate, up = jnp.split(x @ self.gate_up[...], 2, axis=-1)
+  def __call__(self, x: jax.Array, weights: Int4MLP | None = None) -> jax.Array:
+    if weights is None:
+      gate_up, down = self.gate_up[...], self.down[...]
+    else:  # dequantised in the jitted step (jnp path), fused by XLA into the matmul input
+      gate_up, down = weights.gate_up.dequantize(x.dtype), weights.down.dequantize(x.dtype)
+    gate, up = jnp.split(x @ gate_up, 2, axis=-1)
     if self.activation == "gelu_tanh":
       gate = jax.nn.gelu(gate, approximate=True)
     else:
       gate = jax.nn.silu(gate)
-    return (gate * up) @ self.down[...]
+    return (gate * up) @ down
 
 
 class Block(nnx.Module):
@@ -148,8 +182,8 @@ class Block(nnx.Module):
       self.post_mlp_norm = RMSNorm(D, eps, dtype)
     self.post_norms = config.post_norms
 
-  def _attention_out(self, x, q, positions, segments):
-    out = self.attn.attend(q, positions, segments)
+  def _attention_out(self, x, q, positions, segments, quantised=None):
+    out = self.attn.attend(q, positions, segments, quantised)
     return x + (self.post_attn_norm(out) if self.post_norms else out)
 
   def attn_sublayer(
@@ -192,10 +226,12 @@ class Block(nnx.Module):
     return x, cache_k, cache_v
 
   def attn_sublayer_reading(
-      self, run: jax.Array, x: jax.Array, positions: jax.Array, context: list[Segment]
+      self, run: jax.Array, x: jax.Array, positions: jax.Array, context: list[Segment],
+      quantised: QuantRead | None = None,
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Attend over read-only `context` plus the tokens themselves; return the residual
-    and the tokens' K/V rows [B, K, T, H] (zeros when skipped) for the caller to keep."""
+    """Attend over read-only `context` (and a quantised cache layer, read by the kernel)
+    plus the tokens themselves; return the residual and the tokens' K/V rows
+    [B, K, T, H] (zeros when skipped) for the caller to keep."""
     B, T, _ = x.shape
     K, H = context[0].k.shape[1], context[0].k.shape[3]
 
@@ -208,16 +244,27 @@ class Block(nnx.Module):
       k = k.transpose(0, 2, 1, 3).astype(context[0].k.dtype)
       v = v.transpose(0, 2, 1, 3).astype(context[0].v.dtype)
       new = Segment(k, v, positions, jnp.ones(positions.shape, jnp.bool_))
-      return self._attention_out(x, q, positions, context + [new]), k, v
+      return self._attention_out(x, q, positions, context + [new], quantised), k, v
 
     return jax.lax.cond(run, compute, skip, x, context)
 
-  def mlp_sublayer(self, run: jax.Array, x: jax.Array) -> jax.Array:
+  def mlp_sublayer(self, run: jax.Array, x: jax.Array, weights: Int4MLP | None = None
+                   ) -> jax.Array:
+    """The MLP sub-layer, with the layer's own weights or (a QuantSpec draft) 4-bit ones."""
     def compute(x):
-      out = self.mlp(self.mlp_norm(x))
+      out = self.mlp(self.mlp_norm(x), weights)
       return x + (self.post_mlp_norm(out) if self.post_norms else out)
 
     return jax.lax.cond(run, compute, lambda x: x, x)
+
+
+@flax.struct.dataclass
+class QuantRead:
+  """Layer `layer` of a quantised cache, read at `bits` by the Pallas kernel."""
+
+  cache: QuantKVCache
+  layer: int = flax.struct.field(pytree_node=False)
+  bits: int = flax.struct.field(pytree_node=False)
 
 
 @flax.struct.dataclass
@@ -297,11 +344,20 @@ class Transformer(nnx.Module):
     """
     plan.check(self.config.num_layers)  # shapes are static: this runs once, at trace time
     B, T = tokens.shape
-    reading = buffer is not None or not write_cache
+    quantized = isinstance(cache, QuantKVCache)
+    if plan.kv_bits < 16 and not quantized:
+      raise PlanError(f"plan.kv_bits={plan.kv_bits} reads a quantised KV cache, but this one "
+                      f"is full precision: decode with a QuantKVCache (kv_cache='quant')")
+    bits = 4 if plan.kv_bits == 4 else 8  # of a quantised cache; the target reads 8
+    reading = buffer is not None or not write_cache or quantized
     if reading:
       S = cache.size
       slots = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-      cache_valid = slots < cache.length
+      cache_valid = slots < (cache.quantized if quantized else cache.length)
+    if quantized:
+      rows = jnp.arange(2 * cache.residual, dtype=jnp.int32)
+      fp_pos = jnp.broadcast_to(cache.quantized + rows, (B, rows.size))
+      fp_valid = jnp.broadcast_to(rows < cache.buffered, (B, rows.size))
     if buffer is not None:
       rows = jnp.arange(buffer.size, dtype=jnp.int32)
       buf_pos = jnp.broadcast_to(cache.length + rows, (B, buffer.size))
@@ -313,10 +369,18 @@ class Transformer(nnx.Module):
       if not reading:
         x, k, v = block.attn_sublayer(run, x, positions, cache.k[l], cache.v[l], cache.length)
       else:
-        context = [Segment(cache.k[l], cache.v[l], slots, cache_valid)]
+        read = None
+        if quantized and cache.kernel:
+          read = QuantRead(cache, l, bits)
+          context = [Segment(cache.buf_k[l], cache.buf_v[l], fp_pos, fp_valid)]
+        elif quantized:
+          context = [Segment(cache.keys(l, bits), cache.values(l, bits), slots, cache_valid),
+                     Segment(cache.buf_k[l], cache.buf_v[l], fp_pos, fp_valid)]
+        else:
+          context = [Segment(cache.k[l], cache.v[l], slots, cache_valid)]
         if buffer is not None:
           context.append(Segment(buffer.k[l], buffer.v[l], buf_pos, buf_valid))
-        x, k, v = block.attn_sublayer_reading(run, x, positions, context)
+        x, k, v = block.attn_sublayer_reading(run, x, positions, context, read)
         if buffer is not None:
           k = _keep_rows(buffer.k[l], k, run, buffer.count)
           v = _keep_rows(buffer.v[l], v, run, buffer.count)
@@ -324,7 +388,8 @@ class Transformer(nnx.Module):
       vs.append(v)
       if return_residuals:
         residuals.append(x)
-      x = block.mlp_sublayer(plan.mlp[l], x)
+      weights = None if plan.mlp_weights is None else plan.mlp_weights[l]
+      x = block.mlp_sublayer(plan.mlp[l], x, weights)
       if return_residuals:
         residuals.append(x)
     head = self.head if plan.vocab is None else (lambda h: self.head_shortlist(h, plan.vocab))
@@ -345,6 +410,8 @@ class Transformer(nnx.Module):
       return out, DraftBuffer(k=tuple(ks), v=tuple(vs), count=buffer.count + T)
     if not reading:
       cache = KVCache(k=tuple(ks), v=tuple(vs), length=cache.length + T)
+    elif quantized and write_cache:  # every layer ran: writers use the full plan
+      cache = cache.append(ks, vs)
     return out, cache
 
 

@@ -31,6 +31,14 @@ class DraftPlan:
   mlp: jax.Array  # bool[L]
   vocab: jax.Array | None = None  # int32[K] shortlist; None: the full vocabulary
   router: Any = None  # router.RouterPlan: a shortlist chosen per draft step (DynaSpec)
+  # QuantSpec: the precision the draft reads the KV cache at (4: upper nibbles of a
+  # QuantKVCache; 16: as stored) and 4-bit MLP weights (quant.Int4MLP per layer) or None.
+  kv_bits: int = flax.struct.field(pytree_node=False, default=16)
+  mlp_weights: Any = None
+
+  @property
+  def weight_bits(self) -> int:
+    return 16 if self.mlp_weights is None else 4
 
   @property
   def num_layers(self) -> int:
@@ -81,6 +89,11 @@ class DraftPlan:
         )
       if arr.dtype != jnp.bool_:
         raise PlanError(f"plan.{name} must be bool, got {arr.dtype}")
+    if self.kv_bits not in (4, 8, 16):
+      raise PlanError(f"plan.kv_bits must be 4, 8 or 16, got {self.kv_bits}")
+    if self.mlp_weights is not None and len(self.mlp_weights) != num_layers:
+      raise PlanError(f"plan.mlp_weights covers {len(self.mlp_weights)} layers, the model has "
+                      f"{num_layers}")
     if self.vocab is not None and (self.vocab.ndim != 1 or self.vocab.dtype != jnp.int32):
       raise PlanError(f"plan.vocab must be int32[K], got {self.vocab.dtype}{self.vocab.shape}")
     return self

@@ -9,13 +9,15 @@ from specjax.drafters.early_exit import EarlyExitDrafter
 from specjax.drafters.frspec import FRSpecDrafter
 from specjax.drafters.knapspec import KnapSpecDrafter
 from specjax.drafters.knn import KNNDrafter
+from specjax.drafters.quantspec import QuantSpecDrafter
 from specjax.drafters.self_sd import SelfSDDrafter
 from specjax.drafters.static import StaticDrafter
 from specjax.drafters.swift import SwiftDrafter
 
 DRAFTERS: dict[str, type[Drafter]] = {
     d.name: d for d in (StaticDrafter, EarlyExitDrafter, SelfSDDrafter, SwiftDrafter,
-                        ClaspDrafter, KnapSpecDrafter, KNNDrafter, FRSpecDrafter, DynaSpecDrafter)
+                        ClaspDrafter, KnapSpecDrafter, KNNDrafter, QuantSpecDrafter, FRSpecDrafter,
+                        DynaSpecDrafter)
 }
 
 
@@ -31,6 +33,6 @@ def drafter_class(name: str) -> type[Drafter]:
 
 
 __all__ = ["DRAFTERS", "ClaspDrafter", "Drafter", "DynaSpecDrafter", "EarlyExitDrafter",
-           "FRSpecDrafter", "KNNDrafter", "KnapSpecDrafter",
+           "FRSpecDrafter", "KNNDrafter", "KnapSpecDrafter", "QuantSpecDrafter",
            "SelfSDDrafter", "StaticDrafter", "SwiftDrafter", "UnknownDrafterError",
            "drafter_class"]

@@ -23,6 +23,7 @@ class Drafter(abc.ABC):
   name: ClassVar[str]
   wants_residuals: ClassVar[bool] = False  # ask the engine for verify-pass residuals
   threshold: ClassVar[float] = 0.8  # draft early stop: top-1 prob below this (Self-SD's)
+  kv_cache: ClassVar = None  # the KV cache it needs: None (full precision) or a QuantKV
 
   @abc.abstractmethod
   def init(self, session, prior: Any = None) -> Any:

@@ -67,7 +67,7 @@ class ClaspDrafter(Drafter):
   def _select(self, state: ClaspState, session) -> ClaspState:
     L = session.config.num_layers
     skip = self.skip_for(L)
-    cands = run_dp(session.state, session.cache, state.window, np.zeros(L, np.int32),
+    cands = run_dp(session.state, session.dense_cache(), state.window, np.zeros(L, np.int32),
                    np.ones(L, np.int32), -1.0, graphdef=session.graphdef,
                    items=sublayer_items(L, coupled=True), slots=skip + 1, agreement=False)
     bits = np.asarray(jax.device_get(cands.bits[skip]))

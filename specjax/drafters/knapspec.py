@@ -175,7 +175,7 @@ class KnapSpecDrafter(Drafter):
     weights = state.weights
     slots = slots_for(weights)
     t0, c0 = time.perf_counter(), compile_seconds()
-    cands = run_dp(session.state, session.cache, state.window, weights,
+    cands = run_dp(session.state, session.dense_cache(), state.window, weights,
                    np.zeros_like(weights), self.tau if self.prune else -1.0,
                    graphdef=session.graphdef, items=items, slots=slots,
                    agreement=self.objective == "tpt")

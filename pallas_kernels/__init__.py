@@ -1,0 +1,9 @@
+"""Pallas kernels for specjax: flash-decoding attention over the packed hierarchical
+(QuantSpec) KV cache. Each kernel has a pure-jnp reference beside it; on CPU they run
+with interpret=True (what CI tests)."""
+
+from pallas_kernels.quant_attention import (dense_partials, merge, quant_attention,
+                                            quant_partials, reference_partials)
+
+__all__ = ["dense_partials", "merge", "quant_attention", "quant_partials",
+           "reference_partials"]

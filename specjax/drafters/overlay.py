@@ -1,0 +1,63 @@
+"""Drafters that set some fields of the plan on top of any layer drafter.
+
+An overlay contributes fields of the plan (a shortlist, a router, a KV precision, 4-bit
+weights) and leaves the layers, the draft length and the per-round updates to its `base`
+drafter (the full model when there is none). So KnapSpec × DynaSpec is
+`DynaSpecDrafter(bundle, KnapSpecDrafter(...))`, and KnapSpec × QuantSpec
+`QuantSpecDrafter.for_model(model, base=KnapSpecDrafter(...))`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, ClassVar
+
+from specjax.drafters.base import Drafter
+from specjax.plan import DraftPlan
+
+
+@dataclasses.dataclass
+class OverlayState:
+  base: Any  # the base drafter's state
+  plan: DraftPlan  # the full model with this drafter's fields set
+
+
+class OverlayDrafter(Drafter):
+  """Subclasses declare `base: Drafter | None`, the plan `fields` they own, and
+  implement `overlay_plan`."""
+
+  base: Drafter | None
+  fields: ClassVar[tuple[str, ...]] = ()
+
+  @abc.abstractmethod
+  def overlay_plan(self, session) -> DraftPlan:
+    """The full-model plan carrying this drafter's fields (checked here)."""
+
+  @property
+  def wants_residuals(self) -> bool:  # type: ignore[override]
+    return bool(self.base and self.base.wants_residuals)
+
+  @property
+  def threshold(self) -> float:  # type: ignore[override]
+    return self.base.threshold if self.base else type(self).own_threshold
+
+  own_threshold: ClassVar[float] = Drafter.threshold  # without a base
+
+  def init(self, session, prior=None) -> OverlayState:
+    plan = self.overlay_plan(session)
+    return OverlayState(self.base.init(session, prior) if self.base else None, plan)
+
+  def plan(self, state: OverlayState) -> DraftPlan:
+    if self.base is None:
+      return state.plan
+    own = state.plan
+    return self.base.plan(state.base).replace(**{f: getattr(own, f) for f in self.fields})
+
+  def draft_length(self, state: OverlayState) -> int | None:
+    return self.base.draft_length(state.base) if self.base else None
+
+  def update(self, state: OverlayState, out, session) -> OverlayState:
+    if self.base is None:
+      return state
+    return dataclasses.replace(state, base=self.base.update(state.base, out, session))

@@ -1,0 +1,156 @@
+"""Hierarchical 4+4-bit quantisation (QuantSpec, Tiwari et al. 2025) and 4-bit packing.
+
+Per group, asymmetric min/max:
+
+    scale = (max − min) / 15
+    upper = round((x − min) / scale)                            ∈ [0, 15]
+    lower = round((x − min − upper·scale) / (scale/15)) + 7     ∈ [0, 15]
+
+`upper` alone is a 4-bit code (error ≤ scale/2); upper and lower together an 8-bit one
+(error ≤ scale/30): the draft reads the first, the target both, from one copy.
+
+Why scale/15 and +7 rather than QuantSpec's scale/16 and +8: the residual
+x − min − upper·scale spans [−scale/2, scale/2], and with a step of scale/16 its codes
+run from 0 to 16 — seventeen levels. Clipping the top one to 15 leaves an error of up to
+scale/16 on the ~3 % of entries whose residual is near +scale/2. Sixteen levels over an
+interval of width scale cannot do better than scale/30 in the worst case (so the
+scale/32 often quoted is unreachable). Levels (lower − 7)·scale/15 reach scale/30 and
+keep a zero residual exact (the ±7.5 boundary residuals land on −7 and +8 within half a
+step).
+
+Codes are packed two per byte (`pack`: first half of the axis in the low nibbles, second
+half in the high). Everything here is jnp and jit-friendly; the Pallas kernels
+(`pallas_kernels/`) read the same layout.
+
+Group axis conventions (the KV cache's): keys per channel over groups of G tokens, values
+per token over groups of channels. Weights: 4-bit (upper only) over groups of 128 input
+rows.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+class QuantError(ValueError):
+  """Shapes that do not split into groups, or values that cannot be quantised."""
+
+
+@flax.struct.dataclass
+class Hier:
+  """Hierarchical codes of an array quantised over one axis in groups of `group`."""
+
+  upper: jax.Array  # uint8, packed: two 4-bit codes per byte along the last axis
+  lower: jax.Array  # uint8, packed likewise
+  lo: jax.Array  # float32: group minimum, the group axis reduced to size/group
+  scale: jax.Array  # float32: (max − min) / 15 per group
+
+
+def pack(codes: jax.Array) -> jax.Array:
+  """uint8 codes in [0, 15], last axis n even -> bytes [..., n/2]: byte j holds code j in
+  its low nibble and code j + n/2 in its high one. Halves, not neighbours, so a kernel
+  unpacks without interleaving: the two nibble planes are the two halves of the axis."""
+  n = codes.shape[-1]
+  if n % 2:
+    raise QuantError(f"packing needs an even last axis, got {codes.shape}")
+  c = codes.astype(jnp.uint8)
+  return c[..., : n // 2] | (c[..., n // 2 :] << 4)
+
+
+def unpack(packed: jax.Array) -> jax.Array:
+  """Bytes -> uint8 codes, last axis doubled (inverse of `pack`)."""
+  return jnp.concatenate([packed & 0xF, packed >> 4], axis=-1)
+
+
+def _grouped(x: jax.Array, axis: int, group: int) -> jax.Array:
+  """x with `axis` split into (n, group): the group becomes axis + 1."""
+  axis = axis % x.ndim
+  n = x.shape[axis]
+  if group < 1 or n % group:
+    raise QuantError(f"axis {axis} of size {n} does not split into groups of {group}")
+  return x.reshape(x.shape[:axis] + (n // group, group) + x.shape[axis + 1 :])
+
+
+def quantize(x: jax.Array, axis: int, group: int) -> Hier:
+  """Hierarchical codes of x over `axis` in groups of `group`; codes are packed along the
+  last axis (which must be even). NaN/inf inputs give NaN scales (see `check_finite`)."""
+  axis = axis % x.ndim
+  g = _grouped(x.astype(jnp.float32), axis, group)
+  lo = jnp.min(g, axis=axis + 1, keepdims=True)
+  hi = jnp.max(g, axis=axis + 1, keepdims=True)
+  scale = (hi - lo) / 15.0
+  safe = jnp.where(scale > 0, scale, 1.0)  # a constant group: every code 0, exact
+  upper = jnp.clip(jnp.round((g - lo) / safe), 0, 15)
+  lower = jnp.clip(jnp.round((g - lo - upper * safe) / (safe / 15.0)) + 7, 0, 15)
+  codes = lambda c: pack(c.reshape(x.shape).astype(jnp.uint8))
+  return Hier(codes(upper), codes(lower), jnp.squeeze(lo, axis + 1),
+              jnp.squeeze(scale, axis + 1))
+
+
+def dequantize(h: Hier, axis: int, group: int, bits: int = 8) -> jax.Array:
+  """float32 values from the codes: `bits`=4 reads `upper` only, 8 both."""
+  if bits not in (4, 8):
+    raise QuantError(f"precision is 4 or 8 bits, got {bits}")
+  upper = unpack(h.upper).astype(jnp.float32)
+  axis = axis % upper.ndim
+  lo = jnp.repeat(h.lo, group, axis=axis)
+  scale = jnp.repeat(h.scale, group, axis=axis)
+  x = lo + upper * scale
+  if bits == 8:
+    x = x + (unpack(h.lower).astype(jnp.float32) - 7.0) * (scale / 15.0)
+  return x
+
+
+def check_finite(x: jax.Array, what: str) -> None:
+  """Host-side guard for values about to be quantised (eager callers, tests)."""
+  if not bool(jnp.all(jnp.isfinite(x))):
+    raise QuantError(f"{what} contain NaN/inf: quantising them would give garbage codes")
+
+
+# --- 4-bit weights -------------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class Int4Matrix:
+  """A [In, Out] matrix at 4 bits over groups of `group` input rows (upper codes only)."""
+
+  codes: jax.Array  # uint8[In, Out/2], packed along Out
+  lo: jax.Array  # float32[In/group, Out]
+  scale: jax.Array  # float32[In/group, Out]
+  group: int = flax.struct.field(pytree_node=False, default=128)
+
+  @classmethod
+  def quantize(cls, w: jax.Array, group: int = 128) -> Int4Matrix:
+    h = quantize(w, axis=0, group=group)
+    return cls(h.upper, h.lo, h.scale, group)
+
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    upper = unpack(self.codes).astype(jnp.float32)
+    lo = jnp.repeat(self.lo, self.group, axis=0)
+    scale = jnp.repeat(self.scale, self.group, axis=0)
+    return (lo + upper * scale).astype(dtype)
+
+  @property
+  def nbytes(self) -> int:
+    return self.codes.nbytes + self.lo.nbytes + self.scale.nbytes
+
+
+@flax.struct.dataclass
+class Int4MLP:
+  """One layer's MLP weights at 4 bits (the draft's; the target keeps its own)."""
+
+  gate_up: Int4Matrix  # [D, 2F]
+  down: Int4Matrix  # [F, D]
+
+
+def quantize_mlp_weights(state, num_layers: int, group: int = 128) -> tuple[Int4MLP, ...]:
+  """4-bit copies of every layer's MLP matrices, from an `nnx.State` of the model."""
+  blocks = state["blocks"]
+  out = []
+  for l in range(num_layers):
+    mlp = blocks[l]["mlp"]
+    out.append(Int4MLP(Int4Matrix.quantize(mlp["gate_up"][...], group),
+                       Int4Matrix.quantize(mlp["down"][...], group)))
+  return tuple(out)

@@ -1,0 +1,215 @@
+"""QuantSpec's hierarchical KV cache: one copy that the target reads at 8 bits and the
+draft at 4, plus a full-precision buffer for the most recent tokens.
+
+Layout per layer (B batch, K kv heads, S quantised slots, H head dim, R = `residual`):
+  * keys, per channel over groups of G tokens: codes uint8[B, K, S, H/2] (upper and
+    lower nibble planes, two codes per byte along H), lo/scale f32[B, K, S/G, H];
+  * values, per token over groups of Gv channels: codes uint8[B, K, S, H/2],
+    lo/scale f32[B, K, S, H/Gv];
+  * buffer: the newest tokens at full precision, [B, K, 2R, H].
+Tokens [0, Q) live quantised at slots = positions; tokens [Q, Q + b) in buffer rows
+0..b-1. Appending T tokens that would overfill the buffer first quantises its oldest
+tokens R at a time — during decoding too (QuantSpec's public code only quantises at
+prefill, so a long generation overflows its buffer) — keeping b in (R, 2R]. A prefill is
+an append of the whole prompt: all but the last R..2R tokens are quantised.
+
+Rolling back rejected drafts is `with_length`, as for `KVCache`: the rejected tokens are
+the newest, always still in the buffer (R ≥ γ + 1, checked by the engine). The flushed
+tokens are the oldest ones, all committed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from specjax import quant
+from specjax.config import ModelConfig
+from specjax.kv_cache import ContextOverflowError, KVCache
+from specjax.quant import Hier, QuantError
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantKV:
+  """How to build a `QuantKVCache` (what `generate` / `speculative_generate` take as
+  `kv_cache`): G key tokens per group, Gv value channels per group (None: min(G, H)),
+  R the flush size (buffer 2R)."""
+
+  group: int = 128
+  value_group: int | None = None
+  residual: int = 128
+  kernel: bool = False  # attention reads the codes with the Pallas kernel (GPU; CPU interprets)
+
+  def create(self, config: ModelConfig, batch: int, size: int) -> QuantKVCache:
+    return QuantKVCache.create(config, batch, size, group=self.group,
+                               value_group=self.value_group, residual=self.residual,
+                               kernel=self.kernel)
+
+
+def create_cache(config: ModelConfig, size: int, kv_cache: QuantKV | None = None, dtype=None):
+  """A full-precision `KVCache` (kv_cache=None) or a quantised one, for B = 1."""
+  if kv_cache is None:
+    return KVCache.create(config, 1, size, jnp.float32 if dtype is None else dtype)
+  return kv_cache.create(config, 1, size)
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+@flax.struct.dataclass
+class QuantKVCache:
+  k_codes: tuple[Hier, ...]  # L x keys (grouped over tokens)
+  v_codes: tuple[Hier, ...]  # L x values (grouped over channels)
+  buf_k: tuple[jax.Array, ...]  # L x [B, K, 2R, H]
+  buf_v: tuple[jax.Array, ...]
+  quantized: jax.Array  # int32 Q: tokens held quantised (a multiple of R)
+  buffered: jax.Array  # int32 b: tokens in the buffer
+  finite: jax.Array  # bool: every K/V appended so far was finite (`check_finite`)
+  group: int = flax.struct.field(pytree_node=False, default=128)  # G, key tokens per group
+  value_group: int = flax.struct.field(pytree_node=False, default=64)  # Gv, channels
+  residual: int = flax.struct.field(pytree_node=False, default=128)  # R
+  kernel: bool = flax.struct.field(pytree_node=False, default=False)  # Pallas reads
+
+  @classmethod
+  def create(cls, config: ModelConfig, batch: int, size: int, *, group: int = 128,
+             value_group: int | None = None, residual: int = 128, kernel: bool = False,
+             dtype=jnp.float32) -> QuantKVCache:
+    """A cache for `size` tokens. Gv defaults to min(G, H): a value group never spans
+    two heads. R must be a multiple of G (whole key groups are quantised at a time)."""
+    H, K = config.head_dim, config.num_kv_heads
+    value_group = min(group, H) if value_group is None else value_group
+    if size > config.max_context:
+      raise ContextOverflowError(
+          f"cache of {size} tokens exceeds the model's context of {config.max_context}")
+    if group < 1 or residual % group:
+      raise QuantError(f"the buffer flushes R={residual} tokens at a time, which must be a "
+                       f"whole number of key groups of G={group} tokens")
+    if value_group < 1 or H % value_group:
+      raise QuantError(f"value groups of {value_group} channels do not divide head_dim {H}")
+    S = _round_up(max(size, 1), group)
+    code = lambda: jnp.zeros((batch, K, S, H // 2), jnp.uint8)
+    f32 = lambda *shape: jnp.zeros(shape, jnp.float32)
+    keys = tuple(Hier(code(), code(), f32(batch, K, S // group, H), f32(batch, K, S // group, H))
+                 for _ in range(config.num_layers))
+    values = tuple(Hier(code(), code(), f32(batch, K, S, H // value_group),
+                        f32(batch, K, S, H // value_group)) for _ in range(config.num_layers))
+    buf = lambda: tuple(jnp.zeros((batch, K, 2 * residual, H), dtype)
+                        for _ in range(config.num_layers))
+    zero = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the cache is donated
+    return cls(keys, values, buf(), buf(), zero(), zero(), jnp.ones((), jnp.bool_), group,
+               value_group, residual, kernel)
+
+  @property
+  def size(self) -> int:
+    """Quantised slots (the cache holds up to this many tokens in all)."""
+    return self.k_codes[0].upper.shape[2]
+
+  @property
+  def length(self) -> jax.Array:
+    return self.quantized + self.buffered
+
+  @property
+  def nbytes(self) -> int:
+    leaves = jax.tree.leaves((self.k_codes, self.v_codes, self.buf_k, self.buf_v))
+    return sum(x.nbytes for x in leaves)
+
+  def with_length(self, length) -> QuantKVCache:
+    """Roll back (or forward) within the buffer: the quantised part never moves."""
+    return self.replace(buffered=jnp.asarray(length, jnp.int32) - self.quantized)
+
+  # --- reading ------------------------------------------------------------------------------
+
+  def keys(self, layer: int, bits: int) -> jax.Array:
+    """Dequantised keys f32[B, K, S, H] of one layer (the jnp path; slots ≥ Q are dead)."""
+    return quant.dequantize(self.k_codes[layer], axis=2, group=self.group, bits=bits)
+
+  def values(self, layer: int, bits: int) -> jax.Array:
+    return quant.dequantize(self.v_codes[layer], axis=3, group=self.value_group, bits=bits)
+
+  def dense(self, bits: int = 8) -> KVCache:
+    """A full-precision `KVCache` holding what a reader at `bits` sees (slots = positions,
+    2R spare slots so the buffer always fits): for code written against `KVCache`, such
+    as the layer-selection probes. A copy — never on the per-round path."""
+    return _dense(self, bits)
+
+  def check_finite(self) -> None:
+    """Raise (on the host) if NaN/inf K/V ever reached the cache: their codes are garbage
+    and every later attention over them would be too."""
+    if not bool(self.finite):
+      raise QuantError("NaN/inf keys or values reached the quantised KV cache (the model's "
+                       "activations overflowed): its codes are meaningless from here on")
+
+  def check_room(self, tokens: int) -> None:
+    """Raise unless `tokens` more fit (eager callers; jitted code is sized by the caller)."""
+    if isinstance(self.length, jax.core.Tracer):
+      return
+    if int(self.length) + tokens > self.size:
+      raise ContextOverflowError(f"{int(self.length)} cached + {tokens} new tokens exceed the "
+                                 f"quantised cache of {self.size} tokens")
+
+  # --- writing ------------------------------------------------------------------------------
+
+  def append(self, ks: list[jax.Array], vs: list[jax.Array]) -> QuantKVCache:
+    """Append T tokens' K/V (per layer [B, K, T, H]) after `length`, flushing the buffer's
+    oldest tokens into the quantised part, R at a time, when it would exceed 2R."""
+    R, G = self.residual, self.group
+    T = ks[0].shape[2]
+    self.check_room(T)
+    m = self.buffered + T
+    f = jnp.maximum(0, -(-(m - 2 * R) // R)) * R  # tokens to quantise (multiple of R)
+    M = _round_up(4 * R + T, G)  # stream rows: buffer, new tokens, room to slice 2R after f
+
+    def layer(hk, hv, bk, bv, k, v):
+      stream = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(
+          jnp.zeros(buf.shape[:2] + (M,) + buf.shape[3:], buf.dtype).at[:, :, : 2 * R].set(buf),
+          new.astype(buf.dtype), self.buffered, axis=2)
+      sk, sv = stream(bk, k), stream(bv, v)
+      hk = _scatter_rows(hk, quant.quantize(sk, axis=2, group=G), self.quantized, f, G, keys=True)
+      hv = _scatter_rows(hv, quant.quantize(sv, axis=3, group=self.value_group),
+                         self.quantized, f, G, keys=False)
+      return hk, hv, jax.lax.dynamic_slice_in_dim(sk, f, 2 * R, axis=2), \
+          jax.lax.dynamic_slice_in_dim(sv, f, 2 * R, axis=2)
+
+    out = [layer(*a) for a in zip(self.k_codes, self.v_codes, self.buf_k, self.buf_v, ks, vs)]
+    hk, hv, bk, bv = (tuple(x) for x in zip(*out))
+    finite = self.finite
+    for k, v in zip(ks, vs):
+      finite &= jnp.all(jnp.isfinite(k)) & jnp.all(jnp.isfinite(v))
+    return self.replace(k_codes=hk, v_codes=hv, buf_k=bk, buf_v=bv,
+                        quantized=self.quantized + f, buffered=m - f, finite=finite)
+
+
+def _scatter_rows(dst: Hier, src: Hier, start, count, group: int, *, keys: bool) -> Hier:
+  """Write the first `count` token rows of `src` (codes of a stream) at slot `start` of
+  `dst`; rows past `count` are dropped, not clamped into place. Key scales are per group
+  of tokens (start and count are multiples of the group), value scales per token."""
+  M = src.upper.shape[2]
+  rows = jnp.arange(M)
+  idx = jnp.where(rows < count, start + rows, dst.upper.shape[2])  # out of range: dropped
+  put = lambda d, s, i: d.at[:, :, i].set(s, mode="drop")
+  upper, lower = put(dst.upper, src.upper, idx), put(dst.lower, src.lower, idx)
+  if keys:
+    g = jnp.arange(M // group)
+    gidx = jnp.where(g * group < count, start // group + g, dst.lo.shape[2])
+    return Hier(upper, lower, put(dst.lo, src.lo, gidx), put(dst.scale, src.scale, gidx))
+  return Hier(upper, lower, put(dst.lo, src.lo, idx), put(dst.scale, src.scale, idx))
+
+
+@jax.jit(static_argnames=("bits",))
+def _dense(cache: QuantKVCache, bits: int) -> KVCache:
+  pad = 2 * cache.residual
+
+  def layer(deq, buf):
+    full = jnp.pad(deq, ((0, 0), (0, 0), (0, pad), (0, 0))).astype(buf.dtype)
+    keep = jnp.arange(full.shape[2])[None, None, :, None] < cache.quantized
+    full = jnp.where(keep, full, 0)
+    return jax.lax.dynamic_update_slice_in_dim(full, buf, cache.quantized, axis=2)
+
+  L = len(cache.buf_k)
+  k = tuple(layer(cache.keys(l, bits), cache.buf_k[l]) for l in range(L))
+  v = tuple(layer(cache.values(l, bits), cache.buf_v[l]) for l in range(L))
+  return KVCache(k=k, v=v, length=cache.length)

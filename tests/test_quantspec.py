@@ -1,0 +1,261 @@
+"""QuantSpec: hierarchical quantisation bounds and packing, the quantised KV cache (every
+token kept exactly once across flushes and rollbacks, one cache read at two precisions),
+4-bit draft weights, the drafter lossless over long generations, and clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specjax import quant
+from specjax.config import tiny_config
+from specjax.drafters import KnapSpecDrafter, QuantSpecDrafter
+from specjax.engine import speculative_generate
+from specjax.generate import generate, positions_for
+from specjax.kv_cache import ContextOverflowError, KVCache
+from specjax.model import apply, init_model
+from specjax.plan import DraftPlan, PlanError
+from specjax.quant import Int4Matrix, QuantError
+from specjax.quant_kv_cache import QuantKV, QuantKVCache
+from specjax.sampling import SamplingParams
+
+
+def grouped_scale(x, axis, group):
+  """Each element's group scale, broadcast back to x's shape."""
+  h = quant.quantize(x, axis, group)
+  return np.repeat(np.asarray(h.scale), group, axis=axis % x.ndim), h
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), groups=st.integers(1, 4), group=st.sampled_from([2, 8, 32]),
+       width=st.sampled_from([2, 6, 16]), axis=st.sampled_from([0, 1]),
+       spread=st.floats(1e-3, 1e3))
+def test_error_bounds_4_and_8_bit(seed, groups, group, width, axis, spread):
+  rng = np.random.default_rng(seed)
+  shape = (groups * group, width) if axis == 0 else (width, groups * group)
+  if axis == 1 and shape[1] % 2:
+    return
+  x = jnp.asarray(rng.normal(size=shape) * spread, jnp.float32)
+  scale, h = grouped_scale(x, axis, group)
+  eps = 1e-6 * spread + 1e-6  # float32 rounding of the reconstruction
+  err4 = np.abs(np.asarray(quant.dequantize(h, axis, group, bits=4)) - np.asarray(x))
+  err8 = np.abs(np.asarray(quant.dequantize(h, axis, group, bits=8)) - np.asarray(x))
+  assert np.all(err4 <= scale / 2 + eps)
+  assert np.all(err8 <= scale / 30 + eps)
+  assert np.all(err8 <= err4 + eps)  # the lower nibble only refines
+  if group >= 8 and x.size >= 64:  # uniform residuals: mean errors scale/4 vs scale/60
+    assert err8.mean() < err4.mean() / 4
+
+
+def test_the_scale_over_16_formula_would_need_17_levels():
+  """Why quant.py steps the residual by scale/15: with scale/16 and +8, residuals near
+  +scale/2 round to code 16; clipped to 15 their error reaches scale/16 (> scale/32)."""
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(128, 8)), jnp.float32)
+  g = x.reshape(1, 128, 8)
+  lo, hi = g.min(1, keepdims=True), g.max(1, keepdims=True)
+  s = (hi - lo) / 15
+  upper = jnp.round((g - lo) / s)
+  raw = jnp.round((g - lo - upper * s) / (s / 16)) + 8
+  assert int(raw.max()) == 16
+  approx = lo + upper * s + (jnp.clip(raw, 0, 15) - 8) * s / 16
+  assert float(jnp.max(jnp.abs(approx - g) / s)) > 1 / 32
+
+
+@settings(deadline=None)
+@given(st.lists(st.integers(0, 15), min_size=2, max_size=64).filter(lambda c: len(c) % 2 == 0))
+def test_packing_round_trips(codes):
+  c = jnp.asarray(codes, jnp.uint8)
+  packed = quant.pack(c)
+  assert packed.shape == (len(codes) // 2,) and packed.dtype == jnp.uint8
+  assert np.array_equal(quant.unpack(packed), c)
+
+
+def test_constant_groups_are_exact_and_4bit_weights_bounded():
+  x = jnp.full((16, 4), 2.5)
+  h = quant.quantize(x, 0, 8)
+  assert np.array_equal(quant.dequantize(h, 0, 8, bits=4), x)
+  w = jnp.asarray(np.random.default_rng(1).normal(size=(256, 64)), jnp.float32)
+  m = Int4Matrix.quantize(w, group=128)
+  scale = np.repeat(np.asarray(m.scale), 128, axis=0)
+  assert np.all(np.abs(np.asarray(m.dequantize()) - np.asarray(w)) <= scale / 2 + 1e-6)
+  assert m.nbytes < w.nbytes / 4  # 4-bit codes + f32 scales per 128 rows
+
+
+# --- the cache ---------------------------------------------------------------------------------
+
+
+@functools.cache
+def tiny(arch: str = "llama", layers: int = 3):
+  config = tiny_config(arch, num_layers=layers, vocab_size=97)
+  return (config, *nnx.split(init_model(config, seed=4)))
+
+
+def test_flushes_keep_every_token_exactly_once_over_a_long_run():
+  """Append 1..5 tokens at a time with random rollbacks (rejected drafts) past many
+  flushes; the cache must read back exactly the committed tokens, in order, each once."""
+  config = dataclasses.replace(tiny_config("llama", num_layers=1), max_context=2048)
+  K, H, R, G = config.num_kv_heads, config.head_dim, 16, 8
+  cache = QuantKVCache.create(config, 1, 1024, group=G, residual=R)
+  append = jax.jit(lambda c, k, v: c.append([k], [v]))
+  rng = np.random.default_rng(0)
+  committed: list[int] = []
+  next_id = 0
+
+  def rows(ids):  # token t's K/V: value t in every channel, plus a small channel ramp
+    base = jnp.asarray(ids, jnp.float32)[None, None, :, None] + 0.01 * jnp.arange(H)
+    return jnp.broadcast_to(base, (1, K, len(ids), H))
+
+  flushes = 0
+  while len(committed) < 700:
+    T = 40 if not committed else int(rng.integers(1, 6))  # a prefill, then rounds
+    ids = list(range(next_id, next_id + T))
+    next_id += T
+    q0 = int(cache.quantized)
+    cache = append(cache, rows(ids), rows(ids))
+    flushed = int(cache.quantized) > q0
+    flushes += flushed
+    assert int(cache.buffered) <= 2 * R and (not flushed or int(cache.buffered) > R)
+    keep = T if len(committed) == 0 else int(rng.integers(1, T + 1))  # accept a prefix
+    committed += ids[:keep]
+    cache = cache.with_length(len(committed))
+  assert flushes >= 20 and int(cache.length) == len(committed)
+  Q, b = int(cache.quantized), int(cache.buffered)
+  keys = np.concatenate([np.asarray(cache.keys(0, 8))[0, :, :Q],
+                         np.asarray(cache.buf_k[0])[0, :, :b]], axis=1)
+  vals = np.concatenate([np.asarray(cache.values(0, 8))[0, :, :Q],
+                         np.asarray(cache.buf_v[0])[0, :, :b]], axis=1)
+  want = np.asarray(rows(committed))[0]
+  # within 8-bit error of the committed tokens' own values, so no token is missing,
+  # repeated or shifted (neighbouring tokens differ by 1, far above the error)
+  np.testing.assert_allclose(keys, want, atol=0.35)
+  np.testing.assert_allclose(vals, want, atol=0.35)
+  assert np.array_equal(np.round(keys[0, :, 0]), np.asarray(committed, np.float32))
+
+
+def test_draft_and_target_read_one_cache_at_4_and_8_bits():
+  """A forward with kv_bits=4 / 8 on the quantised cache equals the same forward on a
+  full-precision cache holding the 4- / 8-bit dequantised tokens plus the fp buffer."""
+  config, graphdef, state = tiny()
+  L = config.num_layers
+  prompt = jnp.asarray([list(range(3, 80))], jnp.int32)
+  qc = QuantKVCache.create(config, 1, 256, group=16, residual=16)
+  _, qc = apply(state, qc, prompt, positions_for(qc, prompt.shape[1], 1), DraftPlan.full(L),
+                graphdef=graphdef)
+  Q, b = int(qc.quantized), int(qc.buffered)
+  assert Q > 0 and b > 0
+  token = jnp.asarray([[5]], jnp.int32)
+  for bits in (4, 8):
+    plan = DraftPlan.full(L).replace(kv_bits=bits)
+    out_q, _ = apply(state, qc, token, positions_for(qc, 1, 1), plan, graphdef=graphdef,
+                     write_cache=False)
+    dense = KVCache.create(config, 1, 256)
+    fill = lambda deq, buf: deq.at[:, :, Q:Q + b].set(buf[:, :, :b])
+    dense = dense.replace(
+        k=tuple(fill(qc.keys(l, bits), qc.buf_k[l]) for l in range(L)),
+        v=tuple(fill(qc.values(l, bits), qc.buf_v[l]) for l in range(L)), length=Q + b)
+    out_d, _ = apply(state, dense, token, positions_for(dense, 1, 1), DraftPlan.full(L),
+                     graphdef=graphdef, write_cache=False)
+    np.testing.assert_allclose(out_q.logits, out_d.logits, atol=2e-5)
+  # and the two precisions differ: the draft really reads less
+  four, _ = apply(state, qc, token, positions_for(qc, 1, 1),
+                  DraftPlan.full(L).replace(kv_bits=4), graphdef=graphdef, write_cache=False)
+  eight, _ = apply(state, qc, token, positions_for(qc, 1, 1), DraftPlan.full(L),
+                   graphdef=graphdef, write_cache=False)
+  assert not np.allclose(four.logits, eight.logits, atol=1e-6)
+
+
+# --- the drafter -------------------------------------------------------------------------------
+
+KV = QuantKV(group=8, residual=16)
+PROMPT = list(range(3, 45))
+
+
+def drafter_for(arch, base=None):
+  config, graphdef, state = tiny(arch)
+  model = types.SimpleNamespace(graphdef=graphdef, state=state, config=config)
+  return QuantSpecDrafter.for_model(model, base=base, weight_group=32, kv_cache=KV)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_quantspec_is_lossless_across_many_flushes(arch):
+  config, graphdef, state = tiny(arch)
+  ar = generate(graphdef, state, config, PROMPT, max_new_tokens=160, eos_ids=(), kv_cache=KV)
+  out = speculative_generate(graphdef, state, config, PROMPT, drafter_for(arch),
+                             max_new_tokens=160, gamma=4, eos_ids=(), keep_plans=True)
+  assert out.tokens == ar.tokens  # 42 + 160 tokens through a 2R = 32 buffer: ~10 flushes
+  assert out.plans[0].kv_bits == 4 and out.plans[0].weight_bits == 4
+  assert out.acceptance_rate > 0.5
+
+
+def test_quantspec_composes_with_knapspec_and_samples():
+  from test_knapspec import synthetic_profile
+
+  config, graphdef, state = tiny("llama")
+  ks = KnapSpecDrafter(profile=synthetic_profile(layers=3), interval=2, window=4)
+  d = drafter_for("llama", base=ks)
+  ar = generate(graphdef, state, config, PROMPT, max_new_tokens=60, eos_ids=(), kv_cache=KV)
+  out = speculative_generate(graphdef, state, config, PROMPT, d, max_new_tokens=60, gamma=4,
+                             eos_ids=(), keep_plans=True)
+  assert out.tokens == ar.tokens
+  assert all(p.kv_bits == 4 for p in out.plans)
+  assert any(not np.all(p.attn) or not np.all(p.mlp) for p in out.plans)
+  sampled = speculative_generate(graphdef, state, config, PROMPT, drafter_for("llama"),
+                                 max_new_tokens=40, gamma=3, eos_ids=(),
+                                 sampling=SamplingParams(temperature=0.9))
+  assert len(sampled.tokens) == 40
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+def test_bad_shapes_and_overflow_are_refused():
+  config = tiny_config("llama")  # head_dim 16
+  with pytest.raises(QuantError, match="R=20 .* G=8"):
+    QuantKVCache.create(config, 1, 256, group=8, residual=20)
+  with pytest.raises(QuantError, match="value groups of 5 channels do not divide head_dim 16"):
+    QuantKVCache.create(config, 1, 256, group=8, residual=16, value_group=5)
+  wide = dataclasses.replace(config, head_dim=24)
+  with pytest.raises(QuantError, match="value groups of 16 channels do not divide head_dim 24"):
+    QuantKVCache.create(wide, 1, 256, group=16, residual=16)
+  with pytest.raises(QuantError, match="does not split into groups of 3"):
+    quant.quantize(jnp.ones((8, 4)), 0, 3)
+  with pytest.raises(ContextOverflowError):
+    QuantKVCache.create(config, 1, config.max_context + 1)
+  cache = QuantKVCache.create(config, 1, 32, group=8, residual=8)
+  kv = jnp.ones((1, config.num_kv_heads, 30, config.head_dim))
+  cache = cache.append([kv] * config.num_layers, [kv] * config.num_layers)
+  with pytest.raises(ContextOverflowError, match="30 cached \\+ 5 new tokens exceed"):
+    cache.append([kv[:, :, :5]] * config.num_layers, [kv[:, :, :5]] * config.num_layers)
+  graphdef, state = nnx.split(init_model(config))
+  four_bit = DraftPlan.full(config.num_layers).replace(kv_bits=4)
+  with pytest.raises(PlanError, match="kv_bits=4 reads a quantised KV cache"):
+    apply(state, KVCache.create(config, 1, 64), jnp.ones((1, 1), jnp.int32),
+          jnp.zeros((1, 1), jnp.int32), four_bit, graphdef=graphdef)
+  with pytest.raises(PlanError, match="kv_bits must be 4, 8 or 16"):
+    DraftPlan.full(3).replace(kv_bits=2).check(3)
+  config, graphdef, state = tiny("llama")
+  with pytest.raises(ValueError, match="R must be >= gamma \\+ 1"):
+    speculative_generate(graphdef, state, config, PROMPT, drafter_for("llama"), gamma=4,
+                         kv_cache=QuantKV(group=2, residual=4))
+
+
+def test_nan_keys_and_values_raise_instead_of_garbage():
+  config = tiny_config("llama")
+  cache = QuantKVCache.create(config, 1, 64, group=8, residual=8)
+  kv = jnp.ones((1, config.num_kv_heads, 4, config.head_dim)).at[0, 0, 2, 3].set(jnp.nan)
+  cache = cache.append([kv] * config.num_layers, [kv] * config.num_layers)
+  with pytest.raises(QuantError, match="NaN/inf keys or values"):
+    cache.check_finite()
+  graphdef, state = tiny("llama")[1:]
+  bad = jax.tree.map(lambda x: x * jnp.inf if x.ndim == 3 else x, state)  # qkv weights
+  with pytest.raises(QuantError, match="NaN/inf"):
+    generate(graphdef, bad, tiny("llama")[0], PROMPT, max_new_tokens=3, kv_cache=KV)
