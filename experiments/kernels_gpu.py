@@ -1,0 +1,136 @@
+"""Time the Pallas quantised decode-attention kernel (int4 draft / int8 target reads)
+against a bf16 dense decode attention (XLA) at 4k–128k context, on a GPU.
+
+For each context: one decode step of one layer (B = 1, K kv heads, N/K query heads per
+kv head, head dim H), the quantised cache holding all but a 256-token full-precision
+buffer. Checks the kernel against the jnp reference first (max abs error), then reports
+median times over repeats and the ratio to dense bf16, plus bytes read. On a CPU it runs
+only with --interpret (a smoke test of the script; the times mean nothing there). The
+last output line is one JSON object with the figures.
+
+  python experiments/kernels_gpu.py --contexts 4096,16384,65536,131072 --write-docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import report  # noqa: E402
+
+from pallas_kernels import dense_partials, merge, quant_attention, reference_partials  # noqa: E402
+from specjax import quant  # noqa: E402
+
+
+def median_seconds(fn, *args, repeats: int) -> float:
+  jax.block_until_ready(fn(*args))  # compile + warm
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t)
+  return float(np.median(times))
+
+
+def setup(S: int, args, seed: int = 0):
+  K, H, G = args.kv_heads, args.head_dim, args.group
+  rows = args.heads // K
+  key = jax.random.split(jax.random.key(seed), 4)
+  k = jax.random.normal(key[0], (1, K, S, H), jnp.float32)
+  v = jax.random.normal(key[1], (1, K, S, H), jnp.float32)
+  q = jax.random.normal(key[2], (1, K, rows, H), jnp.float32)
+  F = 2 * args.residual
+  fp_k = jax.random.normal(key[3], (1, K, F, H), jnp.bfloat16)
+  return q, k, v, fp_k, F
+
+
+def dense_bf16(q, k, v, length, scale):
+  """The baseline: one decode step of GQA attention over a bf16 cache (XLA)."""
+  s = jnp.einsum("bkrh,bksh->bkrs", q.astype(jnp.bfloat16), k,
+                 preferred_element_type=jnp.float32) * scale
+  s = jnp.where(jnp.arange(k.shape[2]) < length, s, -jnp.inf)
+  p = jax.nn.softmax(s, axis=-1).astype(jnp.bfloat16)
+  return jnp.einsum("bkrs,bksh->bkrh", p, v, preferred_element_type=jnp.float32)
+
+
+def run(args) -> dict:
+  on_gpu = jax.default_backend() == "gpu"
+  if not on_gpu and not args.interpret:
+    raise SystemExit("no GPU: this script times GPU kernels. Run it on a GPU machine, or "
+                     "pass --interpret for a (slow, meaningless-timing) smoke test on CPU.")
+  scale = args.head_dim ** -0.5
+  rows, figures = [], {}
+  for S in args.contexts:
+    q, k, v, fp_k, F = setup(S, args)
+    Q = S - F  # all but the buffer is quantised
+    hk, hv = quant.quantize(k, 2, args.group), quant.quantize(v, 3, min(args.group,
+                                                                        args.head_dim))
+    qpos = jnp.full((1, q.shape[2]), S, jnp.int32)
+    fp_pos = jnp.broadcast_to(Q + jnp.arange(F), (1, F))
+    fp_valid = jnp.ones((1, F), bool)
+    kb, vb = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    entry = {}
+    dense = jax.jit(dense_bf16, static_argnames="scale")
+    t_dense = median_seconds(lambda: dense(q, kb, vb, S, scale=scale), repeats=args.repeats)
+    for bits in (4, 8):
+      kw = dict(bits=bits, group=args.group, value_group=min(args.group, args.head_dim),
+                scale=scale)
+      fn = jax.jit(lambda q, hk, hv, fk: quant_attention(
+          q, qpos, Q, hk, hv, fk, fk, fp_pos, fp_valid, interpret=not on_gpu,
+          splits=args.splits, block=args.block, **kw))
+      got = fn(q, hk, hv, fp_k)
+      ro, rm, rl = reference_partials(q, qpos, Q, hk, hv, **kw)
+      want = merge([(ro[:, :, 0], rm[:, :, 0], rl[:, :, 0]),
+                    dense_partials(q, qpos, fp_k, fp_k, fp_pos, fp_valid, scale=scale)])
+      err = float(jnp.max(jnp.abs(got - want)))
+      t = median_seconds(fn, q, hk, hv, fp_k, repeats=args.repeats)
+      read = (hk.upper.nbytes + hv.upper.nbytes) * (2 if bits == 8 else 1) + sum(
+          x.nbytes for x in (hk.lo, hk.scale, hv.lo, hv.scale)) + 2 * fp_k.nbytes
+      entry[f"int{bits}"] = dict(seconds=t, ratio_to_dense_bf16=t / t_dense, max_abs_err=err,
+                                 bytes_read=int(read))
+      rows.append([S, f"int{bits} kernel", f"{t * 1e6:.1f}", f"{t / t_dense:.2f}",
+                   f"{read / 2**20:.2f}", f"{err:.1e}"])
+    entry["dense_bf16"] = dict(seconds=t_dense, bytes_read=int(kb.nbytes + vb.nbytes))
+    rows.append([S, "dense bf16 (XLA)", f"{t_dense * 1e6:.1f}", "1.00",
+                 f"{(kb.nbytes + vb.nbytes) / 2**20:.2f}", "–"])
+    figures[str(S)] = entry
+  table = report.markdown_table(["context", "attention", "µs / step / layer", "vs dense bf16",
+                                 "MiB read", "max abs err vs jnp ref"], rows)
+  print(f"\n{table}\n")
+  if args.write_docs and on_gpu:
+    report.write_section("kernels-gpu", "\n".join([
+        "## Pallas quantised decode attention vs dense bf16 (GPU)", "",
+        f"One decode step of one layer: B = 1, {args.kv_heads} kv heads, {args.heads} query "
+        f"heads, head dim {args.head_dim}, key groups of {args.group} tokens, a "
+        f"{2 * args.residual}-token bf16 buffer; medians of {args.repeats} runs. "
+        f"Machine: {report.machine()}.", "", table]))
+  return {"backend": jax.default_backend(), "contexts": figures}
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--contexts", default="4096,16384,32768,65536,131072")
+  p.add_argument("--heads", type=int, default=14, help="query heads (Qwen2.5-0.5B: 14)")
+  p.add_argument("--kv-heads", type=int, default=2)
+  p.add_argument("--head-dim", type=int, default=64)
+  p.add_argument("--group", type=int, default=128)
+  p.add_argument("--residual", type=int, default=128)
+  p.add_argument("--block", type=int, default=256)
+  p.add_argument("--splits", type=int, default=16)
+  p.add_argument("--repeats", type=int, default=20)
+  p.add_argument("--interpret", action="store_true", help="CPU smoke test")
+  p.add_argument("--write-docs", action="store_true")
+  args = p.parse_args(argv)
+  args.contexts = [int(n) for n in args.contexts.split(",") if n]
+  report.print_json(run(args))
+
+
+if __name__ == "__main__":
+  main()

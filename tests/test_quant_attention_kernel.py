@@ -1,0 +1,100 @@
+"""The Pallas flash-decoding kernel over the packed quantised cache (interpret mode on
+CPU): kernel == jnp reference == plain softmax attention over the dequantised keys and
+values plus the full-precision part, for odd lengths, GQA row counts, both precisions
+and a sliding window; and the model's kernel path == its jnp path."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pallas_kernels import merge, quant_attention, quant_partials, reference_partials
+from specjax import quant
+from specjax.config import tiny_config
+from specjax.drafters import QuantSpecDrafter
+from specjax.engine import speculative_generate
+from specjax.generate import generate
+from specjax.model import init_model
+from specjax.quant_kv_cache import QuantKV
+
+
+def case(seed, B=1, K=2, S=64, H=16, G=8, Gv=8, Rq=6, F=9):
+  rng = np.random.default_rng(seed)
+  f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  k, v, q = f(B, K, S, H), f(B, K, S, H), f(B, K, Rq, H)
+  fp_k, fp_v = f(B, K, F, H), f(B, K, F, H)
+  return q, quant.quantize(k, 2, G), quant.quantize(v, 3, Gv), fp_k, fp_v
+
+
+def dense_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid, bits, G, Gv,
+                    scale, window):
+  """Softmax over [dequantised slots < length, valid causal fp keys], written plainly."""
+  k = quant.dequantize(hk, 2, G, bits)
+  v = quant.dequantize(hv, 3, Gv, bits)
+  S = k.shape[2]
+  keys = jnp.concatenate([k, fp_k], axis=2)
+  vals = jnp.concatenate([v, fp_v], axis=2)
+  pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(S), fp_pos.shape[:1] + (S,)), fp_pos], 1)
+  ok = jnp.concatenate([jnp.broadcast_to(jnp.arange(S) < length, fp_pos.shape[:1] + (S,)),
+                        fp_valid], 1)[:, None, None, :]
+  ok = ok & (pos[:, None, None, :] <= q_pos[:, None, :, None])
+  if window is not None:
+    ok = ok & (q_pos[:, None, :, None] - pos[:, None, None, :] < window)
+  s = jnp.einsum("bkrh,bkfh->bkrf", q, keys) * scale
+  p = jax.nn.softmax(jnp.where(ok, s, -jnp.inf), axis=-1)
+  return jnp.einsum("bkrf,bkfh->bkrh", p, vals)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("length,rq,window", [(37, 6, None), (1, 1, None), (64, 8, None),
+                                              (53, 4, 20), (29, 3, None)])
+def test_kernel_equals_reference_equals_dense(bits, length, rq, window):
+  q, hk, hv, fp_k, fp_v = case(length * 7 + bits, Rq=rq)
+  B, F = 1, fp_k.shape[2]
+  fp_pos = jnp.asarray([length + np.arange(F)], jnp.int32)
+  fp_valid = jnp.asarray([np.arange(F) < 7])  # an odd number of buffered tokens
+  q_pos = jnp.asarray([length + np.arange(rq) % 7], jnp.int32)  # queries among them
+  kw = dict(bits=bits, group=8, value_group=8, scale=0.3, window=window)
+  o, m, l = quant_partials(q, q_pos, length, hk, hv, block=16, splits=3, interpret=True, **kw)
+  ro, rm, rl = reference_partials(q, q_pos, length, hk, hv, **kw)
+  kernel = merge([(o[:, :, s], m[:, :, s], l[:, :, s]) for s in range(o.shape[2])])
+  ref = merge([(ro[:, :, 0], rm[:, :, 0], rl[:, :, 0])])
+  np.testing.assert_allclose(kernel, ref, atol=2e-6)
+  full = quant_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid,
+                         block=16, splits=3, interpret=True, **kw)
+  want = dense_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid, bits, 8, 8,
+                         0.3, window)
+  np.testing.assert_allclose(full, want, atol=2e-6)
+  jnp_path = quant_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid,
+                             use_kernel=False, **kw)
+  np.testing.assert_allclose(jnp_path, want, atol=2e-6)
+  assert B == full.shape[0]
+
+
+def test_empty_splits_contribute_nothing():
+  q, hk, hv, *_ = case(3)
+  o, m, l = quant_partials(q, jnp.zeros((1, 6), jnp.int32), 10, hk, hv, bits=8, group=8,
+                           value_group=8, scale=0.3, block=8, splits=4, interpret=True)
+  assert o.shape[2] == 4
+  assert float(jnp.abs(l[:, :, 1:]).max()) == 0.0 and float(jnp.abs(o[:, :, 1:]).max()) == 0.0
+
+
+def test_model_kernel_path_matches_jnp_path_and_stays_lossless():
+  config = tiny_config("gemma3", num_layers=3, vocab_size=97)  # sliding-window layers too
+  graphdef, state = nnx.split(init_model(config, seed=1))
+  prompt = list(range(3, 45))
+  plain = QuantKV(group=8, residual=16)
+  kernel = QuantKV(group=8, residual=16, kernel=True)
+  a = generate(graphdef, state, config, prompt, max_new_tokens=40, eos_ids=(), kv_cache=plain)
+  b = generate(graphdef, state, config, prompt, max_new_tokens=40, eos_ids=(), kv_cache=kernel)
+  assert a.tokens == b.tokens
+  model = types.SimpleNamespace(graphdef=graphdef, state=state, config=config)
+  d = QuantSpecDrafter.for_model(model, weight_group=32, kv_cache=kernel)
+  out = speculative_generate(graphdef, state, config, prompt, d, max_new_tokens=40, gamma=4,
+                             eos_ids=())
+  assert out.tokens == b.tokens
