@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
-from specjax import bench, data, metrics  # noqa: E402
+from specjax import bench, data, metrics, plots  # noqa: E402
 from specjax.drafters import KNNDrafter, StaticDrafter, self_sd  # noqa: E402
 from specjax.drafters.static import load_plan, save_plan  # noqa: E402
 from specjax.engine import speculative_generate  # noqa: E402
@@ -236,13 +236,7 @@ def finish(model, lib, args, out_dir: Path, records: list[dict]) -> dict:
 
 
 def plot_streams(summary: dict, medians: dict, args, path: Path) -> Path | None:
-  try:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    return None
+  plt = plots.pyplot()
   fig, ax = plt.subplots(figsize=(6, 4))
   xs = list(args.ratios)
   for m, style in zip(METHODS, ("o-", "s--", "^-")):
@@ -251,9 +245,7 @@ def plot_streams(summary: dict, medians: dict, args, path: Path) -> Path | None:
   ax.set_xlabel("mix ratio r (probability of a domain switch)")
   ax.set_ylabel("speedup vs AR (same run)")
   ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  plots.save(fig, path)
   return path
 
 

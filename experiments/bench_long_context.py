@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
-from specjax import bench, data, metrics, profiler  # noqa: E402
+from specjax import bench, data, metrics, plots, profiler  # noqa: E402
 from specjax.drafters import KnapSpecDrafter, StaticDrafter  # noqa: E402
 from specjax.engine import speculative_generate  # noqa: E402
 from specjax.generate import generate  # noqa: E402
@@ -250,13 +250,7 @@ def plot_masks(runs: list[dict], order: list[str], path: Path) -> Path | None:
   """Left: the sub-layers KnapSpec ran at each selection of one prompt per workload
   (columns), attention and MLP rows apart. Right: share of attention / MLP sub-layers
   run vs prompt length."""
-  try:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    return None
+  plt = plots.pyplot()
   ks = [r for r in runs if r["method"].startswith("knapspec")]
   if not ks:
     return None
@@ -292,9 +286,7 @@ def plot_masks(runs: list[dict], order: list[str], path: Path) -> Path | None:
   ax2.set_xlabel("context tokens")
   ax2.set_ylabel("share of sub-layers run")
   ax2.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  plots.save(fig, path)
   return path
 
 

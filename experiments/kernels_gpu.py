@@ -40,7 +40,7 @@ def median_seconds(fn, *args, repeats: int) -> float:
 
 
 def setup(S: int, args, seed: int = 0):
-  K, H, G = args.kv_heads, args.head_dim, args.group
+  K, H = args.kv_heads, args.head_dim
   rows = args.heads // K
   key = jax.random.split(jax.random.key(seed), 4)
   k = jax.random.normal(key[0], (1, K, S, H), jnp.float32)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from specjax import data, docs, metrics
+from specjax import data, docs, metrics, plots
 from specjax.drafters import (ClaspDrafter, EarlyExitDrafter, KnapSpecDrafter, KNNDrafter,
                               SelfSDDrafter, StaticDrafter, SwiftDrafter, drafter_class)
 from specjax.drafters import self_sd
@@ -297,14 +297,7 @@ def _category_table(cats: dict, methods: list[str]) -> str:
 
 
 def _plot(cats: dict, drafters: list[str], path: Path) -> None:
-  try:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    print("matplotlib not installed: no plot", file=sys.stderr)
-    return
+  plt = plots.pyplot()
   import numpy as np
 
   names = list(cats)
@@ -318,9 +311,7 @@ def _plot(cats: dict, drafters: list[str], path: Path) -> None:
   ax.set_xticks(x + width * (len(drafters) - 1) / 2, names, rotation=35, ha="right")
   ax.set_ylabel("speedup vs AR")
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  plots.save(fig, path, dpi=120)
 
 
 

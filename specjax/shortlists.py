@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specjax import data
+from specjax import data, plots
 from specjax.drafters.frspec import count_tokens, load_counts, save_counts
 from specjax.router import (RouterBundle, collect_pairs, load_bundle, save_bundle,
                             train_router)
@@ -98,13 +98,7 @@ def _head_rows(module):
 
 
 def plot_curves(curves: dict, path: Path, name: str, k_max: int) -> None:
-  try:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    return
+  plt = plots.pyplot()
   fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
   ep = np.arange(len(curves["val_loss"]))
   a.plot(ep[1:], curves["train_loss"][1:], label="train")
@@ -116,6 +110,4 @@ def plot_curves(curves: dict, path: Path, name: str, k_max: int) -> None:
   b.set_xlabel("epoch")
   b.set_ylabel(f"validation recall@{k_max} clusters")
   fig.suptitle(f"DynaSpec router, {name}")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  plots.save(fig, path)
