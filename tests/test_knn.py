@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from specjax import knn_build
 from specjax.config import tiny_config
-from specjax.data import Prompt
+from specjax.data import MT_BENCH_CATEGORIES, Prompt
 from specjax.drafters import KNNDrafter
 from specjax.engine import speculative_generate
 from specjax.generate import generate
@@ -216,3 +216,18 @@ def test_build_is_resumable_and_keys_domains_apart(tmp_path, monkeypatch):
   with pytest.raises(LibraryError, match="'empty' has no prompts"):
     monkeypatch.undo()
     knn_build.build(model, dict(domains, empty=[]), tmp_path / "lib2", **kw)
+
+
+def test_domains_split_build_from_held_out_and_reject_unknown_ones():
+  from test_data import SHARED
+
+  if not (SHARED / "spec_bench" / "question.jsonl").exists():
+    pytest.skip("Spec-Bench not in the shared data folder")
+  build, held = knn_build.domain_prompts(SHARED, ("mt_bench", "qa", "gsm8k"))
+  for d in ("mt_bench", "qa", "gsm8k"):
+    ids_b, ids_h = {p.id for p in build[d]}, {p.id for p in held[d]}
+    assert ids_b and ids_h and not ids_b & ids_h
+    assert 0.25 < len(ids_h) / (len(ids_b) + len(ids_h)) < 0.35
+  assert {p.category for p in held["mt_bench"]} == set(MT_BENCH_CATEGORIES)
+  with pytest.raises(ValueError, match="unknown domain 'poetry'"):
+    knn_build.domain_prompts(SHARED, ("poetry",))
