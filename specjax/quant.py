@@ -116,21 +116,26 @@ def check_finite(x: jax.Array, what: str) -> None:
 class Int4Matrix:
   """A [In, Out] matrix at 4 bits over groups of `group` input rows (upper codes only)."""
 
-  codes: jax.Array  # uint8[In, Out/2], packed along Out
-  lo: jax.Array  # float32[In/group, Out]
-  scale: jax.Array  # float32[In/group, Out]
+  codes: jax.Array  # uint8[In', Out/2], packed along Out (In' = In rounded up to a group)
+  lo: jax.Array  # float32[In'/group, Out]
+  scale: jax.Array  # float32[In'/group, Out]
   group: int = flax.struct.field(pytree_node=False, default=128)
+  rows: int = flax.struct.field(pytree_node=False, default=0)  # In
 
   @classmethod
   def quantize(cls, w: jax.Array, group: int = 128) -> Int4Matrix:
-    h = quantize(w, axis=0, group=group)
-    return cls(h.upper, h.lo, h.scale, group)
+    """A last partial group (SmolLM2's D = 576 is 4.5 groups of 128) is padded by
+    repeating the last row, which leaves its min and max — so its scale — unchanged."""
+    n = w.shape[0]
+    padded = jnp.pad(w, ((0, -n % group), (0, 0)), mode="edge")
+    h = quantize(padded, axis=0, group=group)
+    return cls(h.upper, h.lo, h.scale, group, n)
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     upper = unpack(self.codes).astype(jnp.float32)
     lo = jnp.repeat(self.lo, self.group, axis=0)
     scale = jnp.repeat(self.scale, self.group, axis=0)
-    return (lo + upper * scale).astype(dtype)
+    return (lo + upper * scale)[: self.rows].astype(dtype)
 
   @property
   def nbytes(self) -> int:

@@ -88,6 +88,11 @@ def test_constant_groups_are_exact_and_4bit_weights_bounded():
   scale = np.repeat(np.asarray(m.scale), 128, axis=0)
   assert np.all(np.abs(np.asarray(m.dequantize()) - np.asarray(w)) <= scale / 2 + 1e-6)
   assert m.nbytes < w.nbytes / 4  # 4-bit codes + f32 scales per 128 rows
+  odd = w[:200]  # 1.56 groups: the partial one is padded, then cut off again
+  m = Int4Matrix.quantize(odd, group=128)
+  scale = np.repeat(np.asarray(m.scale), 128, axis=0)[:200]
+  assert m.dequantize().shape == odd.shape
+  assert np.all(np.abs(np.asarray(m.dequantize()) - np.asarray(odd)) <= scale / 2 + 1e-6)
 
 
 # --- the cache ---------------------------------------------------------------------------------
