@@ -37,3 +37,13 @@ def real_model(name: str):
 
 def pytest_configure(config):
   jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_executables():
+  """Each test module starts with no cached executables: kept for the whole suite they
+  exhaust the kernel's map count (see `specjax.jit_cache`)."""
+  yield
+  from specjax import jit_cache
+
+  jit_cache.clear()
