@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.config import ModelConfig
-from specjax.generate import check_prompt, pad_prompt, positions_for, prefill_step
+from specjax.generate import Prefill, check_prompt, positions_for
 from specjax.jit_cache import compile_seconds, compiled
 from specjax.kv_cache import DraftBuffer, KVCache
 from specjax.model import apply
@@ -363,16 +363,15 @@ def speculative_generate(
                      f"are still in the full-precision buffer")
   cache = create_cache(config, size, kv_cache)
   key = jax.random.key(seed)
-  prompt, n = pad_prompt(prompt_tokens, size), jnp.int32(len(prompt_tokens))
   full = DraftPlan.full(L)
   d_static = dict(graphdef=graphdef, vocab=config.vocab_size, gamma=gamma,
                   threshold=threshold, sampling=sampling)
   v_static = dict(graphdef=graphdef, sampling=sampling, residuals=drafter.wants_residuals)
 
   t_compile = time.perf_counter()
-  prefill = compiled(prefill_step, state, cache, prompt, n, full, key, graphdef=graphdef,
-                     sampling=sampling, return_hidden=True)
-  last0 = prompt[0, 0]
+  prefill = Prefill.build(state, cache, prompt_tokens, full, key, graphdef=graphdef,
+                          sampling=sampling, return_hidden=True)
+  last0 = jnp.int32(prompt_tokens[0])
   draft_exes = {}
   h0_proto = jnp.zeros((config.embed_dim,), jnp.float32)
 
@@ -396,7 +395,7 @@ def speculative_generate(
   compile_s = time.perf_counter() - t_compile
   t0 = time.perf_counter()
   key, sub = jax.random.split(key)
-  first, cache, h_prev, pooled = prefill(state, cache, prompt, n, full, sub)
+  first, cache, h_prev, pooled = prefill(state, cache, full, sub)
   if kv_cache is not None:
     cache.check_finite()
   tokens = [int(first[0])]

@@ -59,9 +59,8 @@ def prefill_step(
   embedding [D] (KNN-SSD's key, `pooled_prompt`)."""
   B, T = tokens.shape
   start = cache.length
-  out, cache = apply(
-      state, cache, tokens, positions_for(cache, T, B), plan, graphdef=graphdef, logits="none"
-  )
+  out, cache = apply(state, cache, tokens, positions_for(cache, T, B), plan, graphdef=graphdef,
+                     logits="none", valid=n)
   model = nnx.merge(graphdef, state)
   last = jax.lax.dynamic_slice_in_dim(out.hidden, n - 1, 1, axis=1)
   logits = model.head(last)[:, 0]
@@ -69,6 +68,56 @@ def prefill_step(
     return (sample(key, logits, sampling), cache.with_length(start + n),
             last[0, 0].astype(jnp.float32), pooled_prompt(model, out.hidden[0], n))
   return sample(key, logits, sampling), cache.with_length(start + n)
+
+
+PREFILL_CHUNK = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+  """A prompt's prefill as compiled calls of at most `chunk` tokens each.
+
+  One call over a T-token prompt materialises [N, T, S] attention scores: 15 GB per layer
+  for Qwen2.5-0.5B at 16k. Chunk by chunk, each chunk attending to the cache written by
+  the ones before, it needs [N, chunk, S] and gives the same cache, token and hidden
+  states (the tests check). On a quantised cache later chunks read the earlier ones at
+  8 bits, as decoding does, rather than in full precision. Prompts within one chunk take
+  a single call, as before.
+  Compiled at construction, so that calling it times prefilling only.
+  """
+
+  calls: tuple[tuple[object, jax.Array, jax.Array], ...]  # (executable, tokens[1, C], n)
+  return_hidden: bool
+
+  @classmethod
+  def build(cls, state: nnx.State, cache, prompt_tokens: Sequence[int], plan: DraftPlan,
+            key: jax.Array, *, graphdef: nnx.GraphDef, sampling: SamplingParams,
+            return_hidden: bool = False, chunk: int | None = None) -> Prefill:
+    chunk = chunk or PREFILL_CHUNK
+    if chunk % PROMPT_BUCKET:
+      raise ValueError(f"the prefill chunk must be a multiple of {PROMPT_BUCKET}, got {chunk}")
+    ids, size, calls = list(prompt_tokens), cache.size, []
+    for start in range(0, len(ids), chunk):
+      piece = ids[start : start + chunk]
+      tokens, n = pad_prompt(piece, size - start), jnp.int32(len(piece))
+      exe = compiled(prefill_step, state, cache, tokens, n, plan, key, graphdef=graphdef,
+                     sampling=sampling, return_hidden=return_hidden)
+      calls.append((exe, tokens, n))
+    return cls(tuple(calls), return_hidden)
+
+  def __call__(self, state: nnx.State, cache, plan: DraftPlan, key: jax.Array):
+    """(token, cache) or, with hidden states, (token, cache, h_last, pooled): the pooled
+    prompt embedding is the token-weighted mean of the chunks' means (exact)."""
+    pooled_sum = 0.0
+    for exe, tokens, n in self.calls:
+      out = exe(state, cache, tokens, n, plan, key)
+      cache = out[1]
+      if self.return_hidden:
+        pooled_sum = pooled_sum + out[3] * n.astype(jnp.float32)
+    if not self.return_hidden:
+      return out
+    total = sum(int(n) for _, _, n in self.calls)
+    return out[0], cache, out[2], pooled_sum / total
 
 
 def pooled_prompt(model, hidden: jax.Array, n: jax.Array) -> jax.Array:
@@ -164,15 +213,14 @@ def generate(
       on_token(tok)
     return tok in eos or len(tokens) >= max_new_tokens
 
-  prompt, n = pad_prompt(prompt_tokens, size), jnp.int32(len(prompt_tokens))
   t_compile = time.perf_counter()
   # Compile both steps up front, so the timings below measure decoding only.
   static = dict(graphdef=graphdef, sampling=sampling)
-  prefill = compiled(prefill_step, state, cache, prompt, n, plan, key, **static)
-  step = compiled(decode_step, state, cache, prompt[:, 0], plan, key, **static)
+  prefill = Prefill.build(state, cache, prompt_tokens, plan, key, **static)
+  step = compiled(decode_step, state, cache, jnp.zeros((1,), jnp.int32), plan, key, **static)
   t0 = time.perf_counter()
   key, sub = jax.random.split(key)
-  token, cache = prefill(state, cache, prompt, n, plan, sub)
+  token, cache = prefill(state, cache, plan, sub)
   done = emit(int(token[0]))
   t1 = time.perf_counter()
   while not done:

@@ -22,7 +22,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from specjax import checkpoint
@@ -38,18 +37,16 @@ class LibraryError(ValueError):
 
 def embed(graphdef, state, config, ids: Sequence[int]) -> np.ndarray:
   """The prompt embedding float32[D] that `speculative_generate` hands its drafter."""
-  from specjax.generate import check_prompt, pad_prompt, prefill_step
-  from specjax.jit_cache import compiled
+  from specjax.generate import Prefill, check_prompt
   from specjax.kv_cache import KVCache
   from specjax.sampling import SamplingParams
 
   size = check_prompt(ids, 1, config.max_context)
   cache = KVCache.create(config, 1, size)
-  prompt, n = pad_prompt(ids, size), jnp.int32(len(ids))
   full, key = DraftPlan.full(config.num_layers), jax.random.key(0)
-  fn = compiled(prefill_step, state, cache, prompt, n, full, key, graphdef=graphdef,
-                sampling=SamplingParams(), return_hidden=True)
-  return np.asarray(fn(state, cache, prompt, n, full, key)[3], np.float32)
+  prefill = Prefill.build(state, cache, ids, full, key, graphdef=graphdef,
+                          sampling=SamplingParams(), return_hidden=True)
+  return np.asarray(prefill(state, cache, full, key)[3], np.float32)
 
 
 def unit(x: np.ndarray) -> np.ndarray:

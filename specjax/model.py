@@ -332,6 +332,7 @@ class Transformer(nnx.Module):
       return_residuals: bool = False,
       write_cache: bool = True,
       buffer: DraftBuffer | None = None,
+      valid: jax.Array | None = None,
   ) -> tuple[ForwardOut, KVCache | DraftBuffer]:
     """Process tokens[B, T] at positions[B, T], writing K/V at slots [length, length+T).
 
@@ -340,7 +341,8 @@ class Transformer(nnx.Module):
     With `write_cache=False` the cache is only read and returned unchanged: candidate
     plans are scored against the verified cache without a copy of it. With a draft
     `buffer`, the cache is only read, the tokens' K/V go to the buffer (rows of skipped
-    layers are kept), and the buffer is returned instead of the cache.
+    layers are kept), and the buffer is returned instead of the cache. `valid` (a padded
+    prompt's real length) keeps a quantised cache from flushing padding into its codes.
     """
     plan.check(self.config.num_layers)  # shapes are static: this runs once, at trace time
     B, T = tokens.shape
@@ -411,7 +413,7 @@ class Transformer(nnx.Module):
     if not reading:
       cache = KVCache(k=tuple(ks), v=tuple(vs), length=cache.length + T)
     elif quantized and write_cache:  # every layer ran: writers use the full plan
-      cache = cache.append(ks, vs)
+      cache = cache.append(ks, vs, valid)
     return out, cache
 
 
@@ -444,6 +446,7 @@ def apply(
     return_residuals: bool = False,
     write_cache: bool = True,
     buffer: DraftBuffer | None = None,
+    valid: jax.Array | None = None,
 ) -> tuple[ForwardOut, KVCache | DraftBuffer]:
   """The pure form of `Transformer.__call__`, for `jax.jit` on the hot path.
 
@@ -452,4 +455,5 @@ def apply(
   """
   model = nnx.merge(graphdef, state)
   return model(tokens, positions, cache, plan, logits=logits,
-               return_residuals=return_residuals, write_cache=write_cache, buffer=buffer)
+               return_residuals=return_residuals, write_cache=write_cache, buffer=buffer,
+               valid=valid)

@@ -153,13 +153,16 @@ class QuantKVCache:
 
   # --- writing ------------------------------------------------------------------------------
 
-  def append(self, ks: list[jax.Array], vs: list[jax.Array]) -> QuantKVCache:
+  def append(self, ks: list[jax.Array], vs: list[jax.Array],
+             valid: jax.Array | None = None) -> QuantKVCache:
     """Append T tokens' K/V (per layer [B, K, T, H]) after `length`, flushing the buffer's
-    oldest tokens into the quantised part, R at a time, when it would exceed 2R."""
+    oldest tokens into the quantised part, R at a time, when it would exceed 2R. Only the
+    first `valid` of the T count (a padded prompt): at least R tokens stay buffered after
+    a flush, so padding past them is never quantised, whatever R and the padding are."""
     R, G = self.residual, self.group
     T = ks[0].shape[2]
     self.check_room(T)
-    m = self.buffered + T
+    m = self.buffered + (T if valid is None else valid)
     f = jnp.maximum(0, -(-(m - 2 * R) // R)) * R  # tokens to quantise (multiple of R)
     M = _round_up(4 * R + T, G)  # stream rows: buffer, new tokens, room to slice 2R after f
 
