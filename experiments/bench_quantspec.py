@@ -155,7 +155,11 @@ def finish(model, args, kv: QuantKV, records: list[dict]) -> dict:
         f"process, on the jnp path (the quantised cache is dequantised inside each jitted "
         f"step; the Pallas kernel is for GPUs). QuantSpec is lossless with respect to the "
         f"target on the 8-bit cache: `mismatches` counts prompts whose tokens differ from "
-        f"that AR. Machine: {report.machine()}.", "", table, "",
+        f"that AR. Contexts are prompt lengths; lengths that do not fit the model's window "
+        f"of {model.config.max_context} tokens with the generation are not run. On the "
+        f"jnp path every step dequantises the whole cache before attending (a GPU kernel "
+        f"reads the codes), so the int8-KV AR is slower than the fp one here and QuantSpec "
+        f"is compared with both. Machine: {report.machine()}.", "", table, "",
         "Does reading K/V at 8 bits change the target's greedy output? Prompts where the "
         "int8-KV AR equals the full-precision AR: " + ", ".join(
             f"{n}: {f['int8kv_target_equals_fp_target']}" for n, f in figures.items()) + ".",
