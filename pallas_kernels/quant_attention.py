@@ -12,8 +12,12 @@ GQA: the N/K query heads of a kv head and the T query tokens form the Rq = (N/K)
 of one program, so each K/V block is dequantised once for all of them. Packing stores
 channel j and j + H/2 in one byte (`specjax.quant.pack`), so the two nibble planes are
 the two halves of the head dim: the kernel computes q·k as two half-width products and
-needs no interleaving shuffles. Written for the Triton / Mosaic GPU lowering (static
-shapes, 2-D dots, masks instead of dynamic shapes); on CPU it runs with interpret=True.
+needs no interleaving shuffles. Written for Pallas' Triton lowering, chosen explicitly
+by its compiler params (jax now defaults GPU kernels to Mosaic GPU, which wants
+warpgroup-sized copies this kernel's scalar and 16-row blocks are not): static
+power-of-two tensors (the query rows are padded to one), 2-D dots, halves split at
+ref-load time, masks instead of dynamic shapes. The tests lower it for CUDA on a CPU host,
+which builds the Triton IR; on CPU it runs with interpret=True.
 
 Shapes: B batch, K kv heads, S quantised slots, H head dim, G key group (tokens),
 Gv value group (channels), Rq query rows per kv head, F full-precision keys.
@@ -26,54 +30,69 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp(masked - m) == 0, no NaN
 
 
-def _dequant_halves(codes, lower, lo, scale, bits: int):
-  """Packed codes [rows, H/2] + per-row lo/scale [rows, H] -> the two halves [rows, H/2]
-  of the dequantised values."""
-  half = codes.shape[-1]
-  out = []
-  for plane, sl in ((codes & 0xF, slice(0, half)), (codes >> 4, slice(half, 2 * half))):
-    lo_h, sc_h = lo[:, sl], scale[:, sl]
-    x = lo_h + plane.astype(jnp.float32) * sc_h
-    if bits == 8:
-      low = (lower & 0xF) if sl.start == 0 else (lower >> 4)
-      x = x + (low.astype(jnp.float32) - 7.0) * (sc_h / 15.0)
-    out.append(x)
-  return out
+def _plane(codes, half: int):
+  """One 4-bit plane of packed codes [rows, H/2]: 0 = channels [0, H/2), 1 = the rest."""
+  return (codes & 0xF) if half == 0 else (codes >> 4)
 
 
-def _rows(per_group, group: int, axis: int):
-  """Expand per-group scales to per-row (axis 0, keys) or per-channel (axis 1, values)."""
-  a, b = per_group.shape
-  if axis == 0:
-    return jnp.broadcast_to(per_group[:, None, :], (a, group, b)).reshape(a * group, b)
-  return jnp.broadcast_to(per_group[:, :, None], (a, b, group)).reshape(a, b * group)
+def _dequant(upper, lower, lo, scale, half: int, bits: int):
+  """Half `half` of the dequantised values [rows, H/2] from packed codes and the
+  matching lo/scale [rows, H/2]."""
+  x = lo + _plane(upper, half).astype(jnp.float32) * scale
+  if bits == 8:
+    x = x + (_plane(lower, half).astype(jnp.float32) - 7.0) * (scale / 15.0)
+  return x
+
+
+def _per_token(ref, rows, group: int, half: int, width: int):
+  """Key lo/scale of groups of `group` tokens, [rows/group, H] in `ref`, for token rows
+  `rows` and channel half `half`: [len(rows), H/2]."""
+  n = rows.size // group
+  cols = pl.ds(half * width, width)
+  per_group = ref[pl.ds(rows.start // group, n), cols]
+  return jnp.broadcast_to(per_group[:, None, :], (n, group, width)).reshape(n * group, width)
+
+
+def _per_channel(ref, rows, group: int, half: int, width: int):
+  """Value lo/scale of groups of `group` channels, [S, H/group] in `ref`, for token rows
+  `rows` and channel half `half`: [len(rows), H/2]."""
+  n = max(1, width // group)  # groups in one half (a group may span both halves)
+  first = half * n if group <= width else 0
+  per_group = ref[rows, pl.ds(first, n)]
+  each = min(group, width)
+  return jnp.broadcast_to(per_group[:, :, None], (rows.size, n, each)).reshape(
+      rows.size, width)
 
 
 def _kernel(length_ref, qpos_ref, q_ref, ku_ref, kl_ref, klo_ref, ksc_ref, vu_ref, vl_ref,
             vlo_ref, vsc_ref, o_ref, m_ref, l_ref, *, bits, block, group, value_group,
             scale, window):
+  """One (batch, kv head, split) program. Values are split at ref-load time into the two
+  channel halves the nibble planes hold (Triton lowers no value slicing)."""
   split = ku_ref.shape[0]
   rows, H = q_ref.shape
   half = H // 2
   s_idx = pl.program_id(2)
   length = length_ref[()]
-  q = q_ref[...].astype(jnp.float32) * scale
-  qa, qb = q[:, :half], q[:, half:]
+  qs = [q_ref[:, pl.ds(h * half, half)].astype(jnp.float32) * scale for h in (0, 1)]
   qpos = qpos_ref[...]  # [Rq]
 
   def body(i, carry):
     o_a, o_b, m_prev, l_prev = carry
-    start = i * block
-    sl, gsl = pl.ds(start, block), pl.ds(start // group, block // group)
-    ka, kb = _dequant_halves(ku_ref[sl, :], kl_ref[sl, :], _rows(klo_ref[gsl, :], group, 0),
-                             _rows(ksc_ref[gsl, :], group, 0), bits)
-    s = (jax.lax.dot_general(qa, ka, (((1,), (1,)), ((), ())))
-         + jax.lax.dot_general(qb, kb, (((1,), (1,)), ((), ()))))  # [Rq, block]
-    pos = s_idx * split + start + jnp.arange(block)
+    sl = pl.ds(i * block, block)
+    ku, kl, vu, vl = ku_ref[sl, :], kl_ref[sl, :], vu_ref[sl, :], vl_ref[sl, :]
+    s = sum(
+        jax.lax.dot_general(
+            qs[h], _dequant(ku, kl, _per_token(klo_ref, sl, group, h, half),
+                            _per_token(ksc_ref, sl, group, h, half), h, bits),
+            (((1,), (1,)), ((), ())))
+        for h in (0, 1))  # [Rq, block]
+    pos = s_idx * split + i * block + jnp.arange(block)
     ok = (pos < length)[None, :]
     if window is not None:
       ok = ok & (qpos[:, None] - pos[None, :] < window)
@@ -81,9 +100,9 @@ def _kernel(length_ref, qpos_ref, q_ref, ku_ref, kl_ref, klo_ref, ksc_ref, vu_re
     m_next = jnp.maximum(m_prev, s.max(axis=1))
     p = jnp.where(ok, jnp.exp(s - m_next[:, None]), 0.0)
     corr = jnp.exp(m_prev - m_next)
-    va, vb = _dequant_halves(vu_ref[sl, :], vl_ref[sl, :],
-                             _rows(vlo_ref[sl, :], value_group, 1),
-                             _rows(vsc_ref[sl, :], value_group, 1), bits)
+    va, vb = (_dequant(vu, vl, _per_channel(vlo_ref, sl, value_group, h, half),
+                       _per_channel(vsc_ref, sl, value_group, h, half), h, bits)
+              for h in (0, 1))
     o_a = corr[:, None] * o_a + jnp.dot(p, va)
     o_b = corr[:, None] * o_b + jnp.dot(p, vb)
     return o_a, o_b, m_next, corr * l_prev + p.sum(axis=1)
@@ -92,10 +111,16 @@ def _kernel(length_ref, qpos_ref, q_ref, ku_ref, kl_ref, klo_ref, ksc_ref, vu_re
   init = (jnp.zeros((rows, half), jnp.float32), jnp.zeros((rows, half), jnp.float32),
           jnp.full((rows,), _MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32))
   o_a, o_b, m, l = jax.lax.fori_loop(0, n_blocks, body, init)
-  o_ref[:, :half] = o_a
-  o_ref[:, half:] = o_b
+  o_ref[:, pl.ds(0, half)] = o_a
+  o_ref[:, pl.ds(half, half)] = o_b
   m_ref[...] = m
   l_ref[...] = l
+
+
+def padded_rows(rows: int) -> int:
+  """Query rows per program, padded to a power of two of at least 16: Triton needs
+  power-of-two tensors and 16-row dot operands (Qwen2.5-0.5B decodes with 7 rows)."""
+  return max(16, 1 << (rows - 1).bit_length())
 
 
 def split_for(size: int, group: int, block: int, splits: int) -> tuple[int, int]:
@@ -120,7 +145,13 @@ def quant_partials(q, q_pos, length, k_codes, v_codes, *, bits: int, group: int,
   q [B, K, Rq, H], q_pos int32[B, Rq] (for a sliding window), length int32 scalar;
   k_codes / v_codes: `quant.Hier` of the layer. Returns o [B, K, splits, Rq, H] and
   m, l [B, K, splits, Rq]."""
-  B, K, Rq, H = q.shape
+  B, K, rq, H = q.shape
+  if not (value_group == H or (H // 2) % value_group == 0):
+    raise ValueError(f"value group {value_group} must be the head dim {H} or divide its "
+                     f"half {H // 2}: each nibble plane holds one half of the channels")
+  Rq = padded_rows(rq)
+  q = jnp.pad(q, ((0, 0), (0, 0), (0, Rq - rq), (0, 0)))
+  q_pos = jnp.pad(q_pos, ((0, 0), (0, Rq - rq)), mode="edge")
   S = k_codes.upper.shape[2]
   block, splits = split_for(S, group, block, splits)
   per = S // splits
@@ -130,7 +161,7 @@ def quant_partials(q, q_pos, length, k_codes, v_codes, *, bits: int, group: int,
   code_spec = pl.BlockSpec((None, None, per, H // 2), lambda b, k, s: (b, k, s, 0))
   kscale_spec = pl.BlockSpec((None, None, per // group, H), lambda b, k, s: (b, k, s, 0))
   vscale_spec = pl.BlockSpec((None, None, per, Hv), lambda b, k, s: (b, k, s, 0))
-  return pl.pallas_call(
+  o, m, l = pl.pallas_call(
       kern,
       grid=(B, K, splits),
       in_specs=[
@@ -149,10 +180,12 @@ def quant_partials(q, q_pos, length, k_codes, v_codes, *, bits: int, group: int,
                  jax.ShapeDtypeStruct((B, K, splits, Rq), jnp.float32),
                  jax.ShapeDtypeStruct((B, K, splits, Rq), jnp.float32)],
       interpret=interpret,
+      compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
       name=f"quant_decode_attention_int{bits}",
   )(jnp.asarray(length, jnp.int32), q_pos.astype(jnp.int32), q, k_codes.upper,
     k_codes.lower, k_codes.lo, k_codes.scale, v_codes.upper, v_codes.lower, v_codes.lo,
     v_codes.scale)
+  return o[..., :rq, :], m[..., :rq], l[..., :rq]
 
 
 def dense_partials(q, q_pos, k, v, k_pos, k_valid, *, scale: float,

@@ -90,6 +90,9 @@ class QuantKVCache:
                        f"whole number of key groups of G={group} tokens")
     if value_group < 1 or H % value_group:
       raise QuantError(f"value groups of {value_group} channels do not divide head_dim {H}")
+    if kernel and not (value_group == H or (H // 2) % value_group == 0):
+      raise QuantError(f"the attention kernel reads one half of the channels per nibble "
+                       f"plane: value groups of {value_group} must be {H} or divide {H // 2}")
     S = _round_up(max(size, 1), group)
     code = lambda: jnp.zeros((batch, K, S, H // 2), jnp.uint8)
     f32 = lambda *shape: jnp.zeros(shape, jnp.float32)

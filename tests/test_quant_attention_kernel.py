@@ -51,15 +51,17 @@ def dense_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid, bits
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("length,rq,window", [(37, 6, None), (1, 1, None), (64, 8, None),
-                                              (53, 4, 20), (29, 3, None)])
-def test_kernel_equals_reference_equals_dense(bits, length, rq, window):
-  q, hk, hv, fp_k, fp_v = case(length * 7 + bits, Rq=rq)
+@pytest.mark.parametrize("length,rq,window,gv", [
+    (37, 6, None, 8), (1, 1, None, 8), (64, 8, None, 8), (53, 4, 20, 8), (29, 3, None, 8),
+    (37, 7, None, 16),  # one value group spans both nibble planes (Qwen: Gv = H = 64)
+    (45, 5, None, 4)])  # two value groups per plane
+def test_kernel_equals_reference_equals_dense(bits, length, rq, window, gv):
+  q, hk, hv, fp_k, fp_v = case(length * 7 + bits, Rq=rq, Gv=gv)
   B, F = 1, fp_k.shape[2]
   fp_pos = jnp.asarray([length + np.arange(F)], jnp.int32)
   fp_valid = jnp.asarray([np.arange(F) < 7])  # an odd number of buffered tokens
   q_pos = jnp.asarray([length + np.arange(rq) % 7], jnp.int32)  # queries among them
-  kw = dict(bits=bits, group=8, value_group=8, scale=0.3, window=window)
+  kw = dict(bits=bits, group=8, value_group=gv, scale=0.3, window=window)
   o, m, l = quant_partials(q, q_pos, length, hk, hv, block=16, splits=3, interpret=True, **kw)
   ro, rm, rl = reference_partials(q, q_pos, length, hk, hv, **kw)
   kernel = merge([(o[:, :, s], m[:, :, s], l[:, :, s]) for s in range(o.shape[2])])
@@ -67,13 +69,33 @@ def test_kernel_equals_reference_equals_dense(bits, length, rq, window):
   np.testing.assert_allclose(kernel, ref, atol=2e-6)
   full = quant_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid,
                          block=16, splits=3, interpret=True, **kw)
-  want = dense_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid, bits, 8, 8,
+  want = dense_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid, bits, 8, gv,
                          0.3, window)
   np.testing.assert_allclose(full, want, atol=2e-6)
   jnp_path = quant_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid,
                              use_kernel=False, **kw)
   np.testing.assert_allclose(jnp_path, want, atol=2e-6)
   assert B == full.shape[0]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows,gv,window", [(7, 64, None), (35, 64, None), (2, 32, 512)])
+def test_kernel_lowers_to_triton_for_cuda(bits, rows, gv, window):
+  """No GPU in CI, but the Triton lowering is Python: lowering for the CUDA platform on a
+  CPU host builds the kernel's Triton IR and fails on what Triton cannot express
+  (non-power-of-two tensors, value slicing). Shapes of Qwen2.5-0.5B: 7 query rows per kv
+  head at decode, 35 when verifying γ = 4, head dim 64."""
+  K, H, S = 2, 64, 4096
+  rng = np.random.default_rng(0)
+  k = jnp.asarray(rng.normal(size=(1, K, S, H)), jnp.float32)
+  hk, hv = quant.quantize(k, 2, 128), quant.quantize(k, 3, gv)
+  q = jnp.zeros((1, K, rows, H), jnp.float32)
+  q_pos = jnp.zeros((1, rows), jnp.int32)
+  fn = jax.jit(lambda q, q_pos, hk, hv: quant_partials(
+      q, q_pos, 1000, hk, hv, bits=bits, group=128, value_group=gv, scale=0.125,
+      window=window))
+  text = fn.trace(q, q_pos, hk, hv).lower(lowering_platforms=("cuda",)).as_text()
+  assert "xla.gpu.triton" in text and f"quant_decode_attention_int{bits}" in text
 
 
 def test_empty_splits_contribute_nothing():

@@ -231,6 +231,8 @@ def test_bad_shapes_and_overflow_are_refused():
   wide = dataclasses.replace(config, head_dim=24)
   with pytest.raises(QuantError, match="value groups of 16 channels do not divide head_dim 24"):
     QuantKVCache.create(wide, 1, 256, group=16, residual=16)
+  with pytest.raises(QuantError, match="value groups of 8 must be 24 or divide 12"):
+    QuantKVCache.create(wide, 1, 256, group=16, residual=16, value_group=8, kernel=True)
   with pytest.raises(QuantError, match="does not split into groups of 3"):
     quant.quantize(jnp.ones((8, 4)), 0, 3)
   with pytest.raises(ContextOverflowError):
