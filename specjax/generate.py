@@ -88,6 +88,7 @@ class Prefill:
 
   calls: tuple[tuple[object, jax.Array, jax.Array], ...]  # (executable, tokens[1, C], n)
   return_hidden: bool
+  length: int  # prompt tokens, for the pooled mean without a device read
 
   @classmethod
   def build(cls, state: nnx.State, cache, prompt_tokens: Sequence[int], plan: DraftPlan,
@@ -103,7 +104,7 @@ class Prefill:
       exe = compiled(prefill_step, state, cache, tokens, n, plan, key, graphdef=graphdef,
                      sampling=sampling, return_hidden=return_hidden)
       calls.append((exe, tokens, n))
-    return cls(tuple(calls), return_hidden)
+    return cls(tuple(calls), return_hidden, len(ids))
 
   def __call__(self, state: nnx.State, cache, plan: DraftPlan, key: jax.Array):
     """(token, cache) or, with hidden states, (token, cache, h_last, pooled): the pooled
@@ -116,8 +117,7 @@ class Prefill:
         pooled_sum = pooled_sum + out[3] * n.astype(jnp.float32)
     if not self.return_hidden:
       return out
-    total = sum(int(n) for _, _, n in self.calls)
-    return out[0], cache, out[2], pooled_sum / total
+    return out[0], cache, out[2], pooled_sum / self.length
 
 
 def pooled_prompt(model, hidden: jax.Array, n: jax.Array) -> jax.Array:
