@@ -357,10 +357,10 @@ def speculative_generate(
   size = check_prompt(prompt_tokens, max_new_tokens + gamma + 1, config.max_context)
   eos = set(config.eos_ids if eos_ids is None else eos_ids)
   L = config.num_layers
-  if kv_cache is not None and kv_cache.residual < gamma + 1:
-    raise ValueError(f"the quantised cache's buffer flushes R={kv_cache.residual} tokens at a "
-                     f"time; R must be >= gamma + 1 = {gamma + 1} so that rejected drafts "
-                     f"are still in the full-precision buffer")
+  if kv_cache is not None and kv_cache.max_step < gamma + 1:
+    raise ValueError(f"a round appends gamma + 1 = {gamma + 1} tokens to the quantised cache, "
+                     f"which keeps room for {kv_cache.max_step}: raise QuantKV.headroom "
+                     f"(<= R = {kv_cache.residual}) or lower gamma")
   cache = create_cache(config, size, kv_cache)
   key = jax.random.key(seed)
   full = DraftPlan.full(L)

@@ -351,6 +351,9 @@ class Transformer(nnx.Module):
       raise PlanError(f"plan.kv_bits={plan.kv_bits} reads a quantised KV cache, but this one "
                       f"is full precision: decode with a QuantKVCache (kv_cache='quant')")
     bits = 4 if plan.kv_bits == 4 else 8  # of a quantised cache; the target reads 8
+    writing = quantized and write_cache and buffer is None
+    if writing:  # flush on the committed length's schedule, before anything reads
+      cache = cache.settle()
     reading = buffer is not None or not write_cache or quantized
     if reading:
       S = cache.size
@@ -412,8 +415,8 @@ class Transformer(nnx.Module):
       return out, DraftBuffer(k=tuple(ks), v=tuple(vs), count=buffer.count + T)
     if not reading:
       cache = KVCache(k=tuple(ks), v=tuple(vs), length=cache.length + T)
-    elif quantized and write_cache:  # every layer ran: writers use the full plan
-      cache = cache.append(ks, vs, valid)
+    elif writing:  # every layer ran: writers use the full plan
+      cache = cache.append(ks, vs, valid, settled=True)
     return out, cache
 
 

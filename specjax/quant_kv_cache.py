@@ -8,14 +8,22 @@ Layout per layer (B batch, K kv heads, S quantised slots, H head dim, R = `resid
     lo/scale f32[B, K, S, H/Gv];
   * buffer: the newest tokens at full precision, [B, K, 2R, H].
 Tokens [0, Q) live quantised at slots = positions; tokens [Q, Q + b) in buffer rows
-0..b-1. Appending T tokens that would overfill the buffer first quantises its oldest
-tokens R at a time — during decoding too (QuantSpec's public code only quantises at
-prefill, so a long generation overflows its buffer) — keeping b in (R, 2R]. A prefill is
-an append of the whole prompt: all but the last R..2R tokens are quantised.
+0..b-1. The buffer's oldest tokens are quantised R at a time during decoding too
+(QuantSpec's public code only quantises at prefill, so a long generation overflows its
+buffer). A prefill is an append of the whole prompt: all but the last R..2R tokens are
+quantised.
+
+When to flush is part of the target's definition: a token read at full precision in one
+step and at 8 bits in the next changes the target's logits. So a forward first `settle`s
+the cache — flushing R tokens if the buffer holds more than 2R − `headroom` — and only
+then reads it and appends its (at most `headroom`) tokens. The decision depends on the
+committed length alone, never on how many drafts a step appends, so AR and SSD at any γ
+read exactly the same cache at every position (greedy SSD == greedy AR, bit for bit in
+what the target sees).
 
 Rolling back rejected drafts is `with_length`, as for `KVCache`: the rejected tokens are
-the newest, always still in the buffer (R ≥ γ + 1, checked by the engine). The flushed
-tokens are the oldest ones, all committed.
+the newest, always still in the buffer (γ + 1 ≤ headroom ≤ R, checked by the engine).
+The flushed tokens are the oldest ones, all committed.
 """
 
 from __future__ import annotations
@@ -36,17 +44,24 @@ from specjax.quant import Hier, QuantError
 class QuantKV:
   """How to build a `QuantKVCache` (what `generate` / `speculative_generate` take as
   `kv_cache`): G key tokens per group, Gv value channels per group (None: min(G, H)),
-  R the flush size (buffer 2R)."""
+  R the flush size (buffer 2R), `headroom` the most tokens one decoding step appends
+  (γ + 1 ≤ headroom ≤ R). AR and SSD decode the same target only on equal `QuantKV`s."""
 
   group: int = 128
   value_group: int | None = None
   residual: int = 128
+  headroom: int | None = None  # None: min(16, R)
   kernel: bool = False  # attention reads the codes with the Pallas kernel (GPU; CPU interprets)
+
+  @property
+  def max_step(self) -> int:
+    """The most tokens one forward may append once decoding (the resolved headroom)."""
+    return _headroom(self.headroom, self.residual)
 
   def create(self, config: ModelConfig, batch: int, size: int) -> QuantKVCache:
     return QuantKVCache.create(config, batch, size, group=self.group,
                                value_group=self.value_group, residual=self.residual,
-                               kernel=self.kernel)
+                               headroom=self.headroom, kernel=self.kernel)
 
 
 def create_cache(config: ModelConfig, size: int, kv_cache: QuantKV | None = None, dtype=None):
@@ -54,6 +69,10 @@ def create_cache(config: ModelConfig, size: int, kv_cache: QuantKV | None = None
   if kv_cache is None:
     return KVCache.create(config, 1, size, jnp.float32 if dtype is None else dtype)
   return kv_cache.create(config, 1, size)
+
+
+def _headroom(headroom: int | None, residual: int) -> int:
+  return min(16, residual) if headroom is None else headroom
 
 
 def _round_up(n: int, m: int) -> int:
@@ -72,14 +91,16 @@ class QuantKVCache:
   group: int = flax.struct.field(pytree_node=False, default=128)  # G, key tokens per group
   value_group: int = flax.struct.field(pytree_node=False, default=64)  # Gv, channels
   residual: int = flax.struct.field(pytree_node=False, default=128)  # R
+  headroom: int = flax.struct.field(pytree_node=False, default=16)  # most tokens a step adds
   kernel: bool = flax.struct.field(pytree_node=False, default=False)  # Pallas reads
 
   @classmethod
   def create(cls, config: ModelConfig, batch: int, size: int, *, group: int = 128,
-             value_group: int | None = None, residual: int = 128, kernel: bool = False,
-             dtype=jnp.float32) -> QuantKVCache:
+             value_group: int | None = None, residual: int = 128, headroom: int | None = None,
+             kernel: bool = False, dtype=jnp.float32) -> QuantKVCache:
     """A cache for `size` tokens. Gv defaults to min(G, H): a value group never spans
-    two heads. R must be a multiple of G (whole key groups are quantised at a time)."""
+    two heads. R must be a multiple of G (whole key groups are quantised at a time).
+    `headroom` (default min(16, R)) bounds the tokens one decoding step appends."""
     H, K = config.head_dim, config.num_kv_heads
     value_group = min(group, H) if value_group is None else value_group
     if size > config.max_context:
@@ -88,6 +109,10 @@ class QuantKVCache:
     if group < 1 or residual % group:
       raise QuantError(f"the buffer flushes R={residual} tokens at a time, which must be a "
                        f"whole number of key groups of G={group} tokens")
+    headroom = _headroom(headroom, residual)
+    if not 1 <= headroom <= residual:
+      raise QuantError(f"headroom (tokens a decoding step appends) must be in [1, R={residual}],"
+                       f" got {headroom}")
     if value_group < 1 or H % value_group:
       raise QuantError(f"value groups of {value_group} channels do not divide head_dim {H}")
     if kernel and not (value_group == H or (H // 2) % value_group == 0):
@@ -104,7 +129,7 @@ class QuantKVCache:
                         for _ in range(config.num_layers))
     zero = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the cache is donated
     return cls(keys, values, buf(), buf(), zero(), zero(), jnp.ones((), jnp.bool_), group,
-               value_group, residual, kernel)
+               value_group, residual, headroom, kernel)
 
   @property
   def size(self) -> int:
@@ -156,23 +181,50 @@ class QuantKVCache:
 
   # --- writing ------------------------------------------------------------------------------
 
-  def append(self, ks: list[jax.Array], vs: list[jax.Array],
-             valid: jax.Array | None = None) -> QuantKVCache:
-    """Append T tokens' K/V (per layer [B, K, T, H]) after `length`, flushing the buffer's
-    oldest tokens into the quantised part, R at a time, when it would exceed 2R. Only the
-    first `valid` of the T count (a padded prompt): at least R tokens stay buffered after
-    a flush, so padding past them is never quantised, whatever R and the padding are."""
-    R, G = self.residual, self.group
+  def settle(self) -> QuantKVCache:
+    """Flush the buffer's oldest R tokens if it holds more than 2R − headroom, so that the
+    next step's tokens fit. A forward calls this before it reads the cache: whether a
+    token is read at full precision or at 8 bits then depends on the committed length
+    only (see the module docstring)."""
+    return self._write(None, None, 0, limit=2 * self.residual - self.headroom)
+
+  def append(self, ks: list[jax.Array], vs: list[jax.Array], valid: jax.Array | None = None,
+             *, settled: bool = False) -> QuantKVCache:
+    """Append T tokens' K/V (per layer [B, K, T, H]) after `length`. A `settled` cache
+    takes a step of up to `headroom` tokens into its buffer as they are; any other write
+    (a prefill chunk) flushes the buffer's oldest tokens, R at a time, so that it never
+    holds more than 2R. Only the first `valid` of the T count (a padded prompt): at least
+    R tokens stay buffered after a flush, so padding past them is never quantised."""
     T = ks[0].shape[2]
     self.check_room(T)
-    m = self.buffered + (T if valid is None else valid)
-    f = jnp.maximum(0, -(-(m - 2 * R) // R)) * R  # tokens to quantise (multiple of R)
+    count = T if valid is None else valid
+    if settled and T <= self.headroom:
+      put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(
+          buf, new.astype(buf.dtype), self.buffered, axis=2)
+      out = self.replace(buf_k=tuple(map(put, self.buf_k, ks)),
+                         buf_v=tuple(map(put, self.buf_v, vs)), buffered=self.buffered + count)
+    else:
+      out = self._write(ks, vs, count, limit=2 * self.residual)
+    finite = out.finite
+    for k, v in zip(ks, vs):
+      finite &= jnp.all(jnp.isfinite(k)) & jnp.all(jnp.isfinite(v))
+    return out.replace(finite=finite)
+
+  def _write(self, ks, vs, count, *, limit: int) -> QuantKVCache:
+    """Put `count` new tokens (ks/vs None: none) after the buffer, quantising its oldest
+    tokens R at a time until at most `limit` stay buffered."""
+    R, G = self.residual, self.group
+    T = 0 if ks is None else ks[0].shape[2]
+    m = self.buffered + count
+    f = jnp.maximum(0, -(-(m - limit) // R)) * R  # tokens to quantise (multiple of R)
     M = _round_up(4 * R + T, G)  # stream rows: buffer, new tokens, room to slice 2R after f
 
     def layer(hk, hv, bk, bv, k, v):
-      stream = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(
-          jnp.zeros(buf.shape[:2] + (M,) + buf.shape[3:], buf.dtype).at[:, :, : 2 * R].set(buf),
-          new.astype(buf.dtype), self.buffered, axis=2)
+      def stream(buf, new):
+        rows = jnp.zeros(buf.shape[:2] + (M,) + buf.shape[3:], buf.dtype).at[:, :, : 2 * R]
+        rows = rows.set(buf)
+        return rows if new is None else jax.lax.dynamic_update_slice_in_dim(
+            rows, new.astype(buf.dtype), self.buffered, axis=2)
       sk, sv = stream(bk, k), stream(bv, v)
       hk = _scatter_rows(hk, quant.quantize(sk, axis=2, group=G), self.quantized, f, G, keys=True)
       hv = _scatter_rows(hv, quant.quantize(sv, axis=3, group=self.value_group),
@@ -180,13 +232,12 @@ class QuantKVCache:
       return hk, hv, jax.lax.dynamic_slice_in_dim(sk, f, 2 * R, axis=2), \
           jax.lax.dynamic_slice_in_dim(sv, f, 2 * R, axis=2)
 
+    L = len(self.buf_k)
+    ks, vs = (ks, vs) if ks is not None else ([None] * L, [None] * L)
     out = [layer(*a) for a in zip(self.k_codes, self.v_codes, self.buf_k, self.buf_v, ks, vs)]
     hk, hv, bk, bv = (tuple(x) for x in zip(*out))
-    finite = self.finite
-    for k, v in zip(ks, vs):
-      finite &= jnp.all(jnp.isfinite(k)) & jnp.all(jnp.isfinite(v))
     return self.replace(k_codes=hk, v_codes=hv, buf_k=bk, buf_v=bv,
-                        quantized=self.quantized + f, buffered=m - f, finite=finite)
+                        quantized=self.quantized + f, buffered=m - f)
 
 
 def _scatter_rows(dst: Hier, src: Hier, start, count, group: int, *, keys: bool) -> Hier:

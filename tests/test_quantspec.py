@@ -146,6 +146,46 @@ def test_flushes_keep_every_token_exactly_once_over_a_long_run():
   assert np.array_equal(np.round(keys[0, :, 0]), np.asarray(committed, np.float32))
 
 
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**16), gamma=st.integers(1, 7))
+def test_the_target_reads_the_same_cache_in_ar_and_at_any_gamma(seed, gamma):
+  """Forward passes settle, read, then append. Decoding one token a step (AR) and γ + 1
+  a step with random rejections (SSD) must leave the target reading the same cache at
+  every committed length — same flushes, same codes, same buffer — or SSD would verify
+  against a different target than AR's whenever γ moved a flush."""
+  config = dataclasses.replace(tiny_config("llama", num_layers=1), max_context=1024)
+  K, H = config.num_kv_heads, config.head_dim
+  rng = np.random.default_rng(seed)
+  true = rng.normal(size=(1, K, 400, H)).astype(np.float32)
+  create = lambda: QuantKVCache.create(config, 1, 512, group=8, residual=16, headroom=8)
+  settle = jax.jit(lambda c: c.settle())
+  append = jax.jit(lambda c, kv: c.append([kv], [kv * 0.5], settled=True))
+
+  def seen(cache):  # what a reader at 8 bits gets: the quantised part, then the buffer
+    Q, b = int(cache.quantized), int(cache.buffered)
+    return (Q, np.asarray(cache.keys(0, 8))[..., :Q, :], np.asarray(cache.values(0, 8))[..., :Q, :],
+            np.asarray(cache.buf_k[0])[..., :b, :], np.asarray(cache.buf_v[0])[..., :b, :])
+
+  prompt = append(settle(create()), jnp.asarray(true[:, :, :40]))
+  ar, cache = {}, prompt
+  for n in range(40, 360):
+    cache = settle(cache)
+    ar[n] = seen(cache)
+    cache = append(cache, jnp.asarray(true[:, :, n:n + 1]))
+  c, cache, checked = 40, prompt, 0
+  while c < 350:
+    cache = settle(cache)
+    for want, got in zip(ar[c], seen(cache)):
+      np.testing.assert_array_equal(got, want)
+    checked += 1
+    accepted = int(rng.integers(0, gamma + 1))  # drafts kept; the rest are junk K/V
+    rows = true[:, :, c:c + gamma + 1].copy()
+    rows[:, :, 1 + accepted:] = rng.normal(size=rows[:, :, 1 + accepted:].shape) * 9
+    cache = append(cache, jnp.asarray(rows)).with_length(c + 1 + accepted)
+    c += 1 + accepted
+  assert checked > 300 // (gamma + 1) and ar[349][0] >= 16 * 16  # many flushes crossed
+
+
 def test_draft_and_target_read_one_cache_at_4_and_8_bits():
   """A forward with kv_bits=4 / 8 on the quantised cache equals the same forward on a
   full-precision cache holding the 4- / 8-bit dequantised tokens plus the fp buffer."""
@@ -250,9 +290,14 @@ def test_bad_shapes_and_overflow_are_refused():
   with pytest.raises(PlanError, match="kv_bits must be 4, 8 or 16"):
     DraftPlan.full(3).replace(kv_bits=2).check(3)
   config, graphdef, state = tiny("llama")
-  with pytest.raises(ValueError, match="R must be >= gamma \\+ 1"):
+  with pytest.raises(ValueError, match="appends gamma \\+ 1 = 5 tokens .* room for 4"):
     speculative_generate(graphdef, state, config, PROMPT, drafter_for("llama"), gamma=4,
                          kv_cache=QuantKV(group=2, residual=4))
+  with pytest.raises(ValueError, match="room for 3"):
+    speculative_generate(graphdef, state, config, PROMPT, drafter_for("llama"), gamma=4,
+                         kv_cache=QuantKV(group=8, residual=16, headroom=3))
+  with pytest.raises(QuantError, match="headroom .* must be in \\[1, R=16\\], got 17"):
+    QuantKVCache.create(config, 1, 64, group=8, residual=16, headroom=17)
 
 
 def test_nan_keys_and_values_raise_instead_of_garbage():
