@@ -19,14 +19,14 @@ from hypothesis import strategies as st
 from specjax import quant
 from specjax.config import tiny_config
 from specjax.drafters import KnapSpecDrafter, QuantSpecDrafter
-from specjax.engine import speculative_generate
-from specjax.generate import generate, positions_for
+from specjax.engine import round_fn, speculative_generate
+from specjax.generate import generate, positions_for, prefill_step
 from specjax.kv_cache import ContextOverflowError, KVCache
 from specjax.model import apply, init_model
 from specjax.plan import DraftPlan, PlanError
 from specjax.quant import Int4Matrix, QuantError
 from specjax.quant_kv_cache import QuantKV, QuantKVCache
-from specjax.sampling import SamplingParams
+from specjax.sampling import SamplingParams, probs
 
 
 def grouped_scale(x, axis, group):
@@ -257,6 +257,43 @@ def test_quantspec_composes_with_knapspec_and_samples():
                                  max_new_tokens=40, gamma=3, eos_ids=(),
                                  sampling=SamplingParams(temperature=0.9))
   assert len(sampled.tokens) == 40
+
+
+def test_quantspec_sampling_round_keeps_the_target_distribution():
+  """Sampling: rounds drafted at 4-bit KV + 4-bit weights, verified at 8 bits. Over many
+  rounds from one state the first committed token ~ p and the second ~ p(. | first),
+  where p is the target as it reads the quantised cache."""
+  from test_engine import _chi2
+
+  config = tiny_config("llama", num_layers=3, vocab_size=12)
+  graphdef, state = nnx.split(init_model(config, seed=1))
+  L, sampling = config.num_layers, SamplingParams(temperature=2.0, top_p=1.0)
+  prompt = jnp.asarray([[(7 * i + 3) % 12 for i in range(30)]], jnp.int32)
+  cache = QuantKVCache.create(config, 1, 64, group=8, residual=8)
+  first, cache = prefill_step(state, cache, prompt, jnp.int32(30), DraftPlan.full(L),
+                              jax.random.key(0), graphdef=graphdef, sampling=sampling)
+  plan = DraftPlan.full(L).replace(kv_bits=4, mlp_weights=quant.quantize_mlp_weights(state, L, 32))
+  run = jax.jit(jax.vmap(lambda k: round_fn(
+      state, cache, first[0], plan, k, graphdef=graphdef, vocab=12, gamma=3, threshold=0.0,
+      sampling=sampling)[0]))
+  out = run(jax.random.split(jax.random.key(1), 40_000))
+  target = cache.settle()  # what verification reads: 24 tokens quantised, 6 buffered
+  assert int(target.quantized) == 24
+
+  def p(tokens, reader=DraftPlan.full(L)):
+    o, _ = apply(state, target, jnp.asarray([tokens], jnp.int32),
+                 positions_for(target, len(tokens), 1), reader, graphdef=graphdef,
+                 write_cache=False)
+    return np.asarray(probs(o.logits[0, -1], sampling), np.float64)
+
+  # the draft's own q is far enough from p for 40k samples to tell them apart
+  assert 0.5 * np.abs(p([int(first[0])]) - p([int(first[0])], plan)).sum() > 0.03
+  counts = np.bincount(np.asarray(out.tokens[:, 0]), minlength=12)
+  _chi2(counts, p([int(first[0])]))
+  top = int(np.argmax(counts))
+  rows = np.asarray(out.tokens[(out.tokens[:, 0] == top) & (out.n_commit >= 2)][:, 1])
+  _chi2(np.bincount(rows, minlength=12), p([int(first[0]), top]))
+  assert 0.0 < float(jnp.mean(out.n_commit - 1)) < 3.0  # drafts were both kept and rejected
 
 
 # --- bad input ---------------------------------------------------------------------------------
