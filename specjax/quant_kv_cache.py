@@ -191,10 +191,11 @@ class QuantKVCache:
   def append(self, ks: list[jax.Array], vs: list[jax.Array], valid: jax.Array | None = None,
              *, settled: bool = False) -> QuantKVCache:
     """Append T tokens' K/V (per layer [B, K, T, H]) after `length`. A `settled` cache
-    takes a step of up to `headroom` tokens into its buffer as they are; any other write
-    (a prefill chunk) flushes the buffer's oldest tokens, R at a time, so that it never
-    holds more than 2R. Only the first `valid` of the T count (a padded prompt): at least
-    R tokens stay buffered after a flush, so padding past them is never quantised."""
+    (`settle` left the room) takes a step of up to `headroom` tokens into its buffer as
+    they are; any other write (a prefill chunk) flushes the buffer's oldest tokens, R at
+    a time, so that it never holds more than 2R. Only the first `valid` of the T count (a
+    padded prompt): at least R tokens stay buffered after a flush, so padding past them
+    is never quantised."""
     T = ks[0].shape[2]
     self.check_room(T)
     count = T if valid is None else valid
@@ -221,8 +222,8 @@ class QuantKVCache:
 
     def layer(hk, hv, bk, bv, k, v):
       def stream(buf, new):
-        rows = jnp.zeros(buf.shape[:2] + (M,) + buf.shape[3:], buf.dtype).at[:, :, : 2 * R]
-        rows = rows.set(buf)
+        rows = jnp.zeros(buf.shape[:2] + (M,) + buf.shape[3:], buf.dtype)
+        rows = rows.at[:, :, : 2 * R].set(buf)
         return rows if new is None else jax.lax.dynamic_update_slice_in_dim(
             rows, new.astype(buf.dtype), self.buffered, axis=2)
       sk, sv = stream(bk, k), stream(bv, v)
