@@ -119,12 +119,10 @@ def run(args) -> dict:
           x.nbytes for x in (hk.lo, hk.scale, hv.lo, hv.scale)) + 2 * fp_k.nbytes
       entry[f"int{bits}"] = dict(seconds=t, ratio_to_dense_bf16=t / t_dense, max_abs_err=err,
                                  pallas_call_seconds=t_call, bytes_read=int(read),
-                                 splits=splits, block=block,
-                                 tilings_tried=len(tried))
+                                 splits=splits, block=block, tilings_tried=len(tried))
       rows.append([S, f"int{bits} kernel", f"{t * 1e6:.1f}", f"{t_call * 1e6:.1f}",
-                   f"{t / t_dense:.2f}",
-                   f"{read / 2**20:.2f}", f"{read / t / 1e9:.0f}", f"{splits} × {block}",
-                   f"{err:.1e}"])
+                   f"{t / t_dense:.2f}", f"{read / 2**20:.2f}", f"{read / t / 1e9:.0f}",
+                   f"{splits} × {block}", f"{err:.1e}"])
       print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)  # progress
     dense_read = kb.nbytes + vb.nbytes
     entry["dense_bf16"] = dict(seconds=t_dense, bytes_read=int(dense_read))
