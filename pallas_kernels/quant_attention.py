@@ -123,6 +123,18 @@ def padded_rows(rows: int) -> int:
   return max(16, 1 << (rows - 1).bit_length())
 
 
+PROGRAMS = 512  # ~4 per SM on an H100 (132 SMs): enough to hide a program's load latency
+
+
+def default_splits(batch: int, kv_heads: int, size: int, group: int) -> int:
+  """Splits of the sequence that give the grid about `PROGRAMS` programs, each at least a
+  key group long. A decode step has only B·K (batch × kv heads) programs otherwise — two
+  for Qwen2.5-0.5B — and each would walk the whole cache alone. On an H100 this rule picks
+  the fastest of the tilings `experiments/kernels_gpu.py` tried at every context from
+  4k to 128k (32 splits at 4k, 256 from 32k on)."""
+  return max(1, min(-(-PROGRAMS // (batch * kv_heads)), size // group))
+
+
 def split_for(size: int, group: int, block: int, splits: int) -> tuple[int, int]:
   """(block, splits) that tile S: the block a multiple of G dividing S/splits."""
   splits = max(1, min(splits, size // group))
@@ -139,12 +151,12 @@ def split_for(size: int, group: int, block: int, splits: int) -> tuple[int, int]
                                              "window", "block", "splits", "interpret"))
 def quant_partials(q, q_pos, length, k_codes, v_codes, *, bits: int, group: int,
                    value_group: int, scale: float, window: int | None = None,
-                   block: int = 256, splits: int = 8, interpret: bool = False):
+                   block: int = 256, splits: int | None = None, interpret: bool = False):
   """Flash partials over the quantised slots [0, length) of one layer.
 
   q [B, K, Rq, H], q_pos int32[B, Rq] (for a sliding window), length int32 scalar;
   k_codes / v_codes: `quant.Hier` of the layer. Returns o [B, K, splits, Rq, H] and
-  m, l [B, K, splits, Rq]."""
+  m, l [B, K, splits, Rq]. `splits` None: `default_splits`."""
   B, K, rq, H = q.shape
   if not (value_group == H or (H // 2) % value_group == 0):
     raise ValueError(f"value group {value_group} must be the head dim {H} or divide its "
@@ -153,6 +165,8 @@ def quant_partials(q, q_pos, length, k_codes, v_codes, *, bits: int, group: int,
   q = jnp.pad(q, ((0, 0), (0, 0), (0, Rq - rq), (0, 0)))
   q_pos = jnp.pad(q_pos, ((0, 0), (0, Rq - rq)), mode="edge")
   S = k_codes.upper.shape[2]
+  if splits is None:
+    splits = default_splits(B, K, S, group)
   block, splits = split_for(S, group, block, splits)
   per = S // splits
   Hv = H // value_group
@@ -203,9 +217,18 @@ def dense_partials(q, q_pos, k, v, k_pos, k_valid, *, scale: float,
   return jnp.einsum("bkrf,bkfh->bkrh", p, v.astype(jnp.float32)), m, p.sum(-1)
 
 
+def merge_splits(o, m, l) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The kernel's per-split partials o [B, K, splits, Rq, H], m, l [B, K, splits, Rq]
+  folded into one partial. One reduction over the split axis: unrolling the splits into
+  `merge` costs a chain of small ops per split (hundreds at long context on a GPU)."""
+  top = m.max(axis=2)
+  w = jnp.exp(m - top[:, :, None])  # an empty split (m masked, l = 0) weighs nothing
+  return (o * w[..., None]).sum(axis=2), top, (l * w).sum(axis=2)
+
+
 def merge(parts: list[tuple]) -> jax.Array:
-  """Log-sum-exp merge of flash partials [(o [..., Rq, H], m [..., Rq], l [..., Rq])],
-  each possibly with a leading split axis at -3 / -2 (already flattened by the caller)."""
+  """Log-sum-exp merge of flash partials [(o [..., Rq, H], m [..., Rq], l [..., Rq])]
+  into the attention output [..., Rq, H]."""
   m = functools.reduce(jnp.maximum, [p[1] for p in parts])
   num = sum(p[0] * jnp.exp(p[1] - m)[..., None] for p in parts)
   den = sum(p[2] * jnp.exp(p[1] - m) for p in parts)
@@ -215,19 +238,18 @@ def merge(parts: list[tuple]) -> jax.Array:
 def quant_attention(q, q_pos, length, k_codes, v_codes, fp_k, fp_v, fp_pos, fp_valid, *,
                     bits: int, group: int, value_group: int, scale: float,
                     window: int | None = None, use_kernel: bool = True,
-                    interpret: bool = False, block: int = 256, splits: int = 8):
+                    interpret: bool = False, block: int = 256, splits: int | None = None):
   """Attention of q [B, K, Rq, H] over the quantised slots [0, length) and the
   full-precision keys fp_k/fp_v [B, K, F, H]: [B, K, Rq, H]. `use_kernel=False` computes
   the quantised part with `reference_partials` instead (the jnp path)."""
   kw = dict(bits=bits, group=group, value_group=value_group, scale=scale, window=window)
   if use_kernel:
-    o, m, l = quant_partials(q, q_pos, length, k_codes, v_codes, block=block, splits=splits,
-                             interpret=interpret, **kw)
+    partials = quant_partials(q, q_pos, length, k_codes, v_codes, block=block, splits=splits,
+                              interpret=interpret, **kw)
   else:
-    o, m, l = reference_partials(q, q_pos, length, k_codes, v_codes, **kw)
-  quantised = [(o[:, :, s], m[:, :, s], l[:, :, s]) for s in range(o.shape[2])]
-  return merge(quantised + [dense_partials(q, q_pos, fp_k, fp_v, fp_pos, fp_valid,
-                                           scale=scale, window=window)])
+    partials = reference_partials(q, q_pos, length, k_codes, v_codes, **kw)
+  return merge([merge_splits(*partials), dense_partials(q, q_pos, fp_k, fp_v, fp_pos,
+                                                        fp_valid, scale=scale, window=window)])
 
 
 def reference_partials(q, q_pos, length, k_codes, v_codes, *, bits, group, value_group,
