@@ -26,12 +26,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.config import ModelConfig
-from specjax.generate import Prefill, check_prompt, positions_for
+from specjax.generate import Prefilled, check_prompt, positions_for, prefill_prompt
 from specjax.jit_cache import compile_seconds, compiled
 from specjax.kv_cache import DraftBuffer, KVCache
 from specjax.model import apply
 from specjax.plan import DraftPlan
-from specjax.quant_kv_cache import create_cache
 from specjax.sampling import SamplingParams, probs
 
 
@@ -338,6 +337,7 @@ def speculative_generate(
     keep_plans: bool = False,
     drafter_state=None,
     kv_cache=None,
+    prefilled: Prefilled | None = None,
 ) -> SSDGeneration:
   """Self-speculative decoding of one prompt: prefill, then a draft and a verify call per
   round.
@@ -347,6 +347,8 @@ def speculative_generate(
   to the drafter's own (0.8, Self-SD; 0.7, KnapSpec). `kv_cache` (default: the drafter's,
   full precision for all but QuantSpec) is None or a `quant_kv_cache.QuantKV`: one
   quantised cache that verification reads at 8 bits and a `kv_bits=4` plan at 4.
+  `prefilled`: this prompt's `generate.prefill_prompt` (same cache type, sampling and seed,
+  room for max_new_tokens + gamma + 1) to start from instead of prefilling again.
   """
   threshold = drafter.threshold if threshold is None else threshold
   kv_cache = drafter.kv_cache if kv_cache is None else kv_cache
@@ -361,16 +363,21 @@ def speculative_generate(
     raise ValueError(f"a round appends gamma + 1 = {gamma + 1} tokens to the quantised cache, "
                      f"which keeps room for {kv_cache.max_step}: raise QuantKV.headroom "
                      f"(<= R = {kv_cache.residual}) or lower gamma")
-  cache = create_cache(config, size, kv_cache)
-  key = jax.random.key(seed)
+  if prefilled is None:
+    pre = prefill_prompt(graphdef, state, config, prompt_tokens, sampling=sampling, seed=seed,
+                         kv_cache=kv_cache, size=size)
+    first, cache = pre.first, pre.cache
+  else:
+    prefilled.check_fits(prompt_tokens, size, kv_cache, sampling, seed)
+    pre = prefilled
+    first, cache = pre.start()
+  key, h_prev, pooled = pre.key, pre.h_last, pre.pooled
   full = DraftPlan.full(L)
   d_static = dict(graphdef=graphdef, vocab=config.vocab_size, gamma=gamma,
                   threshold=threshold, sampling=sampling)
   v_static = dict(graphdef=graphdef, sampling=sampling, residuals=drafter.wants_residuals)
 
   t_compile = time.perf_counter()
-  prefill = Prefill.build(state, cache, prompt_tokens, full, key, graphdef=graphdef,
-                          sampling=sampling, return_hidden=True)
   last0 = jnp.int32(prompt_tokens[0])
   draft_exes = {}
   h0_proto = jnp.zeros((config.embed_dim,), jnp.float32)
@@ -392,12 +399,7 @@ def speculative_generate(
                     **v_static)
 
   verifier(gamma)
-  compile_s = time.perf_counter() - t_compile
-  t0 = time.perf_counter()
-  key, sub = jax.random.split(key)
-  first, cache, h_prev, pooled = prefill(state, cache, full, sub)
-  if kv_cache is not None:
-    cache.check_finite()
+  compile_s = pre.compile_s + time.perf_counter() - t_compile
   tokens = [int(first[0])]
   if on_token:
     on_token(tokens[0])
@@ -462,7 +464,7 @@ def speculative_generate(
       prompt_tokens=list(prompt_tokens),
       tokens=tokens,
       compile_s=compile_s + late_compile_s,
-      prefill_s=t1 - t0,
+      prefill_s=pre.prefill_s,
       draft_s=draft_s,
       verify_s=verify_s,
       selection_s=selection_s,

@@ -120,6 +120,72 @@ class Prefill:
     return out[0], cache, out[2], pooled_sum / self.length
 
 
+@dataclasses.dataclass(frozen=True)
+class Prefilled:
+  """A prompt already prefilled: what a decode loop starts from.
+
+  Runs over one prompt that read the same kind of cache (AR on the 8-bit cache and each
+  QuantSpec drafter, say) can start from one prefill: at 16k tokens on a CPU a prefill
+  costs minutes and decoding seconds. A run decodes on its own copy of the cache (`start`),
+  since decoding donates it, so the prefill can be reused any number of times.
+  """
+
+  prompt_tokens: tuple[int, ...]
+  first: jax.Array  # [1] the token after the prompt
+  cache: object  # KVCache | QuantKVCache holding exactly the prompt
+  h_last: jax.Array  # float32[D] last prompt token's final hidden state
+  pooled: jax.Array  # float32[D] prompt embedding (`pooled_prompt`)
+  key: jax.Array  # the generation's key after the prefill took its split
+  kv_cache: object  # QuantKV | None: the cache type
+  sampling: SamplingParams
+  seed: int
+  compile_s: float
+  prefill_s: float
+
+  def start(self):
+    """(first token, a copy of the cache to decode on)."""
+    return self.first, jax.tree.map(jnp.copy, self.cache)
+
+  def check_fits(self, prompt_tokens: Sequence[int], size: int, kv_cache, sampling, seed):
+    """Raise unless a run with these arguments would have made this very prefill."""
+    wanted = dict(prompt=tuple(prompt_tokens), kv_cache=kv_cache, sampling=sampling, seed=seed)
+    have = dict(prompt=self.prompt_tokens, kv_cache=self.kv_cache, sampling=self.sampling,
+                seed=self.seed)
+    for name in wanted:
+      if wanted[name] != have[name]:
+        raise ValueError(f"the prefilled prompt was made with another {name} than this run's")
+    if self.cache.size < size:
+      raise ValueError(f"the prefilled cache holds {self.cache.size} tokens; this run needs "
+                       f"{size}: prefill with a larger max_new_tokens")
+
+
+def prefill_prompt(graphdef: nnx.GraphDef, state: nnx.State, config, prompt_tokens: Sequence[int],
+                   *, max_new_tokens: int = 64, sampling: SamplingParams = SamplingParams(),
+                   seed: int = 0, kv_cache=None, cache_dtype=jnp.float32,
+                   size: int | None = None) -> Prefilled:
+  """Prefill one prompt (B = 1) into a new cache with room for `max_new_tokens` more (or
+  `size` slots): the first step of `generate` and `speculative_generate`, which accept the
+  result as `prefilled=` to share it."""
+  from specjax.quant_kv_cache import create_cache
+
+  size = size or check_prompt(prompt_tokens, max_new_tokens, config.max_context)
+  cache = create_cache(config, size, kv_cache, cache_dtype)
+  full = DraftPlan.full(config.num_layers)
+  key = jax.random.key(seed)
+  t0 = time.perf_counter()
+  prefill = Prefill.build(state, cache, prompt_tokens, full, key, graphdef=graphdef,
+                          sampling=sampling, return_hidden=True)
+  t1 = time.perf_counter()
+  key, sub = jax.random.split(key)
+  first, cache, h_last, pooled = prefill(state, cache, full, sub)
+  first.block_until_ready()
+  if kv_cache is not None:
+    cache.check_finite()
+  t2 = time.perf_counter()
+  return Prefilled(tuple(prompt_tokens), first, cache, h_last, pooled, key, kv_cache, sampling,
+                   seed, compile_s=t1 - t0, prefill_s=t2 - t1)
+
+
 def pooled_prompt(model, hidden: jax.Array, n: jax.Array) -> jax.Array:
   """The mean over the n real prompt tokens of the last hidden state (after the final
   norm, as a model's `last_hidden_state` is): [T, D] -> float32[D]. Without the norm a
@@ -195,16 +261,15 @@ def generate(
     on_token: Callable[[int], None] | None = None,
     cache_dtype=jnp.float32,
     kv_cache=None,
+    prefilled: Prefilled | None = None,
 ) -> Generation:
   """Greedy or sampled AR decoding of one prompt (B = 1). `kv_cache`: None for a
-  full-precision cache, or a `quant_kv_cache.QuantKV` (the target reads it at 8 bits)."""
-  from specjax.quant_kv_cache import create_cache
-
+  full-precision cache, or a `quant_kv_cache.QuantKV` (the target reads it at 8 bits).
+  `prefilled`: this prompt's `prefill_prompt` with the same cache type, sampling and seed,
+  to decode from instead of prefilling again (the tokens are the same)."""
   size = check_prompt(prompt_tokens, max_new_tokens, config.max_context)
   eos = set(config.eos_ids if eos_ids is None else eos_ids)
   plan = DraftPlan.full(config.num_layers)
-  cache = create_cache(config, size, kv_cache, cache_dtype)
-  key = jax.random.key(seed)
   tokens: list[int] = []
 
   def emit(tok: int) -> bool:
@@ -213,14 +278,19 @@ def generate(
       on_token(tok)
     return tok in eos or len(tokens) >= max_new_tokens
 
+  if prefilled is None:
+    pre = prefill_prompt(graphdef, state, config, prompt_tokens, sampling=sampling, seed=seed,
+                         kv_cache=kv_cache, cache_dtype=cache_dtype, size=size)
+    token, cache = pre.first, pre.cache
+  else:
+    prefilled.check_fits(prompt_tokens, size, kv_cache, sampling, seed)
+    pre = prefilled
+    token, cache = pre.start()
+  key = pre.key
   t_compile = time.perf_counter()
-  # Compile both steps up front, so the timings below measure decoding only.
-  static = dict(graphdef=graphdef, sampling=sampling)
-  prefill = Prefill.build(state, cache, prompt_tokens, plan, key, **static)
-  step = compiled(decode_step, state, cache, jnp.zeros((1,), jnp.int32), plan, key, **static)
-  t0 = time.perf_counter()
-  key, sub = jax.random.split(key)
-  token, cache = prefill(state, cache, plan, sub)
+  # Compiled before the loop, so that the timing below measures decoding only.
+  step = compiled(decode_step, state, cache, jnp.zeros((1,), jnp.int32), plan, key,
+                  graphdef=graphdef, sampling=sampling)
   done = emit(int(token[0]))
   t1 = time.perf_counter()
   while not done:
@@ -233,8 +303,8 @@ def generate(
   return Generation(
       prompt_tokens=list(prompt_tokens),
       tokens=tokens,
-      compile_s=t0 - t_compile,
-      prefill_s=t1 - t0,
+      compile_s=pre.compile_s + (t1 - t_compile),
+      prefill_s=pre.prefill_s,
       decode_s=t2 - t1,
       stopped_on_eos=bool(tokens) and tokens[-1] in eos,
   )

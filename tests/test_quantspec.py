@@ -20,7 +20,7 @@ from specjax import quant
 from specjax.config import tiny_config
 from specjax.drafters import KnapSpecDrafter, QuantSpecDrafter
 from specjax.engine import round_fn, speculative_generate
-from specjax.generate import generate, positions_for, prefill_step
+from specjax.generate import generate, positions_for, prefill_prompt, prefill_step
 from specjax.kv_cache import ContextOverflowError, KVCache
 from specjax.model import apply, init_model
 from specjax.plan import DraftPlan, PlanError
@@ -239,6 +239,46 @@ def test_quantspec_is_lossless_across_many_flushes(arch):
   assert out.tokens == ar.tokens  # 42 + 160 tokens through a 2R = 32 buffer: ~10 flushes
   assert out.plans[0].kv_bits == 4 and out.plans[0].weight_bits == 4
   assert out.acceptance_rate > 0.5
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9)])
+def test_one_prefill_serves_ar_and_every_drafter_unchanged(sampling):
+  """The benchmark prefills a long prompt once per cache type: runs started from that
+  prefill (several times: each decodes on a copy) give what they give on their own."""
+  config, graphdef, state = tiny("llama")
+  kw = dict(max_new_tokens=50, eos_ids=(), sampling=sampling, seed=3)
+  pre = prefill_prompt(graphdef, state, config, PROMPT, kv_cache=KV, max_new_tokens=50 + 5,
+                       sampling=sampling, seed=3)
+  ar = generate(graphdef, state, config, PROMPT, kv_cache=KV, **kw)
+  for _ in range(2):
+    assert generate(graphdef, state, config, PROMPT, kv_cache=KV, prefilled=pre,
+                    **kw).tokens == ar.tokens
+  alone = speculative_generate(graphdef, state, config, PROMPT, drafter_for("llama"), gamma=4,
+                               **kw)
+  for _ in range(2):
+    shared = speculative_generate(graphdef, state, config, PROMPT, drafter_for("llama"),
+                                  gamma=4, prefilled=pre, **kw)
+    assert (shared.tokens, shared.accepted) == (alone.tokens, alone.accepted)
+  if sampling.temperature == 0:
+    assert alone.tokens == ar.tokens
+
+
+def test_a_prefill_made_for_another_run_is_refused():
+  config, graphdef, state = tiny("llama")
+  pre = prefill_prompt(graphdef, state, config, PROMPT, kv_cache=KV, max_new_tokens=20)
+  run = functools.partial(generate, graphdef, state, config, max_new_tokens=20, kv_cache=KV)
+  with pytest.raises(ValueError, match="another prompt"):
+    run(PROMPT[:-1], prefilled=pre)
+  with pytest.raises(ValueError, match="another kv_cache"):
+    run(PROMPT, prefilled=pre, kv_cache=None)
+  with pytest.raises(ValueError, match="another seed"):
+    run(PROMPT, prefilled=pre, seed=1)
+  with pytest.raises(ValueError, match="needs"):
+    run(PROMPT, prefilled=pre, max_new_tokens=400)
+  with pytest.raises(ValueError, match="another sampling"):
+    speculative_generate(graphdef, state, config, PROMPT, drafter_for("llama"), gamma=4,
+                         max_new_tokens=10, prefilled=pre,
+                         sampling=SamplingParams(temperature=0.5))
 
 
 def test_quantspec_composes_with_knapspec_and_samples():
