@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.config import ModelConfig
-from specjax.generate import Prefilled, check_prompt, positions_for, prefill_prompt
+from specjax.generate import Prefilled, check_prompt, positions_for, start_decoding
 from specjax.jit_cache import compile_seconds, compiled
 from specjax.kv_cache import DraftBuffer, KVCache
 from specjax.model import apply
@@ -363,14 +363,8 @@ def speculative_generate(
     raise ValueError(f"a round appends gamma + 1 = {gamma + 1} tokens to the quantised cache, "
                      f"which keeps room for {kv_cache.max_step}: raise QuantKV.headroom "
                      f"(<= R = {kv_cache.residual}) or lower gamma")
-  if prefilled is None:
-    pre = prefill_prompt(graphdef, state, config, prompt_tokens, sampling=sampling, seed=seed,
-                         kv_cache=kv_cache, size=size)
-    first, cache = pre.first, pre.cache
-  else:
-    prefilled.check_fits(prompt_tokens, size, kv_cache, sampling, seed)
-    pre = prefilled
-    first, cache = pre.start()
+  pre, first, cache = start_decoding(prefilled, graphdef, state, config, prompt_tokens,
+                                     size=size, kv_cache=kv_cache, sampling=sampling, seed=seed)
   key, h_prev, pooled = pre.key, pre.h_last, pre.pooled
   full = DraftPlan.full(L)
   d_static = dict(graphdef=graphdef, vocab=config.vocab_size, gamma=gamma,

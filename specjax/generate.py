@@ -186,6 +186,19 @@ def prefill_prompt(graphdef: nnx.GraphDef, state: nnx.State, config, prompt_toke
                    seed, compile_s=t1 - t0, prefill_s=t2 - t1)
 
 
+def start_decoding(prefilled: Prefilled | None, graphdef, state, config, prompt_tokens, *,
+                   size: int, kv_cache, sampling: SamplingParams, seed: int,
+                   cache_dtype=jnp.float32):
+  """(prefill, first token, cache to decode on): `prefilled` checked and copied, or a new
+  prefill of `size` slots owned by this run (no copy)."""
+  if prefilled is None:
+    pre = prefill_prompt(graphdef, state, config, prompt_tokens, sampling=sampling, seed=seed,
+                         kv_cache=kv_cache, cache_dtype=cache_dtype, size=size)
+    return pre, pre.first, pre.cache
+  prefilled.check_fits(prompt_tokens, size, kv_cache, sampling, seed)
+  return (prefilled, *prefilled.start())
+
+
 def pooled_prompt(model, hidden: jax.Array, n: jax.Array) -> jax.Array:
   """The mean over the n real prompt tokens of the last hidden state (after the final
   norm, as a model's `last_hidden_state` is): [T, D] -> float32[D]. Without the norm a
@@ -278,14 +291,9 @@ def generate(
       on_token(tok)
     return tok in eos or len(tokens) >= max_new_tokens
 
-  if prefilled is None:
-    pre = prefill_prompt(graphdef, state, config, prompt_tokens, sampling=sampling, seed=seed,
-                         kv_cache=kv_cache, cache_dtype=cache_dtype, size=size)
-    token, cache = pre.first, pre.cache
-  else:
-    prefilled.check_fits(prompt_tokens, size, kv_cache, sampling, seed)
-    pre = prefilled
-    token, cache = pre.start()
+  pre, token, cache = start_decoding(prefilled, graphdef, state, config, prompt_tokens,
+                                     size=size, kv_cache=kv_cache, sampling=sampling, seed=seed,
+                                     cache_dtype=cache_dtype)
   key = pre.key
   t_compile = time.perf_counter()
   # Compiled before the loop, so that the timing below measures decoding only.
