@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,10 @@ class CheckpointError(RuntimeError):
 def save_tree(directory: Path, tree: Any, meta: dict | None = None) -> None:
   """Save a pytree of arrays (and a JSON `meta` beside it) atomically."""
   directory = Path(directory).absolute()
-  tmp = directory.with_name(directory.name + ".tmp")
-  shutil.rmtree(tmp, ignore_errors=True)
-  tmp.mkdir(parents=True)
+  directory.parent.mkdir(parents=True, exist_ok=True)
+  # A fresh temporary name per call: two processes saving the same tree (test workers)
+  # never write into one another's files.
+  tmp = Path(tempfile.mkdtemp(prefix=directory.name + ".", suffix=".tmp", dir=directory.parent))
   with ocp.StandardCheckpointer() as ckpt:
     ckpt.save(tmp / "tree", tree)
     ckpt.wait_until_finished()

@@ -298,6 +298,8 @@ class SSDGeneration:
   other_s: float  # the rest of the decode loop (bookkeeping, streaming)
   stopped_on_eos: bool
   plans: list[DraftPlan] = dataclasses.field(default_factory=list)
+  round_drafted: list[int] = dataclasses.field(default_factory=list)  # per round
+  round_accepted: list[int] = dataclasses.field(default_factory=list)  # per round
   drafter_state: object = None  # final state: the `prior` of the next generation
 
   @property
@@ -405,7 +407,7 @@ def speculative_generate(
   stats = dict(rounds=0, drafted=0, accepted=0, committed=0)
   draft_s = verify_s = selection_s = 0.0
   late_compile_s = compile_seconds() - c0  # a drafter's first DP compiles here
-  plans = []
+  plans, round_drafted, round_accepted = [], [], []
   done = tokens[0] in eos or len(tokens) >= max_new_tokens
   t_select = time.perf_counter()
   selection_s += t_select - t1 - late_compile_s
@@ -432,8 +434,11 @@ def speculative_generate(
     h_prev = out.hidden_last
     t_d = time.perf_counter()
     committed = [int(t) for t in jax.device_get(out.tokens[:n_commit])]
+    n_drafted = int(out.n_drafted)
+    round_drafted.append(n_drafted)
+    round_accepted.append(n_commit - 1)
     stats["rounds"] += 1
-    stats["drafted"] += int(out.n_drafted)
+    stats["drafted"] += n_drafted
     stats["accepted"] += n_commit - 1
     for t in committed:
       tokens.append(t)
@@ -465,6 +470,8 @@ def speculative_generate(
       other_s=(t2 - t1) - draft_s - verify_s - selection_s - late_compile_s,
       stopped_on_eos=tokens[-1] in eos,
       plans=plans,
+      round_drafted=round_drafted,
+      round_accepted=round_accepted,
       drafter_state=dstate,
       **stats,
   )

