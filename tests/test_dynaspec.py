@@ -14,13 +14,16 @@ from flax import nnx
 
 from specjax.config import tiny_config
 from specjax.drafters import DynaSpecDrafter, EarlyExitDrafter
-from specjax.engine import speculative_generate
-from specjax.generate import generate
-from specjax.model import init_model
+from specjax.engine import draft_step, round_fn, speculative_generate
+from specjax.generate import generate, positions_for, prefill_step
+from specjax.kv_cache import KVCache
+from specjax.model import apply, init_model
+from specjax.plan import DraftPlan
 from specjax.router import (RouterBundle, RouterMismatchError, collect_pairs, k_schedule,
                             load_bundle, recall_at, save_bundle, train_router)
-from specjax.sampling import SamplingParams
+from specjax.sampling import SamplingParams, probs
 from specjax.vocab_clusters import balanced_assignment, spherical_kmeans
+from targets import assert_exercised, assert_round_distribution, target
 
 V = 97
 PROMPT = list(range(3, 40))
@@ -28,8 +31,7 @@ PROMPT = list(range(3, 40))
 
 @functools.cache
 def tiny(arch: str = "llama"):
-  config = tiny_config(arch, num_layers=4, vocab_size=V)
-  graphdef, state = nnx.split(init_model(config, seed=4))
+  config, graphdef, state = target(arch, 4, V)
 
   class M:
     name = f"tiny-{arch}"
@@ -102,19 +104,43 @@ def test_dynaspec_is_lossless(arch):
   b, _ = bundle(arch)
   ar = generate(m.graphdef, m.state, m.config, PROMPT, max_new_tokens=40, eos_ids=()).tokens
   for drafter in (DynaSpecDrafter(b), DynaSpecDrafter(b, EarlyExitDrafter(k=2))):
-    out = speculative_generate(m.graphdef, m.state, m.config, PROMPT, drafter,
-                               max_new_tokens=40, gamma=4, eos_ids=())
-    assert out.tokens == ar
-    assert out.accepted > 0
+    for threshold in (None, 0.0):
+      out = speculative_generate(m.graphdef, m.state, m.config, PROMPT, drafter,
+                                 max_new_tokens=40, gamma=4, eos_ids=(), threshold=threshold)
+      assert out.tokens == ar
+      assert_exercised(out, deep=threshold == 0.0)
 
 
-def test_dynaspec_sampling_runs():
+def test_dynaspec_sampling_round_keeps_the_target_distribution():
+  """Rounds whose draft scores only the router's clusters (q zero outside them, k shrinking
+  with the position) keep the target's distribution, first and second committed token."""
   m = tiny()
   b, _ = bundle()
-  out = speculative_generate(m.graphdef, m.state, m.config, PROMPT, DynaSpecDrafter(b),
-                             max_new_tokens=24, gamma=3, eos_ids=(),
-                             sampling=SamplingParams(1.0, 1.0))
-  assert len(out.tokens) == 24 and out.drafted > 0
+  sampling = SamplingParams(temperature=2.0, top_p=1.0)
+  L = m.config.num_layers
+  cache = KVCache.create(m.config, 1, 64)
+  prompt = jnp.asarray([PROMPT], jnp.int32)
+  first, cache = prefill_step(m.state, cache, prompt, jnp.int32(len(PROMPT)),
+                              DraftPlan.full(L), jax.random.key(0), graphdef=m.graphdef,
+                              sampling=sampling)
+  plan = DraftPlan.full(L).replace(router=b.plan_field(8))
+  kw = dict(graphdef=m.graphdef, vocab=V, threshold=0.0, sampling=sampling)
+  run = jax.jit(jax.vmap(lambda k: round_fn(m.state, cache, first[0], plan, k, gamma=3,
+                                            **kw)[0]))
+  out = run(jax.random.split(jax.random.key(1), 40_000))
+  q1 = draft_step(m.state, cache, first[0], plan, jax.random.key(2), jnp.int32(1),
+                  jnp.zeros((m.config.embed_dim,)), gamma=1, **kw).q_rows[0]
+
+  def p(tokens):
+    o, _ = apply(m.state, cache, jnp.asarray([tokens], jnp.int32),
+                 positions_for(cache, len(tokens), 1), DraftPlan.full(L), graphdef=m.graphdef,
+                 write_cache=False)
+    return np.asarray(probs(o.logits[0, -1], sampling), np.float64)
+
+  f = int(first[0])
+  q1 = np.asarray(q1, np.float64)
+  assert (q1 == 0).sum() > V // 4  # the shortlist really left tokens out
+  assert_round_distribution(out, p([f]), q1, lambda t: p([f, t]), gamma=3)
 
 
 def test_bundle_round_trips_bit_exactly_and_is_checked(tmp_path):

@@ -24,6 +24,7 @@ from specjax.knn_library import (LibraryError, SkipLibrary, choose_anchors, embe
                                  load_library, save_library, unit)
 from specjax.model import init_model
 from specjax.sampling import SamplingParams
+from targets import assert_exercised, target
 
 
 def clusters(seed: int, k: int = 4, per: int = 30, d: int = 24, noise: float = 0.05):
@@ -142,10 +143,8 @@ def test_bad_libraries_are_refused_clearly(tmp_path):
 # --- tiny models: the drafter and the build --------------------------------------------------
 
 
-@functools.cache
 def tiny(arch: str = "llama"):
-  config = tiny_config(arch, num_layers=4, vocab_size=97)
-  return (config, *nnx.split(init_model(config, seed=2)))
+  return target(arch, 4, 97)
 
 
 PROMPTS = {"up": list(range(3, 30)), "down": list(range(60, 33, -1))}
@@ -168,8 +167,9 @@ def test_knn_drafter_is_lossless_and_picks_the_prompts_domain(arch):
   for domain, ids in PROMPTS.items():
     ar = generate(graphdef, state, config, ids, max_new_tokens=30, eos_ids=()).tokens
     out = speculative_generate(graphdef, state, config, ids, drafter, max_new_tokens=30,
-                               gamma=4, eos_ids=(), keep_plans=True)
+                               gamma=4, eos_ids=(), keep_plans=True, threshold=0.0)
     assert out.tokens == ar
+    assert_exercised(out, deep=True)
     assert out.drafter_state.domain == domain
     # the engine's prefill embedding is the library's: the prompt is its own anchor
     assert out.drafter_state.similarity == pytest.approx(1.0, abs=1e-5)
