@@ -208,7 +208,7 @@ def finish(model, lib, args, out_dir: Path, records: list[dict]) -> dict:
       "stream_routing_accuracy": routed,
       "median_similarity": {"held_out": sim_in, "ood_humaneval": sim_ood},
       "ood_routed_to": ood_domains,
-      "mismatches": sum(s.get("mismatches", 0) for g in summary.values() for s in g.values()),
+      "mismatches": sum(metrics.total_mismatches(g) for g in summary.values()),
   }
   if args.write_docs:
     image = report.copy_image(plot, f"knn_streams_{model.name}.png")

@@ -220,7 +220,7 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
       "prompt_tokens": ctx_len,
       "knapspec_predicted_tpt": tpt,
       "tpt_pearson": {c["workload"]: c["pearson"] for c in corr},
-      "mismatches": sum(s.get("mismatches", 0) for w in order for s in summary[w].values()),
+      "mismatches": sum(metrics.total_mismatches(summary[w]) for w in order),
   }
   if args.write_docs:
     image = report.copy_image(masks_png, f"knapspec_masks_{model.name}.png")

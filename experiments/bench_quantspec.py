@@ -121,7 +121,7 @@ def finish(model, args, kv: QuantKV, records: list[dict]) -> dict:
   for n in contexts:
     rs = [r for r in runs if r["context"] == n]
     s = metrics.summarize([dict(r, method=metrics.AR if r["method"] == AR_FP else r["method"])
-                           for r in rs])
+                           for r in rs], references=(metrics.AR, AR_Q))
     q_tps = s[AR_Q]["tokens_per_s"]
     same = sum(r.get("matches_fp_ar", False) for r in rs if r["method"] == AR_Q)
     prompts = sum(r["method"] == AR_Q for r in rs)

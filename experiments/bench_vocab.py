@@ -186,7 +186,7 @@ def main(argv=None) -> None:
                  m_kept={m: kept(m) for m in methods}, router_recall=recall,
                  dynaspec_mean_shortlist=mean_short, k_schedule=list(sched),
                  router_val_loss=curves.get("val_loss"),
-                 mismatches=sum(s.get("mismatches", 0) for s in summary.values()))
+                 mismatches=metrics.total_mismatches(summary))
   if args.write_docs:
     image = report.copy_image(cache_root() / "shortlists" / model.name / "curves.png",
                               f"router_curves_{model.name}.png")

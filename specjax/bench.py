@@ -236,8 +236,8 @@ def _run_prompt(model, prompt, drafters, cfg: BenchConfig, sampling, carried) ->
       answers.append(model.tokenizer.decode(g.tokens, skip_special=True))
     if method == metrics.AR:
       ar_tokens = rec["tokens"]
-    elif sampling.greedy:
-      rec["matches_ar"] = rec["tokens"] == ar_tokens
+    else:  # sampled runs are not compared token for token (None, not a silent 0)
+      rec["matches_ar"] = rec["tokens"] == ar_tokens if sampling.greedy else None
     recs.append(rec)
   return recs
 
@@ -283,7 +283,7 @@ def _overall_table(overall: dict) -> str:
     else:
       lines.append(
           f"| {m} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | {r['M']:.2f} | "
-          f"{r['alpha']:.2f} | {r['mismatches']} | {r['draft_share']:.0%} | "
+          f"{r['alpha']:.2f} | {metrics.mismatch_text(r['mismatches'])} | {r['draft_share']:.0%} | "
           f"{r['verify_share']:.0%} | {r['selection_share']:.0%} | {r['other_share']:.0%} |")
   return "\n".join(lines)
 

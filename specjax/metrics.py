@@ -13,22 +13,53 @@ from collections.abc import Iterable
 AR = "ar"
 
 
-def summarize(records: Iterable[dict]) -> dict[str, dict]:
-  """method -> {tokens_per_s, M, alpha, time shares (draft / verify / selection / other),
-  mismatches, prompts}."""
-  sums: dict[str, dict] = defaultdict(lambda: defaultdict(float))
+class MissingComparisonError(ValueError):
+  """A method's record says nothing about its agreement with AR."""
+
+
+def mismatches(records: list[dict], method: str) -> int | None:
+  """Prompts whose tokens differ from AR's; None when nothing was compared (sampled runs
+  record `matches_ar: None`). A record without the key is an error, not a match: a
+  benchmark that dropped the comparison must not print "0 mismatches"."""
+  seen = []
   for r in records:
+    if "matches_ar" not in r:
+      raise MissingComparisonError(
+          f"the {method} record of prompt {r.get('prompt_id')!r} has no AR comparison "
+          "(matches_ar: True/False for greedy runs, None for sampled ones)")
+    seen.append(r["matches_ar"])
+  if all(v is None for v in seen):
+    return None
+  if any(v is None for v in seen):
+    raise MissingComparisonError(f"{method} mixes compared and uncompared records")
+  return sum(not v for v in seen)
+
+
+def total_mismatches(summary: dict[str, dict]) -> int | None:
+  """Mismatches over every compared method of a `summarize` result; None if none was."""
+  found = [row["mismatches"] for row in summary.values() if row.get("mismatches") is not None]
+  return sum(found) if found else None
+
+
+def summarize(records: Iterable[dict], references: tuple[str, ...] = (AR,)) -> dict[str, dict]:
+  """method -> {tokens_per_s, M, alpha, time shares (draft / verify / selection / other),
+  mismatches, prompts}. `references` (AR, and e.g. an int8-KV AR) are what others are
+  compared with: their `mismatches` is None."""
+  sums: dict[str, dict] = defaultdict(lambda: defaultdict(float))
+  by_method: dict[str, list[dict]] = defaultdict(list)
+  for r in records:
+    by_method[r["method"]].append(r)
     s = sums[r["method"]]
     s["prompts"] += 1
     s["tokens"] += r["decode_tokens"]
     for k in ("decode_s", "draft_s", "verify_s", "selection_s", "other_s", "rounds",
               "drafted", "accepted", "committed"):
       s[k] += r.get(k, 0.0)
-    s["mismatches"] += 0 if r.get("matches_ar", True) else 1
   out = {}
   for method, s in sums.items():
     tps = s["tokens"] / s["decode_s"] if s["decode_s"] else 0.0
-    row = {"prompts": int(s["prompts"]), "tokens_per_s": tps, "mismatches": int(s["mismatches"])}
+    compared = None if method in references else mismatches(by_method[method], method)
+    row = {"prompts": int(s["prompts"]), "tokens_per_s": tps, "mismatches": compared}
     if method != AR:
       row |= {
           "M": s["committed"] / s["rounds"] if s["rounds"] else 0.0,
@@ -45,8 +76,14 @@ def summarize(records: Iterable[dict]) -> dict[str, dict]:
   return out
 
 
-def by_category(records: list[dict]) -> dict[str, dict[str, dict]]:
+def by_category(records: list[dict], references: tuple[str, ...] = (AR,)
+                ) -> dict[str, dict[str, dict]]:
   cats: dict[str, list[dict]] = defaultdict(list)
   for r in records:
     cats[r["category"]].append(r)
-  return {c: summarize(rs) for c, rs in sorted(cats.items())}
+  return {c: summarize(rs, references) for c, rs in sorted(cats.items())}
+
+
+def mismatch_text(value: int | None) -> str:
+  """A table cell: the count, or 'not compared' (sampled runs, reference rows)."""
+  return "not compared" if value is None else str(value)

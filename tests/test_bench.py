@@ -21,7 +21,8 @@ def test_bench_end_to_end_then_resume(tmp_path, capsys):
   assert main(argv) == 0
   figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert set(figures["methods"]) == {"ar", "early_exit", "self_sd", "swift"}
-  assert all(m["mismatches"] == 0 for m in figures["methods"].values())
+  assert figures["methods"]["ar"]["mismatches"] is None  # the reference
+  assert all(r["mismatches"] == 0 for m, r in figures["methods"].items() if m != "ar")
   assert figures["prompts"] == 3
   for f in ("results.jsonl", "summary.md", "speedup.png", "self_sd_plan.json"):
     assert (out / f).exists()
@@ -71,3 +72,21 @@ def test_metrics_are_ratios_of_sums():
   assert s["x"]["mismatches"] == 1
   assert s["x"]["draft_share"] == pytest.approx(0.25) and s["x"]["verify_share"] == 0.6
   assert metrics.by_category(recs)["a"]["x"]["speedup"] == pytest.approx(2.0)
+
+
+def test_mismatches_cannot_read_zero_by_omission():
+  """A drafter record without its AR comparison is an error; sampled records (None) are
+  'not compared', never 0; a mix of the two is refused."""
+  ar = dict(method="ar", category="a", decode_tokens=10, decode_s=1.0)
+  run = dict(method="x", category="a", decode_tokens=10, decode_s=0.5, rounds=5, drafted=8,
+             accepted=4, committed=9)
+  with pytest.raises(metrics.MissingComparisonError, match="x record of prompt 'p1'"):
+    metrics.summarize([ar, dict(run, prompt_id="p1")])
+  sampled = metrics.summarize([ar, dict(run, matches_ar=None)])
+  assert sampled["x"]["mismatches"] is None and sampled["ar"]["mismatches"] is None
+  assert metrics.mismatch_text(sampled["x"]["mismatches"]) == "not compared"
+  assert metrics.total_mismatches(sampled) is None
+  with pytest.raises(metrics.MissingComparisonError, match="mixes"):
+    metrics.summarize([ar, dict(run, matches_ar=None), dict(run, matches_ar=True)])
+  greedy = metrics.summarize([ar, dict(run, matches_ar=True), dict(run, matches_ar=False)])
+  assert greedy["x"]["mismatches"] == 1 and metrics.total_mismatches(greedy) == 1

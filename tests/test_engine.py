@@ -153,9 +153,12 @@ def test_sampling_round_keeps_the_target_distribution(shortlist, top_p):
 
 
 def test_sampling_generation_is_seeded_and_sane():
-  a = ssd("gemma3", EarlyExitDrafter(k=3), sampling=SamplingParams(5.0, 0.9), seed=3)
-  b = ssd("gemma3", EarlyExitDrafter(k=3), sampling=SamplingParams(5.0, 0.9), seed=3)
+  a = ssd("gemma3", EarlyExitDrafter(k=3), sampling=SamplingParams(1.5, 0.9), seed=3)
+  b = ssd("gemma3", EarlyExitDrafter(k=3), sampling=SamplingParams(1.5, 0.9), seed=3)
+  c = ssd("gemma3", EarlyExitDrafter(k=3), sampling=SamplingParams(1.5, 0.9), seed=4)
   assert a.tokens == b.tokens and len(a.tokens) == 48
+  assert c.tokens != a.tokens  # the seed drives the draws
+  assert_exercised(a)
 
 
 def test_bad_requests():
