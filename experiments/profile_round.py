@@ -90,18 +90,30 @@ def main() -> None:
   print(table)
   figures = {"model": args.model, "machine": report.machine(), "gamma": args.gamma,
              "context": args.context, "ms": {k: round(v, 3) for k, v in med.items()}}
+  half = (args.gamma * med["first 50 % layers"] + t_v) / t_ar
+  figures["break_even_M_half_layers"] = round(half, 3)
   if not args.no_write:
-    half = (args.gamma * med["first 50 % layers"] + t_v) / t_ar
     report.write_section(f"round-{args.model}", "\n".join([
         f"## Round cost breakdown ({args.model}, context {args.context})", "",
         f"Machine: {figures['machine']}. Commit {report.git_revision()}.", "", table, "",
-        f"Verifying γ+1 = {args.gamma + 1} tokens costs {t_v / t_ar:.2f} AR steps here "
-        f"(XLA:CPU's matmuls, the LM head's above all, do not stay weight-bandwidth bound as "
-        f"T grows from 1 to {args.gamma + 1}). A round drafting γ tokens with half the "
-        f"layers must therefore commit M ≥ {half:.2f} tokens of at most {args.gamma + 1} to "
-        f"break even: layer-skipping SSD cannot beat AR on this machine unless the draft "
-        f"agrees with the target almost always."]))
+        f"Verifying γ+1 = {args.gamma + 1} tokens costs {t_v / t_ar:.2f} AR steps here. "
+        + break_even_text(half, args.gamma)]))
   report.print_json(figures)
+
+
+def break_even_text(m_needed: float, gamma: int) -> str:
+  """What the measured break-even M means, in words that follow the number."""
+  if m_needed > gamma + 1:
+    return (f"A round drafting γ = {gamma} tokens with half the layers would have to commit "
+            f"M ≥ {m_needed:.2f} tokens, more than the γ + 1 = {gamma + 1} a round can: no "
+            "acceptance rate makes it beat AR at these step costs.")
+  lo, hi = 0.0, 1.0  # M(α) = (1 − α^(γ+1)) / (1 − α) grows with α: bisect for M(α) = need
+  for _ in range(60):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if (1 - mid ** (gamma + 1)) / (1 - mid) < m_needed else (lo, mid)
+  return (f"A round drafting γ = {gamma} tokens with half the layers breaks even at "
+          f"M = {m_needed:.2f} of at most {gamma + 1} tokens, an acceptance rate of "
+          f"α ≈ {hi:.2f} per token if drafts are accepted independently.")
 
 
 if __name__ == "__main__":
