@@ -3,7 +3,6 @@ executable per round whatever the plan, and clear errors for bad requests."""
 
 from __future__ import annotations
 
-import functools
 import json
 
 import jax
@@ -13,7 +12,6 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy import stats
 
 from reference import reference_forward
 from specjax.drafters import (EarlyExitDrafter, SelfSDDrafter, StaticDrafter, SwiftDrafter,

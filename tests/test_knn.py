@@ -4,7 +4,6 @@ the drafter lossless (greedy == AR) on tiny models."""
 
 from __future__ import annotations
 
-import functools
 import shutil
 import types
 

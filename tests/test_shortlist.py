@@ -10,16 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from specjax.config import tiny_config
 from specjax.drafters import ClaspDrafter, EarlyExitDrafter
 from specjax.drafters.frspec import (CountsMismatchError, FRSpecDrafter, frequent_shortlist,
                                      load_counts, save_counts)
 from specjax.engine import draft_step, speculative_generate
 from specjax.generate import generate
 from specjax.kv_cache import KVCache
-from specjax.model import apply, init_model
+from specjax.model import apply
 from specjax.plan import DraftPlan, PlanError
 from specjax.sampling import SamplingParams
 from targets import assert_exercised, target
