@@ -1,8 +1,10 @@
 """One decoder for llama / qwen2 / qwen3 / gemma3, driven by a `DraftPlan`.
 
-Every sub-layer sits in `lax.cond`s on a scalar predicate from the plan, so a skipped
-sub-layer is really not computed and a different plan value reuses the same executable.
-Skip branches are `false_fun` and pass their operands through.
+Every sub-layer of a draft plan sits in `lax.cond`s on a scalar predicate from the plan,
+so a skipped sub-layer is really not computed and a different plan value reuses the same
+executable. Skip branches are `false_fun` and pass their operands through. A dense plan
+(`DraftPlan.full`: the AR step, prefill, verification) traces no conditional at all: on a
+GPU each one is a host round trip, and on any backend they fence fusion between layers.
 
 A forward that writes the cache writes the tokens' K/V first and then attends over the
 cache, in place (checked on the compiled HLO by the tests). A forward that only reads
@@ -27,6 +29,14 @@ from specjax.quant import Int4MLP
 from specjax.quant_kv_cache import QuantKVCache
 
 _NEG_INF = -1e30
+
+
+def _cond(run: jax.Array | None, compute, skip, *operands):
+  """`lax.cond(run, compute, skip, ...)`, or plain `compute(...)` when `run` is None (the
+  sub-layer always runs: no conditional is traced)."""
+  if run is None:
+    return compute(*operands)
+  return jax.lax.cond(run, compute, skip, *operands)
 
 
 class RMSNorm(nnx.Module):
@@ -103,26 +113,28 @@ class Attention(nnx.Module):
     if quantised is not None:
       return self._attend_kernel(q, positions, segments, quantised)
     B, T, N, H = q.shape
-    K = segments[0].k.shape[1]
-    qg = q.reshape(B, T, K, N // K, H)
-    q_pos = positions[:, :, None]  # [B, T, 1]
+    rows, row_pos = _to_rows(q, positions, segments[0].k.shape[1])  # [B, K, R, H], [B, R]
     scores = []
     for seg in segments:
-      s = jnp.einsum("btkgh,bksh->bkgts", qg, seg.k.astype(q.dtype)) * self.config.scale
+      s = jnp.einsum("bkrh,bksh->bkrs", rows, seg.k.astype(q.dtype)) * self.config.scale
       key_pos = seg.positions[:, None, :]  # [B, 1, S]
-      ok = seg.valid[:, None, :] & (key_pos <= q_pos)
+      ok = seg.valid[:, None, :] & (key_pos <= row_pos[:, :, None])  # [B, R, S]
       if self.window is not None:
-        ok &= q_pos - key_pos < self.window
-      scores.append(jnp.where(ok[:, None, None], s.astype(jnp.float32), _NEG_INF))
+        ok &= row_pos[:, :, None] - key_pos < self.window
+      scores.append(jnp.where(ok[:, None], s.astype(jnp.float32), _NEG_INF))
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(q.dtype)
     out, start = 0.0, 0
     for seg in segments:
       size = seg.k.shape[2]
       p = probs[..., start : start + size]
-      out = out + jnp.einsum("bkgts,bksh->btkgh", p, seg.v.astype(q.dtype))
+      out = out + jnp.einsum("bkrs,bksh->bkrh", p, seg.v.astype(q.dtype))
       start += size
-    return jnp.einsum("btnh,nhd->btd", out.reshape(B, T, N, H), self.o[...])
+    return self._project_out(_from_rows(out, T))
 
+  def _project_out(self, out: jax.Array) -> jax.Array:
+    """[B, T, N·H] -> [B, T, D]: one matmul against o viewed as [N·H, D] (a bitcast)."""
+    N, H, D = self.o.shape
+    return out.astype(self.o.dtype) @ self.o[...].reshape(N * H, D)
 
   def _attend_kernel(self, q, positions, segments, read: QuantRead) -> jax.Array:
     """`attend` with the quantised slots read by `pallas_kernels.quant_attention`: the
@@ -130,10 +142,7 @@ class Attention(nnx.Module):
     from pallas_kernels import quant_attention
 
     B, T, N, H = q.shape
-    K = segments[0].k.shape[1]
-    G = N // K
-    rows = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
-    row_pos = jnp.broadcast_to(positions[:, None, :], (B, G, T)).reshape(B, G * T)
+    rows, row_pos = _to_rows(q, positions, segments[0].k.shape[1])
     fp_k = jnp.concatenate([s.k for s in segments], axis=2)
     fp_v = jnp.concatenate([s.v for s in segments], axis=2)
     fp_pos = jnp.concatenate([s.positions for s in segments], axis=1)
@@ -144,8 +153,27 @@ class Attention(nnx.Module):
         fp_k, fp_v, fp_pos, fp_valid, bits=read.bits, group=cache.group,
         value_group=cache.value_group, scale=self.config.scale, window=self.window,
         interpret=jax.default_backend() == "cpu")
-    out = out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
-    return jnp.einsum("btnh,nhd->btd", out.astype(q.dtype), self.o[...])
+    return self._project_out(_from_rows(out.astype(q.dtype), T))
+
+
+def _to_rows(q: jax.Array, positions: jax.Array, K: int) -> tuple[jax.Array, jax.Array]:
+  """q[B, T, N, H] -> rows[B, K, R, H] with R = G·T (row g·T + t: head g of the kv group,
+  token t) and their positions [B, R]. Each kv head then meets its R query rows in one
+  matmul, the cache in its stored [B, K, S, H] layout: the per-token [B, T, K, G, H]
+  einsum made XLA:CPU transpose every cache layer and the o weights on every step
+  (5x slower attention, measured on SmolLM2)."""
+  B, T, N, H = q.shape
+  G = N // K
+  rows = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+  row_pos = jnp.broadcast_to(positions[:, None, :], (B, G, T)).reshape(B, G * T)
+  return rows, row_pos
+
+
+def _from_rows(out: jax.Array, T: int) -> jax.Array:
+  """rows[B, K, G·T, H] -> [B, T, N·H], heads in the order of the o projection."""
+  B, K, R, H = out.shape
+  G = R // T
+  return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, K * G * H)
 
 
 class MLP(nnx.Module):
@@ -188,7 +216,7 @@ class Block(nnx.Module):
 
   def attn_sublayer(
       self,
-      run: jax.Array,
+      run: jax.Array | None,
       x: jax.Array,
       positions: jax.Array,
       cache_k: jax.Array,
@@ -200,6 +228,7 @@ class Block(nnx.Module):
     Write first, read after: when a conditional read the cache and a later update wrote
     it, XLA:CPU copied the whole layer (the tests check the compiled HLO). Each half is
     its own `lax.cond`; a skipped sub-layer passes everything through as `false_fun`.
+    `run` None: the sub-layer always runs, without conditionals.
     """
     B, T, _ = x.shape
     N, H = self.attn.config.num_heads, self.attn.config.head_dim
@@ -214,7 +243,7 @@ class Block(nnx.Module):
     def keep(x, ck, cv):
       return ck, cv, jnp.zeros((B, T, N, H), x.dtype)
 
-    cache_k, cache_v, q = jax.lax.cond(run, write, keep, x, cache_k, cache_v)
+    cache_k, cache_v, q = _cond(run, write, keep, x, cache_k, cache_v)
 
     def read(x, q, ck, cv):
       S = ck.shape[2]
@@ -222,11 +251,11 @@ class Block(nnx.Module):
       segment = Segment(ck, cv, slots, jnp.ones((B, S), jnp.bool_))  # causal mask suffices
       return self._attention_out(x, q, positions, [segment])
 
-    x = jax.lax.cond(run, read, lambda x, q, ck, cv: x, x, q, cache_k, cache_v)
+    x = _cond(run, read, lambda x, q, ck, cv: x, x, q, cache_k, cache_v)
     return x, cache_k, cache_v
 
   def attn_sublayer_reading(
-      self, run: jax.Array, x: jax.Array, positions: jax.Array, context: list[Segment],
+      self, run: jax.Array | None, x: jax.Array, positions: jax.Array, context: list[Segment],
       quantised: QuantRead | None = None,
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attend over read-only `context` (and a quantised cache layer, read by the kernel)
@@ -246,16 +275,16 @@ class Block(nnx.Module):
       new = Segment(k, v, positions, jnp.ones(positions.shape, jnp.bool_))
       return self._attention_out(x, q, positions, context + [new], quantised), k, v
 
-    return jax.lax.cond(run, compute, skip, x, context)
+    return _cond(run, compute, skip, x, context)
 
-  def mlp_sublayer(self, run: jax.Array, x: jax.Array, weights: Int4MLP | None = None
+  def mlp_sublayer(self, run: jax.Array | None, x: jax.Array, weights: Int4MLP | None = None
                    ) -> jax.Array:
     """The MLP sub-layer, with the layer's own weights or (a QuantSpec draft) 4-bit ones."""
     def compute(x):
       out = self.mlp(self.mlp_norm(x), weights)
       return x + (self.post_mlp_norm(out) if self.post_norms else out)
 
-    return jax.lax.cond(run, compute, lambda x: x, x)
+    return _cond(run, compute, lambda x: x, x)
 
 
 @flax.struct.dataclass
@@ -354,7 +383,11 @@ class Transformer(nnx.Module):
     writing = quantized and write_cache and buffer is None
     if writing:  # flush on the committed length's schedule, before anything reads
       cache = cache.settle()
-    reading = buffer is not None or not write_cache or quantized
+    # A dense writer reads the cache as it was plus the tokens themselves, then appends:
+    # without conditionals between them, attending over the freshly written cache made
+    # XLA:CPU duplicate the write and copy every layer.
+    appending = write_cache and buffer is None and not quantized and plan.dense
+    reading = buffer is not None or not write_cache or quantized or appending
     if reading:
       S = cache.size
       slots = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
@@ -370,7 +403,7 @@ class Transformer(nnx.Module):
     x = self.embed(tokens)
     ks, vs, residuals = [], [], []
     for l, block in enumerate(self.blocks):
-      run = plan.attn[l]
+      run = None if plan.dense else plan.attn[l]
       if not reading:
         x, k, v = block.attn_sublayer(run, x, positions, cache.k[l], cache.v[l], cache.length)
       else:
@@ -394,7 +427,7 @@ class Transformer(nnx.Module):
       if return_residuals:
         residuals.append(x)
       weights = None if plan.mlp_weights is None else plan.mlp_weights[l]
-      x = block.mlp_sublayer(plan.mlp[l], x, weights)
+      x = block.mlp_sublayer(None if plan.dense else plan.mlp[l], x, weights)
       if return_residuals:
         residuals.append(x)
     head = self.head if plan.vocab is None else (lambda h: self.head_shortlist(h, plan.vocab))
@@ -415,13 +448,32 @@ class Transformer(nnx.Module):
       return out, DraftBuffer(k=tuple(ks), v=tuple(vs), count=buffer.count + T)
     if not reading:
       cache = KVCache(k=tuple(ks), v=tuple(vs), length=cache.length + T)
+    elif appending:
+      ks, vs = _after(x, ks), _after(x, vs)
+      put = lambda c, rows: jax.lax.dynamic_update_slice_in_dim(c, rows, cache.length, axis=2)
+      cache = KVCache(k=tuple(map(put, cache.k, ks)), v=tuple(map(put, cache.v, vs)),
+                      length=cache.length + T)
     elif writing:  # every layer ran: writers use the full plan
       cache = cache.append(ks, vs, valid, settled=True)
     return out, cache
 
 
-def _keep_rows(store: jax.Array, rows: jax.Array, run: jax.Array, at: jax.Array) -> jax.Array:
+def _after(dep: jax.Array, arrays: list[jax.Array]) -> list[jax.Array]:
+  """`arrays`, data-dependent on `dep` (their values unchanged when dep is finite).
+
+  XLA writes a donated cache in place only when every read of the old value is ordered
+  before the write by a data dependency; otherwise it copies the layer (an
+  `optimization_barrier` is expanded before copy insertion and does not order them).
+  Writing rows that depend on the layers' outputs orders every read first."""
+  zero = 0 * dep.reshape(-1)[0]
+  return [a + zero.astype(a.dtype) for a in arrays]
+
+
+def _keep_rows(store: jax.Array, rows: jax.Array, run: jax.Array | None, at: jax.Array
+               ) -> jax.Array:
   """Write rows[B, K, T, H] at row `at` if the sub-layer ran; else keep the stored rows."""
+  if run is None:
+    return jax.lax.dynamic_update_slice_in_dim(store, rows, at, axis=2)
   held = jax.lax.dynamic_slice_in_dim(store, at, rows.shape[2], axis=2)
   return jax.lax.dynamic_update_slice_in_dim(store, jnp.where(run, rows, held), at, axis=2)
 

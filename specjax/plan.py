@@ -35,6 +35,10 @@ class DraftPlan:
   # QuantKVCache; 16: as stored) and 4-bit MLP weights (quant.Int4MLP per layer) or None.
   kv_bits: int = flax.struct.field(pytree_node=False, default=16)
   mlp_weights: Any = None
+  # Every sub-layer runs, known at trace time (`full`): the forward traces no per-layer
+  # conditional. The AR step and verification use it; a GPU runs each conditional as a
+  # host round trip. Static, so a dense plan gets its own executable.
+  dense: bool = flax.struct.field(pytree_node=False, default=False)
 
   @property
   def weight_bits(self) -> int:
@@ -46,9 +50,9 @@ class DraftPlan:
 
   @classmethod
   def full(cls, num_layers: int) -> DraftPlan:
-    """The target model itself: every sub-layer runs."""
+    """The target model itself: every sub-layer runs, with no conditional traced."""
     ones = jnp.ones((num_layers,), jnp.bool_)
-    return cls(attn=ones, mlp=ones)
+    return cls(attn=ones, mlp=ones, dense=True)
 
   @classmethod
   def from_masks(cls, attn: Sequence[bool], mlp: Sequence[bool]) -> DraftPlan:
@@ -89,6 +93,10 @@ class DraftPlan:
         )
       if arr.dtype != jnp.bool_:
         raise PlanError(f"plan.{name} must be bool, got {arr.dtype}")
+    if self.dense and not isinstance(self.attn, jax.core.Tracer) and not (
+        np.all(np.asarray(self.attn)) and np.all(np.asarray(self.mlp))):
+      raise PlanError("a dense plan runs every sub-layer: build it with DraftPlan.full, or "
+                      "use from_masks for a plan that skips some")
     if self.kv_bits not in (4, 8, 16):
       raise PlanError(f"plan.kv_bits must be 4, 8 or 16, got {self.kv_bits}")
     if self.mlp_weights is not None and len(self.mlp_weights) != num_layers:

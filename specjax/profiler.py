@@ -202,7 +202,8 @@ def measure(model, lengths=(256, 1024, 2048, 4096), gamma: int = 4, repeats: int
   for n in tqdm(lengths, desc=f"profile {model.name}", unit="length", disable=not verbose):
     cache = KVCache.create(cfg, 1, n).with_length(n - gamma - 2)
     length = n - gamma - 2  # a host int: the cache (and its length) is donated
-    draft = compiled(draft_step, state, cache, last, full, key, jnp.int32(1), graphdef=graphdef,
+    draft = compiled(draft_step, state, cache, last, plans["none"], key, jnp.int32(1),
+                     graphdef=graphdef,
                      vocab=cfg.vocab_size, gamma=1, threshold=0.0, sampling=greedy)
     t = {name: median_time(lambda p=p: draft(state, cache, last, p, key, jnp.int32(1)).n,
                             repeats) for name, p in plans.items()}

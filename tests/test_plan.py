@@ -48,3 +48,12 @@ def test_check_against_model_size():
   with pytest.raises(PlanError, match="bool"):
     bad.check(4)
   DraftPlan.full(4).check(4)
+
+
+def test_a_dense_plan_that_skips_is_refused():
+  """`dense` promises the forward every sub-layer (it traces no conditional): a plan
+  that also skips one would silently run it."""
+  skipping = DraftPlan.full(4).replace(attn=jnp.asarray([True, False, True, True]))
+  with pytest.raises(PlanError, match="dense"):
+    skipping.check(4)
+  assert not DraftPlan.from_skips(4).dense
