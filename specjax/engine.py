@@ -292,11 +292,13 @@ class SSDGeneration:
   committed: int  # tokens kept from verification rounds (bonus included, EOS-truncated)
   compile_s: float
   prefill_s: float
-  draft_s: float  # inside the jitted draft calls
-  verify_s: float  # inside the jitted verify + accept calls
+  draft_s: float  # inside the jitted draft calls (host loop)
+  verify_s: float  # inside the jitted verify + accept calls (host loop)
   selection_s: float  # drafter.plan / drafter.update on the host
-  other_s: float  # the rest of the decode loop (bookkeeping, streaming)
+  other_s: float  # the rest of the decode loop (bookkeeping, streaming, host reads)
   stopped_on_eos: bool
+  rounds_s: float = 0.0  # inside the device round loop (draft + verify, not split)
+  loop: str = "host"  # "host": a draft and a verify call per round; "device": `round_loop`
   plans: list[DraftPlan] = dataclasses.field(default_factory=list)
   round_drafted: list[int] = dataclasses.field(default_factory=list)  # per round
   round_accepted: list[int] = dataclasses.field(default_factory=list)  # per round
@@ -304,7 +306,7 @@ class SSDGeneration:
 
   @property
   def decode_s(self) -> float:
-    return self.draft_s + self.verify_s + self.selection_s + self.other_s
+    return self.draft_s + self.verify_s + self.rounds_s + self.selection_s + self.other_s
 
   @property
   def mean_accepted(self) -> float:
@@ -320,6 +322,35 @@ class SSDGeneration:
   def decode_tokens_per_s(self) -> float:
     n = len(self.tokens) - 1  # the first token comes from prefill
     return n / self.decode_s if self.decode_s > 0 and n > 0 else 0.0
+
+
+@dataclasses.dataclass
+class _Run:
+  """What both round drivers share: the request, the prefill and the drafter's state."""
+
+  graphdef: nnx.GraphDef
+  state: nnx.State
+  config: ModelConfig
+  prompt_tokens: list[int]
+  drafter: object
+  dstate: object
+  session: Session
+  cache: object
+  first: int
+  key: jax.Array
+  h_prev: jax.Array
+  max_new_tokens: int
+  gamma: int
+  threshold: float
+  sampling: SamplingParams
+  eos: set[int]
+  on_token: Callable[[int], None] | None
+  kv_cache: object
+
+  @property
+  def draft_static(self) -> dict:
+    return dict(graphdef=self.graphdef, vocab=self.config.vocab_size, gamma=self.gamma,
+                threshold=self.threshold, sampling=self.sampling)
 
 
 def speculative_generate(
@@ -340,9 +371,10 @@ def speculative_generate(
     drafter_state=None,
     kv_cache=None,
     prefilled: Prefilled | None = None,
+    loop: str = "auto",
+    rounds_per_call: int | None = None,
 ) -> SSDGeneration:
-  """Self-speculative decoding of one prompt: prefill, then a draft and a verify call per
-  round.
+  """Self-speculative decoding of one prompt: prefill, then rounds of draft and verify.
 
   `gamma` is the longest draft; a drafter may choose a shorter one per round
   (`Drafter.draft_length`). `threshold` (draft early stop on top-1 probability) defaults
@@ -351,6 +383,11 @@ def speculative_generate(
   quantised cache that verification reads at 8 bits and a `kv_bits=4` plan at 4.
   `prefilled`: this prompt's `generate.prefill_prompt` (same cache type, sampling and seed,
   room for max_new_tokens + gamma + 1) to start from instead of prefilling again.
+  `loop`: "device" runs the rounds inside one jitted loop (`round_loop`; drafters whose
+  plan is fixed for the generation), "host" a draft and a verify call per round with
+  their times apart (adaptive drafters; profiling), "auto" the device loop where it can.
+  `rounds_per_call` (device loop): rounds between host reads (default: all of them, or
+  4 when streaming to `on_token`).
   """
   threshold = drafter.threshold if threshold is None else threshold
   kv_cache = drafter.kv_cache if kv_cache is None else kv_cache
@@ -358,23 +395,54 @@ def speculative_generate(
     raise ValueError(f"gamma (draft length) must be >= 1, got {gamma}")
   if not 0.0 <= threshold <= 1.0:
     raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+  if loop not in ("auto", "host", "device"):
+    raise ValueError(f"loop must be 'auto', 'host' or 'device', got {loop!r}")
+  if loop == "device" and drafter.adaptive:
+    raise ValueError(f"the {drafter.name} drafter changes its plan between rounds on the host: "
+                     f"it runs with loop='host' (or 'auto')")
   size = check_prompt(prompt_tokens, max_new_tokens + gamma + 1, config.max_context)
-  eos = set(config.eos_ids if eos_ids is None else eos_ids)
-  L = config.num_layers
   if kv_cache is not None and kv_cache.max_step < gamma + 1:
     raise ValueError(f"a round appends gamma + 1 = {gamma + 1} tokens to the quantised cache, "
                      f"which keeps room for {kv_cache.max_step}: raise QuantKV.headroom "
                      f"(<= R = {kv_cache.residual}) or lower gamma")
   pre, first, cache = start_decoding(prefilled, graphdef, state, config, prompt_tokens,
                                      size=size, kv_cache=kv_cache, sampling=sampling, seed=seed)
-  key, h_prev, pooled = pre.key, pre.h_last, pre.pooled
-  full = DraftPlan.full(L)
-  d_static = dict(graphdef=graphdef, vocab=config.vocab_size, gamma=gamma,
-                  threshold=threshold, sampling=sampling)
-  v_static = dict(graphdef=graphdef, sampling=sampling, residuals=drafter.wants_residuals)
+  first = int(first[0])
+  if on_token:
+    on_token(first)
+  t1 = time.perf_counter()
+  session = Session(graphdef, state, config, cache, list(prompt_tokens) + [first], pre.pooled)
+  c0 = compile_seconds()
+  dstate = drafter.init(session, drafter_state)
+  init_compile_s = compile_seconds() - c0  # a drafter's first DP compiles here
+  init_s = time.perf_counter() - t1 - init_compile_s
+  run = _Run(graphdef, state, config, list(prompt_tokens), drafter, dstate, session, cache,
+             first, pre.key, pre.h_last, max_new_tokens, gamma, threshold, sampling,
+             set(config.eos_ids if eos_ids is None else eos_ids), on_token, kv_cache)
+  if loop == "host" or (loop == "auto" and drafter.adaptive):
+    gen = _host_rounds(run, keep_plans)
+  else:
+    from specjax.round_loop import device_rounds
+
+    gen = device_rounds(run, keep_plans, rounds_per_call)
+  gen.compile_s += pre.compile_s + init_compile_s
+  gen.prefill_s = pre.prefill_s
+  gen.selection_s += init_s
+  return gen
+
+
+def _host_rounds(run: _Run, keep_plans: bool) -> SSDGeneration:
+  """A draft call and a verify call per round, the drafter consulted between them: exact
+  draft / verify times, and plans that change every round (SWIFT, CLaSp, KnapSpec)."""
+  graphdef, state, config, drafter, gamma = (run.graphdef, run.state, run.config, run.drafter,
+                                             run.gamma)
+  cache, key, h_prev, dstate, session = run.cache, run.key, run.h_prev, run.dstate, run.session
+  full = DraftPlan.full(config.num_layers)
+  d_static = run.draft_static
+  v_static = dict(graphdef=graphdef, sampling=run.sampling, residuals=drafter.wants_residuals)
 
   t_compile = time.perf_counter()
-  last0 = jnp.int32(prompt_tokens[0])
+  last0 = jnp.int32(run.first)
   draft_exes = {}
   h0_proto = jnp.zeros((config.embed_dim,), jnp.float32)
 
@@ -386,7 +454,9 @@ def speculative_generate(
                                  h0_proto, **d_static)
     return draft_exes[sig]
 
-  proto = drafter_exe(full).out_info  # the Draft's shapes, without tracing the draft again
+  # The Draft's shapes, for compiling the verifier before the first draft exists.
+  proto = jax.eval_shape(functools.partial(draft_fn, **d_static), state, cache, last0, full, key,
+                         jnp.int32(gamma), h0_proto)
 
   def verifier(length: int):
     """The verify executable for a draft length (compiled on first use, timed apart)."""
@@ -395,22 +465,13 @@ def speculative_generate(
                     **v_static)
 
   verifier(gamma)
-  compile_s = pre.compile_s + time.perf_counter() - t_compile
-  tokens = [int(first[0])]
-  if on_token:
-    on_token(tokens[0])
+  compile_s = time.perf_counter() - t_compile
+  tokens = [run.first]
   t1 = time.perf_counter()
-
-  session = Session(graphdef, state, config, cache, list(prompt_tokens) + tokens, pooled)
-  c0 = compile_seconds()
-  dstate = drafter.init(session, drafter_state)
   stats = dict(rounds=0, drafted=0, accepted=0, committed=0)
-  draft_s = verify_s = selection_s = 0.0
-  late_compile_s = compile_seconds() - c0  # a drafter's first DP compiles here
+  draft_s = verify_s = selection_s = late_compile_s = 0.0
   plans, round_drafted, round_accepted = [], [], []
-  done = tokens[0] in eos or len(tokens) >= max_new_tokens
-  t_select = time.perf_counter()
-  selection_s += t_select - t1 - late_compile_s
+  done = tokens[0] in run.eos or len(tokens) >= run.max_new_tokens
   while not done:
     t_a = time.perf_counter()
     c0 = compile_seconds()
@@ -429,7 +490,7 @@ def speculative_generate(
     t_v = time.perf_counter()
     out, cache = verify(state, cache, last, draft, full, k_accept)
     n_commit = int(out.n_commit)  # waits for the device
-    if kv_cache is not None:
+    if run.kv_cache is not None:
       cache.check_finite()
     h_prev = out.hidden_last
     t_d = time.perf_counter()
@@ -443,12 +504,12 @@ def speculative_generate(
     for t in committed:
       tokens.append(t)
       stats["committed"] += 1
-      if on_token:
-        on_token(t)
-      if t in eos or len(tokens) >= max_new_tokens:
+      if run.on_token:
+        run.on_token(t)
+      if t in run.eos or len(tokens) >= run.max_new_tokens:
         done = True
         break
-    session.cache, session.context = cache, list(prompt_tokens) + tokens
+    session.cache, session.context = cache, run.prompt_tokens + tokens
     t_e, c3 = time.perf_counter(), compile_seconds()
     if not done:
       dstate = drafter.update(dstate, out, session)
@@ -460,15 +521,16 @@ def speculative_generate(
     selection_s += (t_b - t_a) - (c1 - c0) + (t_f - t_e) - (c4 - c3)
   t2 = time.perf_counter()
   return SSDGeneration(
-      prompt_tokens=list(prompt_tokens),
+      prompt_tokens=run.prompt_tokens,
       tokens=tokens,
       compile_s=compile_s + late_compile_s,
-      prefill_s=pre.prefill_s,
+      prefill_s=0.0,
       draft_s=draft_s,
       verify_s=verify_s,
       selection_s=selection_s,
       other_s=(t2 - t1) - draft_s - verify_s - selection_s - late_compile_s,
-      stopped_on_eos=tokens[-1] in eos,
+      stopped_on_eos=tokens[-1] in run.eos,
+      loop="host",
       plans=plans,
       round_drafted=round_drafted,
       round_accepted=round_accepted,

@@ -1,7 +1,9 @@
-"""Autoregressive generation: one jitted prefill, then one jitted call per token.
+"""Autoregressive generation: one jitted prefill, then decoding in chunks on the device.
 
-The cache is donated to every call and written in place; sampling is fused into the
-step, so a token costs one dispatch. Python only checks EOS and streams text.
+A chunk is one jitted `lax.while_loop` over decode steps that stops at `chunk` tokens,
+an EOS or the token budget, so the host reads the device once per chunk, not once per
+token; smaller chunks stream text sooner. The cache is donated and written in place;
+sampling is fused into the step.
 """
 
 from __future__ import annotations
@@ -208,8 +210,7 @@ def pooled_prompt(model, hidden: jax.Array, n: jax.Array) -> jax.Array:
   return jnp.sum(jnp.where(real, h, 0.0), axis=0) / n.astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
-def decode_step(
+def _step(
     state: nnx.State,
     cache: KVCache,
     token: jax.Array,
@@ -226,6 +227,53 @@ def decode_step(
       logits="last",
   )
   return sample(key, out.logits[:, -1], sampling), cache
+
+
+# One AR step as its own executable (profiling, timing plans step by step).
+decode_step = jax.jit(_step, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
+
+
+def eos_array(eos_ids) -> jax.Array:
+  """EOS ids as a traced int32 vector (-1 when there are none): a new EOS set reuses the
+  executable."""
+  return jnp.asarray(sorted(eos_ids) or [-1], jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "chunk"),
+                   donate_argnames=("cache",))
+def decode_chunk(
+    state: nnx.State,
+    cache: KVCache,
+    token: jax.Array,
+    key: jax.Array,
+    budget: jax.Array,
+    eos: jax.Array,
+    *,
+    graphdef: nnx.GraphDef,
+    sampling: SamplingParams,
+    chunk: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, KVCache, jax.Array]:
+  """Up to min(chunk, budget) decode steps after token[1] (B = 1), stopping after an EOS.
+
+  Returns (tokens int32[chunk] of which the first n are new, n, the last token [1], the
+  cache, the key). Each step splits the key as `generate`'s host loop did, so a chunk
+  size changes no token."""
+  plan = DraftPlan.full(nnx.merge(graphdef, state).config.num_layers)
+  limit = jnp.minimum(budget, chunk)
+
+  def cond(carry):
+    i, _, _, _, _, stop = carry
+    return (i < limit) & ~stop
+
+  def body(carry):
+    i, out, token, cache, key, _ = carry
+    key, sub = jax.random.split(key)
+    token, cache = _step(state, cache, token, plan, sub, graphdef=graphdef, sampling=sampling)
+    return i + 1, out.at[i].set(token[0]), token, cache, key, jnp.isin(token[0], eos)
+
+  init = (jnp.int32(0), jnp.zeros((chunk,), jnp.int32), token, cache, key, jnp.bool_(False))
+  n, out, token, cache, key, _ = jax.lax.while_loop(cond, body, init)
+  return out, n, token, cache, key
 
 
 @dataclasses.dataclass
@@ -275,14 +323,18 @@ def generate(
     cache_dtype=jnp.float32,
     kv_cache=None,
     prefilled: Prefilled | None = None,
+    chunk: int | None = None,
 ) -> Generation:
   """Greedy or sampled AR decoding of one prompt (B = 1). `kv_cache`: None for a
   full-precision cache, or a `quant_kv_cache.QuantKV` (the target reads it at 8 bits).
   `prefilled`: this prompt's `prefill_prompt` with the same cache type, sampling and seed,
-  to decode from instead of prefilling again (the tokens are the same)."""
+  to decode from instead of prefilling again (the tokens are the same). `chunk`: tokens
+  per device call (default: all of them, or 16 when streaming to `on_token`)."""
   size = check_prompt(prompt_tokens, max_new_tokens, config.max_context)
   eos = set(config.eos_ids if eos_ids is None else eos_ids)
-  plan = DraftPlan.full(config.num_layers)
+  chunk = chunk or (16 if on_token else max(max_new_tokens - 1, 1))
+  if chunk < 1:
+    raise ValueError(f"chunk must be >= 1, got {chunk}")
   tokens: list[int] = []
 
   def emit(tok: int) -> bool:
@@ -294,17 +346,19 @@ def generate(
   pre, token, cache = start_decoding(prefilled, graphdef, state, config, prompt_tokens,
                                      size=size, kv_cache=kv_cache, sampling=sampling, seed=seed,
                                      cache_dtype=cache_dtype)
-  key = pre.key
+  key, eos_ids = pre.key, eos_array(eos)
   t_compile = time.perf_counter()
   # Compiled before the loop, so that the timing below measures decoding only.
-  step = compiled(decode_step, state, cache, jnp.zeros((1,), jnp.int32), plan, key,
-                  graphdef=graphdef, sampling=sampling)
+  run = compiled(decode_chunk, state, cache, token, key, jnp.int32(0), eos_ids,
+                 graphdef=graphdef, sampling=sampling, chunk=chunk)
   done = emit(int(token[0]))
   t1 = time.perf_counter()
   while not done:
-    key, sub = jax.random.split(key)
-    token, cache = step(state, cache, token, plan, sub)
-    done = emit(int(token[0]))
+    budget = jnp.int32(max_new_tokens - len(tokens))
+    out, n, token, cache, key = run(state, cache, token, key, budget, eos_ids)
+    out, n = jax.device_get((out, n))  # the chunk's one host read
+    for tok in out[:n].tolist():
+      done = emit(tok)
   t2 = time.perf_counter()
   if kv_cache is not None:
     cache.check_finite()

@@ -24,6 +24,10 @@ class Drafter(abc.ABC):
   wants_residuals: ClassVar[bool] = False  # ask the engine for verify-pass residuals
   threshold: ClassVar[float] = 0.8  # draft early stop: top-1 prob below this (Self-SD's)
   kv_cache: ClassVar = None  # the KV cache it needs: None (full precision) or a QuantKV
+  # Its plan or draft length changes between rounds (`update` does work): the engine
+  # then runs rounds from the host. A drafter whose plan is fixed once `init` has run
+  # sets False, and its rounds run inside one jitted loop on the device.
+  adaptive: ClassVar[bool] = True
 
   @abc.abstractmethod
   def init(self, session, prior: Any = None) -> Any:

@@ -12,6 +12,7 @@ from specjax.plan import DraftPlan
 @dataclasses.dataclass(frozen=True)
 class EarlyExitDrafter(Drafter):
   name = "early_exit"
+  adaptive = False
   k: int | None = None  # layers kept; None = half the model
 
   def init(self, session, prior=None) -> DraftPlan:

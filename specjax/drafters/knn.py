@@ -27,6 +27,7 @@ class KNNState:
 @dataclasses.dataclass(frozen=True)
 class KNNDrafter(Drafter):
   name = "knn"
+  adaptive = False
   library: SkipLibrary = None  # type: ignore[assignment]
 
   def __post_init__(self):

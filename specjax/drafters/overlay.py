@@ -39,6 +39,10 @@ class OverlayDrafter(Drafter):
     return bool(self.base and self.base.wants_residuals)
 
   @property
+  def adaptive(self) -> bool:  # type: ignore[override]
+    return bool(self.base and self.base.adaptive)
+
+  @property
   def threshold(self) -> float:  # type: ignore[override]
     return self.base.threshold if self.base else type(self).own_threshold
 

@@ -13,6 +13,7 @@ from specjax.plan import DraftPlan, PlanError
 @dataclasses.dataclass(frozen=True)
 class StaticDrafter(Drafter):
   name = "static"
+  adaptive = False
   fixed: DraftPlan = None  # type: ignore[assignment]
 
   def init(self, session, prior=None) -> DraftPlan:

@@ -1,0 +1,146 @@
+"""Self-speculative rounds on the device: draft, verify, accept and commit, repeated inside
+one jitted `lax.while_loop`, for drafters whose plan is fixed for the generation.
+
+The host loop (`engine.speculative_generate(loop="host")`) reads the device five times a
+round (the draft's length, the accepted count, the committed tokens, ...) and dispatches
+two programs; here the committed tokens, the EOS / length stop and the counters live in
+the loop's carry, and the host reads them once per call of `rounds_per_call` rounds.
+Each round splits the key exactly as the host loop does, so both commit the same tokens,
+sampled or greedy (the tests check).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.engine import draft_fn, verify_fn
+from specjax.kv_cache import KVCache
+from specjax.plan import DraftPlan
+from specjax.sampling import SamplingParams
+
+
+@flax.struct.dataclass
+class Decoding:
+  """The device loop's state between calls (B = 1)."""
+
+  cache: KVCache  # or QuantKVCache: every committed token but `last`
+  last: jax.Array  # int32: the newest committed token (its K/V not yet in the cache)
+  key: jax.Array
+  h_prev: jax.Array  # float32[D]: final hidden state before `last` (DynaSpec's router)
+  tokens: jax.Array  # int32[C]: committed tokens, the prefill's first one included
+  count: jax.Array  # int32: valid entries of `tokens`
+  done: jax.Array  # bool: EOS committed or the budget reached
+  rounds: jax.Array  # int32
+  drafted: jax.Array  # int32[C]: per round (the first `rounds` entries are valid)
+  accepted: jax.Array  # int32[C]: per round, drafts accepted (before EOS truncation)
+
+  @classmethod
+  def start(cls, cache, first: jax.Array, key: jax.Array, h_prev: jax.Array,
+            capacity: int) -> Decoding:
+    zeros = lambda: jnp.zeros((capacity,), jnp.int32)  # one buffer each: all are donated
+    return cls(cache=cache, last=first[0].astype(jnp.int32), key=key,
+               h_prev=h_prev.astype(jnp.float32), tokens=zeros().at[0].set(first[0]),
+               count=jnp.int32(1), done=jnp.bool_(False), rounds=jnp.int32(0),
+               drafted=zeros(), accepted=zeros())
+
+
+def _commit(tokens: jax.Array, n_commit: jax.Array, count: jax.Array, budget: jax.Array,
+            eos: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """How many of a round's committed tokens[γ+1] to keep (up to and including the first
+  EOS, and no more than the budget leaves) and whether the generation ends with them."""
+  j = jnp.arange(tokens.shape[0])
+  is_eos = jnp.isin(tokens, eos) & (j < n_commit)
+  first_eos = jnp.min(jnp.where(is_eos, j, tokens.shape[0]))
+  keep = jnp.minimum(jnp.minimum(n_commit, first_eos + 1), budget - count)
+  return keep, (first_eos < keep) | (count + keep >= budget)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "vocab", "gamma", "threshold", "sampling", "rounds_per_call"),
+    donate_argnames=("carry",))
+def decode_rounds(state: nnx.State, carry: Decoding, plan: DraftPlan, budget: jax.Array,
+                  eos: jax.Array, *, graphdef: nnx.GraphDef, vocab: int, gamma: int,
+                  threshold: float, sampling: SamplingParams, rounds_per_call: int
+                  ) -> Decoding:
+  """Up to `rounds_per_call` rounds under `plan`, stopping at an EOS or once `budget`
+  tokens are committed. `eos` is int32[E] (-1 for none); the token buffer must hold
+  budget + γ entries."""
+  full = DraftPlan.full(plan.num_layers)
+  end = carry.rounds + rounds_per_call
+
+  def cond(c: Decoding):
+    return ~c.done & (c.rounds < end)
+
+  def body(c: Decoding) -> Decoding:
+    key, k_draft, k_accept = jax.random.split(c.key, 3)
+    draft = draft_fn(state, c.cache, c.last, plan, k_draft, jnp.int32(gamma), c.h_prev,
+                     graphdef=graphdef, vocab=vocab, gamma=gamma, threshold=threshold,
+                     sampling=sampling)
+    out, cache = verify_fn(state, c.cache, c.last, draft, full, k_accept, graphdef=graphdef,
+                           sampling=sampling)
+    keep, done = _commit(out.tokens, out.n_commit, c.count, budget, eos)
+    tokens = jax.lax.dynamic_update_slice_in_dim(c.tokens, out.tokens, c.count, axis=0)
+    return c.replace(
+        cache=cache, last=out.tokens[out.n_commit - 1], key=key, h_prev=out.hidden_last,
+        tokens=tokens, count=c.count + keep, done=done, rounds=c.rounds + 1,
+        drafted=c.drafted.at[c.rounds].set(out.n_drafted),
+        accepted=c.accepted.at[c.rounds].set(out.n_commit - 1))
+
+  return jax.lax.while_loop(cond, body, carry)
+
+
+def device_rounds(run, keep_plans: bool, rounds_per_call: int | None):
+  """`engine.speculative_generate`'s device driver: the drafter's one plan, then calls of
+  `decode_rounds` until done, one host read each (`engine._Run` in, `SSDGeneration` out)."""
+  import time
+
+  from specjax.engine import SSDGeneration
+  from specjax.generate import eos_array
+  from specjax.jit_cache import compiled
+
+  t0 = time.perf_counter()
+  plan = run.drafter.plan(run.dstate)
+  selection_s = time.perf_counter() - t0
+  budget = run.max_new_tokens
+  per_call = rounds_per_call or (4 if run.on_token else budget)
+  if per_call < 1:
+    raise ValueError(f"rounds_per_call must be >= 1, got {per_call}")
+  carry = Decoding.start(run.cache, jnp.asarray([run.first], jnp.int32), run.key, run.h_prev,
+                         capacity=budget + run.gamma + 1)
+  eos = eos_array(run.eos)
+  args = (run.state, carry, plan, jnp.int32(budget), eos)
+  t_compile = time.perf_counter()
+  exe = compiled(decode_rounds, *args, rounds_per_call=per_call, **run.draft_static)
+  compile_s = time.perf_counter() - t_compile
+  tokens = [run.first]
+  done = run.first in run.eos or budget <= 1
+  rounds_s = 0.0
+  t1 = time.perf_counter()
+  while not done:
+    t_a = time.perf_counter()
+    carry = exe(run.state, carry, plan, jnp.int32(budget), eos)
+    count, done, new = jax.device_get((carry.count, carry.done, carry.tokens))  # one read
+    rounds_s += time.perf_counter() - t_a
+    for t in new[len(tokens):count].tolist():
+      tokens.append(t)
+      if run.on_token:
+        run.on_token(t)
+  if run.kv_cache is not None:
+    carry.cache.check_finite()
+  n, drafted, accepted = jax.device_get((carry.rounds, carry.drafted, carry.accepted))
+  t2 = time.perf_counter()
+  return SSDGeneration(
+      prompt_tokens=run.prompt_tokens, tokens=tokens, rounds=int(n),
+      drafted=int(drafted[:n].sum()), accepted=int(accepted[:n].sum()),
+      committed=len(tokens) - 1, compile_s=compile_s, prefill_s=0.0, draft_s=0.0,
+      verify_s=0.0, selection_s=selection_s, other_s=(t2 - t1) - rounds_s,
+      stopped_on_eos=tokens[-1] in run.eos, rounds_s=rounds_s, loop="device",
+      plans=[plan] * int(n) if keep_plans else [],
+      round_drafted=drafted[:n].tolist(), round_accepted=accepted[:n].tolist(),
+      drafter_state=run.dstate)

@@ -1,0 +1,150 @@
+"""The device round loop (`round_loop`) against the host loop it replaces: the same tokens,
+rounds and acceptance for every drafter whose plan is fixed, greedy and sampled; stops at
+EOS and at the budget mid-round; no cache copy in its executable; and AR in chunks."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.drafters import (ClaspDrafter, DynaSpecDrafter, EarlyExitDrafter, FRSpecDrafter,
+                              QuantSpecDrafter, StaticDrafter, SwiftDrafter)
+from specjax.engine import speculative_generate
+from specjax.generate import generate
+from specjax.kv_cache import KVCache
+from specjax.plan import DraftPlan
+from specjax.quant_kv_cache import QuantKV
+from specjax.round_loop import Decoding, decode_rounds
+from specjax.sampling import SamplingParams
+from targets import PROMPT, ar_tokens, assert_exercised, target
+
+SKIP = DraftPlan.from_skips(6, [1, 3], [2])
+SAMPLED = SamplingParams(temperature=0.9, top_p=0.95)
+
+
+def _quantspec(arch):
+  config, graphdef, state = target(arch)
+  model = types.SimpleNamespace(graphdef=graphdef, state=state, config=config)
+  return QuantSpecDrafter.for_model(model, base=StaticDrafter(SKIP), weight_group=32,
+                                    kv_cache=QuantKV(group=8, residual=16))
+
+
+def _dynaspec(arch):
+  from test_dynaspec import bundle
+
+  return DynaSpecDrafter(bundle(arch)[0], EarlyExitDrafter(k=3))
+
+
+DRAFTERS = {
+    "static": lambda arch: StaticDrafter(SKIP),
+    "early_exit": lambda arch: EarlyExitDrafter(k=2),
+    "frspec": lambda arch: FRSpecDrafter(np.arange(0, 97, 2), StaticDrafter(SKIP)),
+    "quantspec": _quantspec,
+}
+
+
+def both(arch, drafter, **kw):
+  config, graphdef, state = target(arch)
+  run = lambda loop: speculative_generate(graphdef, state, config, PROMPT, drafter,
+                                          max_new_tokens=48, eos_ids=(), loop=loop, **kw)
+  return run("host"), run("device")
+
+
+def assert_same(host, device):
+  assert device.loop == "device" and host.loop == "host"
+  assert device.tokens == host.tokens
+  assert (device.rounds, device.drafted, device.accepted, device.committed) == (
+      host.rounds, host.drafted, host.accepted, host.committed)
+  assert device.round_drafted == host.round_drafted
+  assert device.round_accepted == host.round_accepted
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
+@pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+def test_device_loop_commits_what_the_host_loop_commits(name, sampling):
+  """Same key splits per round, so even sampled runs agree token for token."""
+  host, device = both("llama", DRAFTERS[name]("llama"), gamma=4, threshold=0.0,
+                      sampling=sampling)
+  assert_same(host, device)
+  if sampling.greedy and name != "quantspec":  # QuantSpec's AR reads its 8-bit cache
+    assert device.tokens == ar_tokens("llama")
+  assert_exercised(device, deep=True)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_device_loop_routed_shortlist_matches_the_host_loop(arch):
+  """DynaSpec's router reads the verify pass's last hidden state, carried in the loop."""
+  host, device = both(arch, _dynaspec(arch), gamma=4, threshold=0.0)
+  assert_same(host, device)
+  assert device.tokens == ar_tokens(arch)
+
+
+@pytest.mark.parametrize("per_call", [1, 3])
+def test_rounds_per_call_and_streaming_change_nothing(per_call):
+  config, graphdef, state = target("qwen3")
+  seen = []
+  out = speculative_generate(graphdef, state, config, PROMPT, StaticDrafter(SKIP),
+                             max_new_tokens=48, eos_ids=(), gamma=4, threshold=0.0,
+                             rounds_per_call=per_call, on_token=seen.append)
+  assert out.tokens == seen == ar_tokens("qwen3")
+  assert out.loop == "device"
+
+
+@pytest.mark.parametrize("budget", [2, 17, 48])
+def test_device_loop_stops_at_eos_and_at_the_budget_inside_a_round(budget):
+  ref = ar_tokens("llama")
+  eos = ref[20]
+  config, graphdef, state = target("llama")
+  run = lambda loop, eos_ids: speculative_generate(
+      graphdef, state, config, PROMPT, EarlyExitDrafter(k=3), max_new_tokens=budget,
+      eos_ids=eos_ids, gamma=5, threshold=0.0, loop=loop)
+  for eos_ids in ((), (eos,)):
+    host, device = run("host", eos_ids), run("device", eos_ids)
+    assert_same(host, device)
+    want = ref[:budget]
+    if eos in eos_ids and eos in want:
+      want = want[: want.index(eos) + 1]
+    assert device.tokens == want
+    assert device.stopped_on_eos == (eos in eos_ids and want[-1] == eos)
+
+
+def test_adaptive_drafters_keep_the_host_loop():
+  config, graphdef, state = target("llama")
+  with pytest.raises(ValueError, match="loop='host'"):
+    speculative_generate(graphdef, state, config, PROMPT, SwiftDrafter(trials=4, window=16),
+                         loop="device")
+  out = speculative_generate(graphdef, state, config, PROMPT,
+                             FRSpecDrafter(np.arange(97), ClaspDrafter(skip=1, interval=3)),
+                             max_new_tokens=8, eos_ids=())
+  assert out.loop == "host"  # an overlay is as adaptive as its base
+
+
+def test_device_loop_copies_no_cache_layer():
+  """Draft (reading the cache in conditionals) and verification (writing it) in one loop
+  body: XLA still updates the cache in place."""
+  from test_model import _layer_copies
+
+  config, graphdef, state = target("gemma3")
+  cache = KVCache.create(config, 1, 192)
+  for sampling in (SamplingParams(), SAMPLED):
+    carry = Decoding.start(cache, jnp.asarray([1]), jax.random.key(0),
+                           jnp.zeros((config.embed_dim,)), 64)
+    hlo = decode_rounds.lower(state, carry, SKIP, jnp.int32(40), jnp.asarray([-1]),
+                              graphdef=graphdef, vocab=config.vocab_size, gamma=4,
+                              threshold=0.5, sampling=sampling,
+                              rounds_per_call=8).compile().as_text()
+    assert _layer_copies(hlo, config, 192) == []
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+def test_ar_chunks_change_no_token(sampling):
+  config, graphdef, state = target("qwen2")
+  run = lambda chunk: generate(graphdef, state, config, PROMPT, max_new_tokens=30, eos_ids=(),
+                               sampling=sampling, seed=3, chunk=chunk).tokens
+  one = run(1)
+  assert run(7) == run(None) == one
+  assert len(set(one)) >= 8
