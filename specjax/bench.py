@@ -42,6 +42,7 @@ class BenchConfig:
   seed: int
   search_iterations: int
   plan_file: str | None
+  dtype: str = "auto"  # weights and KV cache: auto (bfloat16 on a GPU, float32 on a CPU)
 
 
 class ResumeMismatchError(ValueError):
@@ -169,7 +170,7 @@ def run(cfg: BenchConfig, out_dir: Path, *, data_dir=None, resume: bool = False,
   # Self-SD searches on other prompts of the same set: the last one of each category.
   search_prompts = [ps[-1] for ps in by_cat.values() if len(ps) > cfg.per_category][:6]
 
-  model = load_model(cfg.model, verbose=verbose)
+  model = load_model(cfg.model, dtype=cfg.dtype, verbose=verbose)
   sampling = SamplingParams(cfg.temperature, cfg.top_p)
   drafters = {n: _make_drafter(n, cfg, model, out_dir, search_prompts, data_dir)
               for n in cfg.drafters}
@@ -214,7 +215,8 @@ def _run_prompt(model, prompt, drafters, cfg: BenchConfig, sampling, carried) ->
     answers: list[str] = []
     rec = dict(prompt_id=prompt.id, category=prompt.category, method=method, decode_tokens=0,
                decode_s=0.0, prefill_s=0.0, rounds=0, drafted=0, accepted=0, committed=0,
-               draft_s=0.0, verify_s=0.0, selection_s=0.0, other_s=0.0, tokens=[])
+               draft_s=0.0, verify_s=0.0, rounds_s=0.0, selection_s=0.0, other_s=0.0,
+               tokens=[])
     for t in range(len(turns)):
       ids = _chat_ids(model.tokenizer, turns[: t + 1], answers)
       kw = dict(max_new_tokens=cfg.max_new_tokens, sampling=sampling, seed=cfg.seed + t)
@@ -227,7 +229,7 @@ def _run_prompt(model, prompt, drafters, cfg: BenchConfig, sampling, carried) ->
                                  drafter_state=carried.get(method), **kw)
         carried[method] = g.drafter_state
         for k in ("rounds", "drafted", "accepted", "committed", "draft_s", "verify_s",
-                  "selection_s", "other_s"):
+                  "rounds_s", "selection_s", "other_s"):
           rec[k] += getattr(g, k)
       rec["decode_tokens"] += len(g.tokens) - 1
       rec["decode_s"] += g.decode_s
@@ -274,17 +276,18 @@ def finish(cfg: BenchConfig, out_dir: Path, records: list[dict], verbose: bool,
 
 
 def _overall_table(overall: dict) -> str:
-  head = ("| method | tok/s | speedup | M | α | mismatches | draft | verify | selection "
-          "| other |")
-  lines = [head, "|" + " --- |" * 10]
+  head = ("| method | tok/s | speedup | M | α | mismatches | draft | verify | device rounds "
+          "| selection | other |")
+  lines = [head, "|" + " --- |" * 11]
   for m, r in overall.items():
     if m == metrics.AR:
-      lines.append(f"| AR | {r['tokens_per_s']:.1f} | 1.00 | – | – | – | – | – | – | – |")
+      lines.append(f"| AR | {r['tokens_per_s']:.1f} | 1.00 | – | – | – | – | – | – | – | – |")
     else:
       lines.append(
           f"| {m} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | {r['M']:.2f} | "
           f"{r['alpha']:.2f} | {metrics.mismatch_text(r['mismatches'])} | {r['draft_share']:.0%} | "
-          f"{r['verify_share']:.0%} | {r['selection_share']:.0%} | {r['other_share']:.0%} |")
+          f"{r['verify_share']:.0%} | {r['rounds_share']:.0%} | {r['selection_share']:.0%} | "
+          f"{r['other_share']:.1%} |")
   return "\n".join(lines)
 
 

@@ -34,7 +34,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
   sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
   if not args.prompt.strip():
     raise ValueError("the prompt is empty")
-  model = load_model(args.model)
+  model = load_model(args.model, dtype=args.dtype)
   tok = model.tokenizer
   ids = tok.encode_prompt(args.prompt, chat=False if args.no_chat else None)
   stream = TextStream(lambda ids: tok.decode(ids, skip_special=True))
@@ -78,7 +78,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
       model=args.model, drafters=drafters, per_category=args.per_category, categories=cats,
       max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, gamma=args.gamma,
       threshold=args.threshold, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-      search_iterations=args.search_iterations, plan_file=args.plan,
+      search_iterations=args.search_iterations, plan_file=args.plan, dtype=args.dtype,
   )
   out = Path(args.out or f"runs/bench-{args.model}")
   figures = bench.run(cfg, out, data_dir=args.data_dir, resume=args.resume,
@@ -94,7 +94,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
   lengths = tuple(int(n) for n in args.lengths.split(",") if n)
   if not lengths or min(lengths) < args.gamma + 8:
     raise ValueError(f"--lengths must be cache sizes above {args.gamma + 8}, got {args.lengths}")
-  model = load_model(args.model)
+  model = load_model(args.model, dtype=args.dtype)
   prof = profiler.measure(model, lengths=lengths, gamma=args.gamma, repeats=args.repeats)
   path = profiler.save_profile(prof, args.out)
   print(profiler.table(prof))
@@ -162,6 +162,11 @@ def _cmd_data_fetch(args: argparse.Namespace) -> int:
   return 0
 
 
+def _dtype_arg(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                 help="weights and KV cache (auto: bfloat16 on a GPU, float32 on a CPU)")
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="specjax", description="Self-speculative decoding in JAX/Flax."
@@ -181,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
   p.add_argument("--quiet", action="store_true", help="do not stream the text")
   p.add_argument("--json", action="store_true", help="print the figures as one JSON line")
+  _dtype_arg(p)
   p.set_defaults(func=_cmd_generate)
 
   p = sub.add_parser("bench", help="AR vs every drafter on a Spec-Bench subset")
@@ -207,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--resume", action="store_true", help="continue an interrupted run")
   p.add_argument("--write-docs", action="store_true",
                  help="regenerate this model's section of docs/BENCHMARKS.md")
+  _dtype_arg(p)
   p.set_defaults(func=_cmd_bench)
 
   p = sub.add_parser("profile", help="time attention / MLP sub-layers and verification "
@@ -216,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--gamma", type=int, default=4, help="verification is timed on γ+1 tokens")
   p.add_argument("--repeats", type=int, default=7, help="timed repeats per point (median)")
   p.add_argument("--out", help="profile file (default: the specjax cache, per model/device)")
+  _dtype_arg(p)
   p.set_defaults(func=_cmd_profile)
 
   p = sub.add_parser("router", help="DynaSpec router / FR-Spec counts")

@@ -67,7 +67,7 @@ def _draft(state, cache, last, plan, key, limit, h_prev, *, graphdef, vocab, gam
     out, buffer = apply(state, cache, token[None, None], pos, plan, graphdef=graphdef,
                         logits="none" if routed else "last", buffer=buffer)
     key, sub = jax.random.split(key)
-    h = out.hidden[0, -1]
+    h = out.hidden[0, -1].astype(jnp.float32)
     if routed:
       nxt, confidence, q = _routed_choice(state, graphdef, plan, token, h, h_prev, i, sub,
                                           vocab, sampling)

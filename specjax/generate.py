@@ -163,7 +163,7 @@ class Prefilled:
 
 def prefill_prompt(graphdef: nnx.GraphDef, state: nnx.State, config, prompt_tokens: Sequence[int],
                    *, max_new_tokens: int = 64, sampling: SamplingParams = SamplingParams(),
-                   seed: int = 0, kv_cache=None, cache_dtype=jnp.float32,
+                   seed: int = 0, kv_cache=None, cache_dtype=None,
                    size: int | None = None) -> Prefilled:
   """Prefill one prompt (B = 1) into a new cache with room for `max_new_tokens` more (or
   `size` slots): the first step of `generate` and `speculative_generate`, which accept the
@@ -171,7 +171,7 @@ def prefill_prompt(graphdef: nnx.GraphDef, state: nnx.State, config, prompt_toke
   from specjax.quant_kv_cache import create_cache
 
   size = size or check_prompt(prompt_tokens, max_new_tokens, config.max_context)
-  cache = create_cache(config, size, kv_cache, cache_dtype)
+  cache = create_cache(config, size, kv_cache, cache_dtype or weight_dtype(state))
   full = DraftPlan.full(config.num_layers)
   key = jax.random.key(seed)
   t0 = time.perf_counter()
@@ -190,7 +190,7 @@ def prefill_prompt(graphdef: nnx.GraphDef, state: nnx.State, config, prompt_toke
 
 def start_decoding(prefilled: Prefilled | None, graphdef, state, config, prompt_tokens, *,
                    size: int, kv_cache, sampling: SamplingParams, seed: int,
-                   cache_dtype=jnp.float32):
+                   cache_dtype=None):
   """(prefill, first token, cache to decode on): `prefilled` checked and copied, or a new
   prefill of `size` slots owned by this run (no copy)."""
   if prefilled is None:
@@ -199,6 +199,11 @@ def start_decoding(prefilled: Prefilled | None, graphdef, state, config, prompt_
     return pre, pre.first, pre.cache
   prefilled.check_fits(prompt_tokens, size, kv_cache, sampling, seed)
   return (prefilled, *prefilled.start())
+
+
+def weight_dtype(state: nnx.State):
+  """The model's weight dtype: its KV cache's default."""
+  return state["embedding"][...].dtype
 
 
 def pooled_prompt(model, hidden: jax.Array, n: jax.Array) -> jax.Array:
@@ -320,7 +325,7 @@ def generate(
     seed: int = 0,
     eos_ids: Sequence[int] | None = None,
     on_token: Callable[[int], None] | None = None,
-    cache_dtype=jnp.float32,
+    cache_dtype=None,
     kv_cache=None,
     prefilled: Prefilled | None = None,
     chunk: int | None = None,

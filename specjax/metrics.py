@@ -42,7 +42,8 @@ def total_mismatches(summary: dict[str, dict]) -> int | None:
 
 
 def summarize(records: Iterable[dict], references: tuple[str, ...] = (AR,)) -> dict[str, dict]:
-  """method -> {tokens_per_s, M, alpha, time shares (draft / verify / selection / other),
+  """method -> {tokens_per_s, M, alpha, time shares (draft / verify / device rounds /
+  selection / other),
   mismatches, prompts}. `references` (AR, and e.g. an int8-KV AR) are what others are
   compared with: their `mismatches` is None."""
   sums: dict[str, dict] = defaultdict(lambda: defaultdict(float))
@@ -52,7 +53,7 @@ def summarize(records: Iterable[dict], references: tuple[str, ...] = (AR,)) -> d
     s = sums[r["method"]]
     s["prompts"] += 1
     s["tokens"] += r["decode_tokens"]
-    for k in ("decode_s", "draft_s", "verify_s", "selection_s", "other_s", "rounds",
+    for k in ("decode_s", "draft_s", "verify_s", "rounds_s", "selection_s", "other_s", "rounds",
               "drafted", "accepted", "committed"):
       s[k] += r.get(k, 0.0)
   out = {}
@@ -66,6 +67,8 @@ def summarize(records: Iterable[dict], references: tuple[str, ...] = (AR,)) -> d
           "alpha": s["accepted"] / s["drafted"] if s["drafted"] else 0.0,
           "draft_share": s["draft_s"] / s["decode_s"] if s["decode_s"] else 0.0,
           "verify_share": s["verify_s"] / s["decode_s"] if s["decode_s"] else 0.0,
+          # the device round loop: drafting and verification together
+          "rounds_share": s["rounds_s"] / s["decode_s"] if s["decode_s"] else 0.0,
           "selection_share": s["selection_s"] / s["decode_s"] if s["decode_s"] else 0.0,
           "other_share": s["other_s"] / s["decode_s"] if s["decode_s"] else 0.0,
       }

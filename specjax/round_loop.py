@@ -43,8 +43,9 @@ class Decoding:
   def start(cls, cache, first: jax.Array, key: jax.Array, h_prev: jax.Array,
             capacity: int) -> Decoding:
     zeros = lambda: jnp.zeros((capacity,), jnp.int32)  # one buffer each: all are donated
-    return cls(cache=cache, last=first[0].astype(jnp.int32), key=key,
-               h_prev=h_prev.astype(jnp.float32), tokens=zeros().at[0].set(first[0]),
+    # The key and h_prev are copied: a shared prefill (`Prefilled`) keeps its own.
+    return cls(cache=cache, last=first[0].astype(jnp.int32), key=jnp.copy(key),
+               h_prev=jnp.array(h_prev, jnp.float32, copy=True), tokens=zeros().at[0].set(first[0]),
                count=jnp.int32(1), done=jnp.bool_(False), rounds=jnp.int32(0),
                drafted=zeros(), accepted=zeros())
 

@@ -148,3 +148,17 @@ def test_ar_chunks_change_no_token(sampling):
   one = run(1)
   assert run(7) == run(None) == one
   assert len(set(one)) >= 8
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_bfloat16_weights_and_cache_are_lossless(arch):
+  """The GPU default dtype: greedy SSD (device and host loop) equals greedy AR in bf16."""
+  config, graphdef, state = target(arch)
+  state = jax.tree.map(lambda x: x.astype(jnp.bfloat16), state)
+  ar = generate(graphdef, state, config, PROMPT, max_new_tokens=48, eos_ids=())
+  assert len(set(ar.tokens)) >= 8
+  for loop in ("host", "device"):
+    out = speculative_generate(graphdef, state, config, PROMPT, StaticDrafter(SKIP),
+                               max_new_tokens=48, eos_ids=(), gamma=4, threshold=0.0, loop=loop)
+    assert out.tokens == ar.tokens
+    assert_exercised(out, deep=True)
