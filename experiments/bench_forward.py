@@ -1,13 +1,18 @@
-"""Draft-step time vs share of active sub-layers, and AR decode speed vs transformers.
+"""Step costs (draft at a share of sub-layers, verification) in AR steps, and AR decode
+speed against transformers, llama.cpp and the memory-bandwidth roofline.
 
     python experiments/bench_forward.py [--model smollm2-135m-instruct] [--tokens 128]
 
-Part 1: one decode step (T = 1, context `--context`) under random plans with 25 / 50 /
-75 / 100 % of the 2L sub-layers active, as ratios to the full step. Fractions are timed
-round-robin and the median taken, so machine noise hits them alike.
+Part 1, at context `--context`: the AR step (the dense model, T = 1), verification of
+γ + 1 = 5 tokens (`engine.verify_step`), and one draft step (`engine.draft_step`, γ = 1)
+under random plans with 25 / 50 / 75 / 100 % of the 2L sub-layers active, each as a ratio
+to the AR step. All are timed round-robin and the median taken, so machine noise hits
+them alike.
 Part 2: greedy AR decoding of `--tokens` tokens on one prompt: specjax vs HF transformers
 (torch, fp32, same GGUF) and llama.cpp when `llama-cpp-python` is installed; medians of
-`--runs` runs, prefill included (end-to-end) and decode-only.
+`--runs` runs, prefill included (end-to-end) and decode-only; and the roofline: weight
+bytes read per token over a bandwidth this script measures (a jitted reduction over a
+1 GiB array).
 Writes the `forward` section of docs/BENCHMARKS.md; the last line is JSON.
 """
 
@@ -46,26 +51,75 @@ def random_plan(L: int, frac: float, rng: np.random.Generator) -> DraftPlan:
   return DraftPlan.from_masks(on[:L], on[L:])
 
 
-def draft_step_ratios(m, context: int, rounds: int, steps: int) -> dict[float, float]:
-  cfg = m.config
+def step_ratios(m, context: int, rounds: int, steps: int, gamma: int = 4) -> dict:
+  """Median ms of the AR step, verification of γ+1 tokens and draft steps at each share of
+  active sub-layers, round-robin; ratios to the AR step."""
+  from specjax.engine import draft_step, verify_step
+
+  cfg, state, graphdef = m.config, m.state, m.graphdef
   rng = np.random.default_rng(0)
   plans = {f: [random_plan(cfg.num_layers, f, rng) for _ in range(3)] for f in FRACTIONS}
+  full = DraftPlan.full(cfg.num_layers)
+  greedy = SamplingParams()
   cache = KVCache.create(cfg, 1, context + 64).with_length(context)
-  tok, key = jnp.ones((1,), jnp.int32), jax.random.key(0)
-  step = compiled(decode_step, m.state, cache, tok, plans[1.0][0], key,
-                  graphdef=m.graphdef, sampling=SamplingParams())
-  times = {f: [] for f in FRACTIONS}
+  tok, last, key = jnp.ones((1,), jnp.int32), jnp.int32(1), jax.random.key(0)
+  step = compiled(decode_step, state, cache, tok, full, key, graphdef=graphdef, sampling=greedy)
+  draft = compiled(draft_step, state, cache, last, plans[0.5][0], key, jnp.int32(1),
+                   graphdef=graphdef, vocab=cfg.vocab_size, gamma=1, threshold=0.0,
+                   sampling=greedy)
+  proto = draft_step(state, cache, last, plans[0.5][0], key, jnp.int32(1), graphdef=graphdef,
+                     vocab=cfg.vocab_size, gamma=gamma, threshold=0.0, sampling=greedy)
+  verify = compiled(verify_step, state, cache, last, proto, full, key, graphdef=graphdef,
+                    sampling=greedy)
+  holder = {"cache": cache}
+
+  def timed(fn) -> float:
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t
+
+  def ar():
+    tok2, c = step(state, holder["cache"], tok, full, key)
+    holder["cache"] = c.with_length(context)  # donated: keep the returned buffers
+    return tok2
+
+  def verify_once():
+    out, c = verify(state, holder["cache"], last, proto, full, key)
+    holder["cache"] = c.with_length(context)
+    return out.n_commit
+
+  times = {"ar": [], "verify": []} | {f: [] for f in FRACTIONS}
   for _ in range(rounds):
-    for f in FRACTIONS:
-      for plan in plans[f]:
-        for _ in range(steps):
-          cache = cache.with_length(context)  # every step reads the same context
-          t = time.perf_counter()
-          tok, cache = step(m.state, cache, tok, plan, key)
-          tok.block_until_ready()
-          times[f].append(time.perf_counter() - t)
-  med = {f: statistics.median(ts) for f, ts in times.items()}
-  return {f: med[f] / med[1.0] for f in FRACTIONS} | {"full_ms": med[1.0] * 1e3}
+    for _ in range(steps):
+      times["ar"].append(timed(ar))
+      times["verify"].append(timed(verify_once))
+      for f in FRACTIONS:
+        for plan in plans[f]:
+          times[f].append(timed(lambda p=plan: draft(state, holder["cache"], last, p, key,
+                                                     jnp.int32(1)).n))
+  ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+  return {"ar_ms": ms["ar"], "verify_ms": ms["verify"], "verify_over_ar": ms["verify"] / ms["ar"],
+          "draft_over_ar": {f: ms[f] / ms["ar"] for f in FRACTIONS}, "gamma": gamma}
+
+
+def measured_bandwidth(gib: float = 1.0, repeats: int = 9) -> float:
+  """Bytes/s of a jitted reduction over a `gib` GiB float32 array (median of repeats): the
+  read bandwidth XLA reaches on this machine, the roofline's denominator."""
+  x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
+  f = jax.jit(jnp.sum)
+  f(x).block_until_ready()
+  ts = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    f(x).block_until_ready()
+    ts.append(time.perf_counter() - t)
+  return x.nbytes / statistics.median(ts)
+
+
+def weight_bytes(m) -> int:
+  """Bytes of weights one decode step reads: every parameter (a tied embedding once, as the
+  LM head; the embedding lookup reads one row)."""
+  return sum(x.nbytes for x in jax.tree.leaves(m.state))
 
 
 def specjax_ar(m, ids: list[int], tokens: int, runs: int) -> dict:
@@ -140,20 +194,26 @@ def main() -> None:
 
   m = load_model(args.model)
   L = m.config.num_layers
-  print(f"[1/2] draft step, {args.model}, context {args.context}: timing {len(FRACTIONS)} "
-        f"fractions x 3 plans x {args.rounds} rounds")
-  ratios = draft_step_ratios(m, args.context, args.rounds, steps=5)
-  for f in FRACTIONS:
-    print(f"  {int(f * 100):3d} % of {2 * L} sub-layers active: {ratios[f]:.3f} x full step")
-  print(f"  full step: {ratios['full_ms']:.2f} ms")
+  print(f"[1/2] step costs, {args.model}, context {args.context}: AR step, verify, draft at "
+        f"{len(FRACTIONS)} fractions x 3 plans, {args.rounds} rounds")
+  r = step_ratios(m, args.context, args.rounds, steps=5)
+  step_rows = [[f"verify γ+1 = {r['gamma'] + 1} tokens", r["verify_over_ar"]]]
+  step_rows += [[f"draft step, {int(f * 100)} % of {2 * L} sub-layers", r["draft_over_ar"][f]]
+                for f in FRACTIONS]
+  print(report.markdown_table(["step", "time ÷ AR step"], step_rows))
+  print(f"  AR step: {r['ar_ms']:.2f} ms, verify: {r['verify_ms']:.2f} ms")
 
   ids = m.tokenizer.encode_prompt(PROMPT)
   print(f"[2/2] greedy AR, {len(ids)}-token prompt, {args.tokens} new tokens, "
         f"median of {args.runs}")
   ours = specjax_ar(m, ids, args.tokens, args.runs)
+  bandwidth = measured_bandwidth()
+  roofline = bandwidth / weight_bytes(m)
   hf = transformers_ar(args.model, ids, args.tokens, args.runs)
   lcpp = llama_cpp_ar(args.model, ids, args.tokens, args.runs)
-  rows = [["specjax (jax fp32)", ours["end_to_end_tok_s"], ours["decode_tok_s"], 1.0]]
+  rows = [["roofline (weights ÷ measured bandwidth)", "-", roofline,
+           roofline / ours["decode_tok_s"]],
+          ["specjax (jax fp32)", ours["end_to_end_tok_s"], ours["decode_tok_s"], 1.0]]
   if hf:
     rows.append(["transformers (torch fp32)", hf["end_to_end_tok_s"], hf["decode_tok_s"],
                  hf["end_to_end_tok_s"] / ours["end_to_end_tok_s"]])
@@ -165,12 +225,21 @@ def main() -> None:
   print(report.markdown_table(header, rows))
   if same is not None:
     print(f"greedy tokens identical to transformers: {same}")
+  print(f"specjax decodes at {ours['decode_tok_s'] / roofline:.0%} of the roofline "
+        f"({weight_bytes(m) / 1e6:.0f} MB of weights per token at {bandwidth / 1e9:.1f} GB/s)")
 
   figures = {
       "model": args.model,
       "machine": report.machine(),
-      "draft_step_ratio": {str(int(f * 100)): round(ratios[f], 4) for f in FRACTIONS},
-      "full_step_ms": round(ratios["full_ms"], 3),
+      "draft_step_over_ar": {str(int(f * 100)): round(r["draft_over_ar"][f], 4)
+                             for f in FRACTIONS},
+      "verify_over_ar": round(r["verify_over_ar"], 4),
+      "ar_step_ms": round(r["ar_ms"], 3),
+      "verify_ms": round(r["verify_ms"], 3),
+      "bandwidth_gb_s": round(bandwidth / 1e9, 2),
+      "weight_mb": round(weight_bytes(m) / 1e6, 1),
+      "roofline_tok_s": round(roofline, 2),
+      "specjax_share_of_roofline": round(ours["decode_tok_s"] / roofline, 4),
       "specjax_tok_s": round(ours["end_to_end_tok_s"], 2),
       "specjax_decode_tok_s": round(ours["decode_tok_s"], 2),
       "transformers_tok_s": round(hf["end_to_end_tok_s"], 2) if hf else None,
@@ -186,15 +255,17 @@ def main() -> None:
         "",
         f"Machine: {figures['machine']}. Commit {report.git_revision()}.",
         "",
-        f"Draft step (T = 1, context {args.context}), random plans with a given share of the "
-        f"{2 * L} sub-layers active, median time as a ratio to the full step "
-        f"({ratios['full_ms']:.1f} ms):",
+        f"Steps at context {args.context} as a ratio to the AR step ({r['ar_ms']:.1f} ms, "
+        f"the dense model at T = 1): verification of γ + 1 tokens, and a draft step under "
+        f"random plans with a given share of the {2 * L} sub-layers active (medians, "
+        f"round-robin):",
         "",
-        report.markdown_table(["active sub-layers", "time ÷ full step"],
-                              [[f"{int(f * 100)} %", ratios[f]] for f in FRACTIONS]),
+        report.markdown_table(["step", "time ÷ AR step"], step_rows),
         "",
         f"Greedy AR decoding, {len(ids)}-token chat prompt, {args.tokens} new tokens, "
-        f"median of {args.runs} runs:",
+        f"median of {args.runs} runs; the roofline reads {weight_bytes(m) / 1e6:.0f} MB of "
+        f"weights per token at the {bandwidth / 1e9:.1f} GB/s a jitted reduction reaches here "
+        f"(specjax decodes at {ours['decode_tok_s'] / roofline:.0%} of it):",
         "",
         report.markdown_table(header, rows),
     ])
