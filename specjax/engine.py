@@ -263,6 +263,7 @@ class Session:
   cache: KVCache  # the verified cache; context[-1] is not in it yet
   context: list[int]  # prompt + committed tokens
   prompt_embedding: jax.Array | None = None  # float32[D], `generate.pooled_prompt`
+  _scorers: dict = dataclasses.field(default_factory=dict, repr=False)
 
   def dense_cache(self) -> KVCache:
     """The verified cache as a full-precision `KVCache` (itself, or an 8-bit view of a
@@ -277,9 +278,12 @@ class Session:
     start = end - window
     toks = jnp.asarray(self.context[start:end], jnp.int32)
     targets = jnp.asarray(self.context[start + 1 : end + 1], jnp.int32)
-    fn = compiled(agreement, self.state, self.cache, toks, targets, jnp.int32(start), plan,
-                  graphdef=self.graphdef)
-    return float(fn(self.state, self.cache, toks, targets, jnp.int32(start), plan))
+    sig = (window, jax.tree.structure(plan), tuple(x.shape for x in jax.tree.leaves(plan)))
+    if sig not in self._scorers:  # `compiled`'s own lookup walks every parameter
+      self._scorers[sig] = compiled(agreement, self.state, self.cache, toks, targets,
+                                    jnp.int32(start), plan, graphdef=self.graphdef)
+    return float(self._scorers[sig](self.state, self.cache, toks, targets, jnp.int32(start),
+                                    plan))
 
 
 @dataclasses.dataclass
@@ -458,11 +462,15 @@ def _host_rounds(run: _Run, keep_plans: bool) -> SSDGeneration:
   proto = jax.eval_shape(functools.partial(draft_fn, **d_static), state, cache, last0, full, key,
                          jnp.int32(gamma), h0_proto)
 
+  verifiers = {}
+
   def verifier(length: int):
-    """The verify executable for a draft length (compiled on first use, timed apart)."""
-    length = None if length >= gamma else length
-    return compiled(verify_step, state, cache, last0, proto, full, key, length=length,
-                    **v_static)
+    """The verify executable for a draft length (compiled on first use, timed apart; kept
+    here, since `compiled`'s lookup hashes the graphdef and walks every parameter)."""
+    if length not in verifiers:
+      verifiers[length] = compiled(verify_step, state, cache, last0, proto, full, key,
+                                   length=None if length >= gamma else length, **v_static)
+    return verifiers[length]
 
   verifier(gamma)
   compile_s = time.perf_counter() - t_compile
@@ -489,13 +497,13 @@ def _host_rounds(run: _Run, keep_plans: bool) -> SSDGeneration:
     draft.n.block_until_ready()
     t_v = time.perf_counter()
     out, cache = verify(state, cache, last, draft, full, k_accept)
-    n_commit = int(out.n_commit)  # waits for the device
+    n_commit, n_drafted, round_tokens = jax.device_get((out.n_commit, out.n_drafted, out.tokens))
     if run.kv_cache is not None:
       cache.check_finite()
     h_prev = out.hidden_last
     t_d = time.perf_counter()
-    committed = [int(t) for t in jax.device_get(out.tokens[:n_commit])]
-    n_drafted = int(out.n_drafted)
+    n_commit, n_drafted = int(n_commit), int(n_drafted)
+    committed = round_tokens[:n_commit].tolist()
     round_drafted.append(n_drafted)
     round_accepted.append(n_commit - 1)
     stats["rounds"] += 1
