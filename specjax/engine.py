@@ -377,6 +377,7 @@ def speculative_generate(
     prefilled: Prefilled | None = None,
     loop: str = "auto",
     rounds_per_call: int | None = None,
+    static_plan: bool | None = None,
 ) -> SSDGeneration:
   """Self-speculative decoding of one prompt: prefill, then rounds of draft and verify.
 
@@ -391,7 +392,10 @@ def speculative_generate(
   plan is fixed for the generation), "host" a draft and a verify call per round with
   their times apart (adaptive drafters; profiling), "auto" the device loop where it can.
   `rounds_per_call` (device loop): rounds between host reads (default: all of them, or
-  4 when streaming to `on_token`).
+  4 when streaming to `on_token`). `static_plan` (device loop): compile the drafter's
+  plan into the executable (`DraftPlan.freeze`: no per-layer conditional, one compile
+  per plan; the default on accelerators, where each conditional is a host round trip)
+  rather than trace it (one executable for every plan; the default on a CPU).
   """
   threshold = drafter.threshold if threshold is None else threshold
   kv_cache = drafter.kv_cache if kv_cache is None else kv_cache
@@ -428,7 +432,9 @@ def speculative_generate(
   else:
     from specjax.round_loop import device_rounds
 
-    gen = device_rounds(run, keep_plans, rounds_per_call)
+    if static_plan is None:
+      static_plan = jax.default_backend() != "cpu"
+    gen = device_rounds(run, keep_plans, rounds_per_call, static_plan)
   gen.compile_s += pre.compile_s + init_compile_s
   gen.prefill_s = pre.prefill_s
   gen.selection_s += init_s

@@ -31,11 +31,13 @@ from specjax.quant_kv_cache import QuantKVCache
 _NEG_INF = -1e30
 
 
-def _cond(run: jax.Array | None, compute, skip, *operands):
-  """`lax.cond(run, compute, skip, ...)`, or plain `compute(...)` when `run` is None (the
-  sub-layer always runs: no conditional is traced)."""
+def _cond(run: jax.Array | bool | None, compute, skip, *operands):
+  """`lax.cond(run, compute, skip, ...)`; plain `compute(...)` when `run` is None (the
+  sub-layer always runs) and `skip(...)` when it is False (never): no conditional."""
   if run is None:
     return compute(*operands)
+  if run is False:
+    return skip(*operands)
   return jax.lax.cond(run, compute, skip, *operands)
 
 
@@ -403,7 +405,7 @@ class Transformer(nnx.Module):
     x = self.embed(tokens)
     ks, vs, residuals = [], [], []
     for l, block in enumerate(self.blocks):
-      run = None if plan.dense else plan.attn[l]
+      run = plan.runs("attn", l)
       if not reading:
         x, k, v = block.attn_sublayer(run, x, positions, cache.k[l], cache.v[l], cache.length)
       else:
@@ -427,7 +429,7 @@ class Transformer(nnx.Module):
       if return_residuals:
         residuals.append(x)
       weights = None if plan.mlp_weights is None else plan.mlp_weights[l]
-      x = block.mlp_sublayer(None if plan.dense else plan.mlp[l], x, weights)
+      x = block.mlp_sublayer(plan.runs("mlp", l), x, weights)
       if return_residuals:
         residuals.append(x)
     head = self.head if plan.vocab is None else (lambda h: self.head_shortlist(h, plan.vocab))
@@ -474,6 +476,8 @@ def _keep_rows(store: jax.Array, rows: jax.Array, run: jax.Array | None, at: jax
   """Write rows[B, K, T, H] at row `at` if the sub-layer ran; else keep the stored rows."""
   if run is None:
     return jax.lax.dynamic_update_slice_in_dim(store, rows, at, axis=2)
+  if run is False:
+    return store
   held = jax.lax.dynamic_slice_in_dim(store, at, rows.shape[2], axis=2)
   return jax.lax.dynamic_update_slice_in_dim(store, jnp.where(run, rows, held), at, axis=2)
 

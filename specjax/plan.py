@@ -39,6 +39,26 @@ class DraftPlan:
   # conditional. The AR step and verification use it; a GPU runs each conditional as a
   # host round trip. Static, so a dense plan gets its own executable.
   dense: bool = flax.struct.field(pytree_node=False, default=False)
+  # The masks as static (attn, mlp) tuples (`freeze`): the forward then traces exactly the
+  # sub-layers that run and no conditional, one executable per plan. For drafters whose
+  # plan is fixed, on backends where a conditional costs a host sync (GPU).
+  frozen: tuple[tuple[bool, ...], tuple[bool, ...]] | None = flax.struct.field(
+      pytree_node=False, default=None)
+
+  def freeze(self) -> DraftPlan:
+    """This plan with its masks also static (see `frozen`); needs concrete masks."""
+    as_tuple = lambda a: tuple(bool(v) for v in np.asarray(a))
+    return self.replace(frozen=(as_tuple(self.attn), as_tuple(self.mlp)))
+
+  def runs(self, kind: str, layer: int) -> jax.Array | bool | None:
+    """Whether the forward runs sub-layer `kind` ("attn" / "mlp") of `layer`: None when it
+    always does (no conditional), False when it never does (not traced), else the traced
+    predicate of a `lax.cond`."""
+    if self.dense:
+      return None
+    if self.frozen is not None:
+      return None if self.frozen[kind == "mlp"][layer] else False
+    return getattr(self, kind)[layer]
 
   @property
   def weight_bits(self) -> int:
@@ -97,6 +117,10 @@ class DraftPlan:
         np.all(np.asarray(self.attn)) and np.all(np.asarray(self.mlp))):
       raise PlanError("a dense plan runs every sub-layer: build it with DraftPlan.full, or "
                       "use from_masks for a plan that skips some")
+    if self.frozen is not None and not isinstance(self.attn, jax.core.Tracer) and (
+        self.frozen != self.freeze().frozen):
+      raise PlanError("a frozen plan's static masks differ from its arrays: freeze() it again "
+                      "after changing them")
     if self.kv_bits not in (4, 8, 16):
       raise PlanError(f"plan.kv_bits must be 4, 8 or 16, got {self.kv_bits}")
     if self.mlp_weights is not None and len(self.mlp_weights) != num_layers:

@@ -96,9 +96,10 @@ def decode_rounds(state: nnx.State, carry: Decoding, plan: DraftPlan, budget: ja
   return jax.lax.while_loop(cond, body, carry)
 
 
-def device_rounds(run, keep_plans: bool, rounds_per_call: int | None):
-  """`engine.speculative_generate`'s device driver: the drafter's one plan, then calls of
-  `decode_rounds` until done, one host read each (`engine._Run` in, `SSDGeneration` out)."""
+def device_rounds(run, keep_plans: bool, rounds_per_call: int | None, static_plan: bool):
+  """`engine.speculative_generate`'s device driver: the drafter's one plan (frozen into
+  the executable when `static_plan`), then calls of `decode_rounds` until done, one host
+  read each (`engine._Run` in, `SSDGeneration` out)."""
   import time
 
   from specjax.engine import SSDGeneration
@@ -107,6 +108,8 @@ def device_rounds(run, keep_plans: bool, rounds_per_call: int | None):
 
   t0 = time.perf_counter()
   plan = run.drafter.plan(run.dstate)
+  if static_plan:
+    plan = plan.freeze()
   selection_s = time.perf_counter() - t0
   budget = run.max_new_tokens
   per_call = rounds_per_call or (4 if run.on_token else budget)

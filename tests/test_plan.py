@@ -57,3 +57,14 @@ def test_a_dense_plan_that_skips_is_refused():
   with pytest.raises(PlanError, match="dense"):
     skipping.check(4)
   assert not DraftPlan.from_skips(4).dense
+
+
+def test_freeze_makes_the_masks_static_and_is_checked():
+  plan = DraftPlan.from_skips(4, skip_attn=[1], skip_mlp=[3]).freeze()
+  assert plan.frozen == ((True, False, True, True), (True, True, True, False))
+  assert plan.runs("attn", 0) is None and plan.runs("attn", 1) is False
+  assert plan.runs("mlp", 3) is False
+  assert DraftPlan.full(4).runs("mlp", 3) is None
+  stale = plan.replace(attn=jnp.ones(4, jnp.bool_))  # arrays changed, static masks not
+  with pytest.raises(PlanError, match="freeze"):
+    stale.check(4)

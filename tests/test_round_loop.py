@@ -162,3 +162,26 @@ def test_bfloat16_weights_and_cache_are_lossless(arch):
                                max_new_tokens=48, eos_ids=(), gamma=4, threshold=0.0, loop=loop)
     assert out.tokens == ar.tokens
     assert_exercised(out, deep=True)
+
+
+@pytest.mark.parametrize("name", ["static", "frspec", "quantspec"])
+def test_a_frozen_plan_commits_the_same_tokens_without_conditionals(name):
+  """`static_plan=True` (the accelerator default) compiles the plan in: same rounds as
+  the traced plan, and the round loop's executable holds no per-layer conditional."""
+  config, graphdef, state = target("llama")
+  drafter = DRAFTERS[name]("llama")
+  run = lambda static: speculative_generate(graphdef, state, config, PROMPT, drafter,
+                                            max_new_tokens=48, eos_ids=(), gamma=4,
+                                            threshold=0.0, static_plan=static, keep_plans=True)
+  traced, frozen = run(False), run(True)
+  assert frozen.tokens == traced.tokens and frozen.round_accepted == traced.round_accepted
+  plan = frozen.plans[0]
+  assert plan.frozen is not None and traced.plans[0].frozen is None
+  cache = KVCache.create(config, 1, 192) if drafter.kv_cache is None else \
+      drafter.kv_cache.create(config, 1, 192)
+  carry = Decoding.start(cache, jnp.asarray([1]), jax.random.key(0),
+                         jnp.zeros((config.embed_dim,)), 64)
+  hlo = decode_rounds.lower(state, carry, plan, jnp.int32(40), jnp.asarray([-1]),
+                            graphdef=graphdef, vocab=config.vocab_size, gamma=4, threshold=0.5,
+                            sampling=SamplingParams(), rounds_per_call=8).compile().as_text()
+  assert hlo.count(" conditional(") == 0
