@@ -102,9 +102,9 @@ def step_ratios(m, context: int, rounds: int, steps: int, gamma: int = 4) -> dic
           "draft_over_ar": {f: ms[f] / ms["ar"] for f in FRACTIONS}, "gamma": gamma}
 
 
-def measured_bandwidth(gib: float = 1.0, repeats: int = 9) -> float:
-  """Bytes/s of a jitted reduction over a `gib` GiB float32 array (median of repeats): the
-  read bandwidth XLA reaches on this machine, the roofline's denominator."""
+def measured_bandwidth(gib: float = 1.0, repeats: int = 15) -> float:
+  """Bytes/s of a jitted reduction over a `gib` GiB float32 array (the best of `repeats`:
+  a roofline is what the machine can reach): the read bandwidth XLA attains here."""
   x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
   f = jax.jit(jnp.sum)
   f(x).block_until_ready()
@@ -113,13 +113,16 @@ def measured_bandwidth(gib: float = 1.0, repeats: int = 9) -> float:
     t = time.perf_counter()
     f(x).block_until_ready()
     ts.append(time.perf_counter() - t)
-  return x.nbytes / statistics.median(ts)
+  return x.nbytes / min(ts)
 
 
 def weight_bytes(m) -> int:
-  """Bytes of weights one decode step reads: every parameter (a tied embedding once, as the
-  LM head; the embedding lookup reads one row)."""
-  return sum(x.nbytes for x in jax.tree.leaves(m.state))
+  """Bytes of weights one decode step reads: every parameter, but an untied embedding
+  table (its lookup reads one row; a tied one is read whole, as the LM head)."""
+  total = sum(x.nbytes for x in jax.tree.leaves(m.state))
+  if not m.config.tie_embeddings:
+    total -= m.state["embedding"][...].nbytes
+  return total
 
 
 def specjax_ar(m, ids: list[int], tokens: int, runs: int) -> dict:

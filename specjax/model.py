@@ -17,6 +17,8 @@ G = N / K query heads per kv head, H head dim, D model dim, F MLP width, V vocab
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -116,22 +118,49 @@ class Attention(nnx.Module):
       return self._attend_kernel(q, positions, segments, quantised)
     B, T, N, H = q.shape
     rows, row_pos = _to_rows(q, positions, segments[0].k.shape[1])  # [B, K, R, H], [B, R]
-    scores = []
-    for seg in segments:
-      s = jnp.einsum("bkrh,bksh->bkrs", rows, seg.k.astype(q.dtype)) * self.config.scale
-      key_pos = seg.positions[:, None, :]  # [B, 1, S]
-      ok = seg.valid[:, None, :] & (key_pos <= row_pos[:, :, None])  # [B, R, S]
-      if self.window is not None:
-        ok &= row_pos[:, :, None] - key_pos < self.window
-      scores.append(jnp.where(ok[:, None], s.astype(jnp.float32), _NEG_INF))
-    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(q.dtype)
-    out, start = 0.0, 0
-    for seg in segments:
-      size = seg.k.shape[2]
-      p = probs[..., start : start + size]
-      out = out + jnp.einsum("bkrs,bksh->bkrh", p, seg.v.astype(q.dtype))
-      start += size
-    return self._project_out(_from_rows(out, T))
+    parts = [self._prefix(rows, row_pos, seg) if _prefix_readable(seg) else
+             self._partial(rows, row_pos, seg.k, seg.v, seg.positions, seg.valid)
+             for seg in segments]
+    m = functools.reduce(jnp.maximum, [p[0] for p in parts])  # [B, K, R]
+    w = [jnp.exp(p[0] - m) for p in parts]
+    total = sum(wi * p[1] for wi, p in zip(w, parts))
+    out = sum(wi[..., None] * p[2] for wi, p in zip(w, parts)) / total[..., None]
+    return self._project_out(_from_rows(out.astype(q.dtype), T))
+
+  def _partial(self, rows, row_pos, k, v, key_pos, valid):
+    """Unnormalised attention of rows[B, K, R, H] over keys k/v[B, K, S, H] at key_pos[B, S]:
+    (row max m [B, K, R], sum of exp l [B, K, R], exp-weighted values [B, K, R, H]), all in
+    float32, for merging with other segments' and blocks' partials (log-sum-exp)."""
+    s = jnp.einsum("bkrh,bksh->bkrs", rows, k.astype(rows.dtype)) * self.config.scale
+    ok = valid[:, None, :] & (key_pos[:, None, :] <= row_pos[:, :, None])  # [B, R, S]
+    if self.window is not None:
+      ok &= row_pos[:, :, None] - key_pos[:, None, :] < self.window
+    s = jnp.where(ok[:, None], s.astype(jnp.float32), _NEG_INF)
+    m = jnp.max(s, axis=-1)
+    p = jnp.where(ok[:, None], jnp.exp(s - m[..., None]), 0.0)
+    acc = jnp.einsum("bkrs,bksh->bkrh", p.astype(rows.dtype), v.astype(rows.dtype))
+    return m, jnp.sum(p, axis=-1), acc.astype(jnp.float32)
+
+  def _prefix(self, rows, row_pos, seg: Segment):
+    """`_partial` over the filled prefix of a cache segment only, so a step costs the
+    context, not the allocation: a `lax.switch` over static prefixes of S/8, S/4, S/2
+    and S slots picks the shortest that holds `filled` (CPU only: on a GPU the switch is
+    a host round trip)."""
+    S = seg.k.shape[2]
+    spans = [S >> i for i in range(SPAN_LEVELS - 1, -1, -1) if (S >> i) >= MIN_SPAN]
+    # A prefix is a static slice of the donated cache: XLA reads it in place (the tests
+    # check the HLO for copies). A loop over blocks up to `filled` copied each block
+    # and was slower than reading all of S at long contexts.
+
+    def over(span):
+      def run(rows, row_pos, k, v, pos, valid):
+        return self._partial(rows, row_pos, k[:, :, :span], v[:, :, :span], pos[:, :span],
+                             valid[:, :span])
+      return run
+
+    which = sum((seg.filled > span).astype(jnp.int32) for span in spans[:-1])
+    return jax.lax.switch(which, [over(span) for span in spans], rows, row_pos, seg.k, seg.v,
+                          seg.positions, seg.valid)
 
   def _project_out(self, out: jax.Array) -> jax.Array:
     """[B, T, N·H] -> [B, T, D]: one matmul against o viewed as [N·H, D] (a bitcast)."""
@@ -306,6 +335,21 @@ class Segment:
   v: jax.Array  # [B, K, S, H]
   positions: jax.Array  # int32[B, S]
   valid: jax.Array  # bool[B, S]
+  # A cache read from slot 0 whose slots [0, filled) are the valid ones (slot = position):
+  # attention may then read only a prefix that holds them.
+  filled: jax.Array | None = None
+
+
+MIN_SPAN = 256  # the shortest cache prefix attention reads
+SPAN_LEVELS = 4  # prefixes of S/8, S/4, S/2 and S slots
+
+
+def _prefix_readable(seg: Segment) -> bool:
+  """Read only a filled prefix of `seg`: a cache segment of at least two minimal spans,
+  on a CPU (where a `lax.switch` costs nothing extra)."""
+  S = seg.k.shape[2]
+  return (seg.filled is not None and S >= 2 * MIN_SPAN and S % (1 << SPAN_LEVELS) == 0
+          and jax.default_backend() == "cpu")
 
 
 @flax.struct.dataclass
@@ -417,7 +461,7 @@ class Transformer(nnx.Module):
           context = [Segment(cache.keys(l, bits), cache.values(l, bits), slots, cache_valid),
                      Segment(cache.buf_k[l], cache.buf_v[l], fp_pos, fp_valid)]
         else:
-          context = [Segment(cache.k[l], cache.v[l], slots, cache_valid)]
+          context = [Segment(cache.k[l], cache.v[l], slots, cache_valid, filled=cache.length)]
         if buffer is not None:
           context.append(Segment(buffer.k[l], buffer.v[l], buf_pos, buf_valid))
         x, k, v = block.attn_sublayer_reading(run, x, positions, context, read)

@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -213,7 +214,7 @@ def test_no_step_or_round_copies_any_cache_layer():
 
   config = tiny_config("gemma3")
   graphdef, state = _tiny_split("gemma3")
-  cache = KVCache.create(config, 1, 192)  # S != the prefill's G·T query rows
+  cache = KVCache.create(config, 1, 512)  # prefixes of 256, 512; S != the prefill's G·T rows
   plan, key, last = DraftPlan.full(config.num_layers), jax.random.key(0), jnp.int32(1)
   for sampling in (SamplingParams(), SamplingParams(1.0, 0.9)):
     step = decode_step.lower(state, cache, jnp.ones((1,), jnp.int32), plan, key,
@@ -229,4 +230,38 @@ def test_no_step_or_round_copies_any_cache_layer():
     prefill = prefill_step.lower(state, cache, jnp.ones((1, 64), jnp.int32), jnp.int32(9), plan,
                                  key, graphdef=graphdef, sampling=sampling).compile().as_text()
     for hlo in (step, draft, verify, prefill):
-      assert _layer_copies(hlo, config, 192) == []
+      assert _layer_copies(hlo, config, 512) == []
+
+
+@pytest.mark.parametrize("filled", [0, 200, 256, 257, 400])
+def test_attention_reads_a_filled_prefix_of_a_large_cache_exactly(filled):
+  """On a CPU a step over a cache of S >= 512 slots reads the shortest prefix (S/8 .. S,
+  at least 256) that holds the context: its output equals the same step over a small
+  cache (read whole), on both sides of a prefix boundary, writing and drafting."""
+  from specjax.kv_cache import DraftBuffer
+
+  config = tiny_config("qwen2")
+  graphdef, state = _tiny_split("qwen2")
+  L = config.num_layers
+  n = filled + 3
+  toks = jax.random.randint(jax.random.key(filled), (1, n), 0, config.vocab_size)
+  pos = jnp.arange(n)[None]
+
+  def last_logits(size, plan, buffer=None):
+    cache = KVCache.create(config, 1, size)
+    if filled:
+      _, cache = _apply(state, cache, toks[:, :filled], pos[:, :filled], DraftPlan.full(L),
+                        graphdef=graphdef, logits="none")
+    out, _ = _apply(state, cache, toks[:, filled:], pos[:, filled:], plan, graphdef=graphdef,
+                    logits="all", **({} if buffer is None else {"buffer": buffer}))
+    return np.asarray(out.logits)
+
+  small = -(-(n + 1) // 64) * 64  # read whole: below two minimal prefixes
+  for plan in (DraftPlan.full(L), DraftPlan.from_skips(L, [1], [0])):
+    np.testing.assert_allclose(last_logits(512, plan), last_logits(small, plan),
+                               rtol=1e-5, atol=1e-5)
+  big = KVCache.create(config, 1, 512)
+  np.testing.assert_allclose(
+      last_logits(512, DraftPlan.from_skips(L, [1]), DraftBuffer.like(big, 4)),
+      last_logits(small, DraftPlan.from_skips(L, [1]),
+                  DraftBuffer.like(KVCache.create(config, 1, small), 4)), rtol=1e-5, atol=1e-5)

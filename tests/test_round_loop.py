@@ -129,7 +129,7 @@ def test_device_loop_copies_no_cache_layer():
   from test_model import _layer_copies
 
   config, graphdef, state = target("gemma3")
-  cache = KVCache.create(config, 1, 192)
+  cache = KVCache.create(config, 1, 512)
   for sampling in (SamplingParams(), SAMPLED):
     carry = Decoding.start(cache, jnp.asarray([1]), jax.random.key(0),
                            jnp.zeros((config.embed_dim,)), 64)
@@ -137,7 +137,7 @@ def test_device_loop_copies_no_cache_layer():
                               graphdef=graphdef, vocab=config.vocab_size, gamma=4,
                               threshold=0.5, sampling=sampling,
                               rounds_per_call=8).compile().as_text()
-    assert _layer_copies(hlo, config, 192) == []
+    assert _layer_copies(hlo, config, 512) == []
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
