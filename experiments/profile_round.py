@@ -60,8 +60,9 @@ def main() -> None:
       f"first {int(f * 100)} % layers": DraftPlan.first_layers(L, round(f * L))
       for f in (0.25, 0.5, 0.75)
   }
-  step = compiled(decode_step, m.state, cache, tok, full, key, graphdef=m.graphdef,
-                  sampling=SamplingParams())
+  # The AR step runs the dense model; draft plans are traced (one executable for all).
+  exes = {name: compiled(decode_step, m.state, cache, tok, plan, key, graphdef=m.graphdef,
+                         sampling=SamplingParams()) for name, plan in plans.items()}
   seq = jnp.ones((1, args.gamma + 1), jnp.int32)
   verify = compiled(verify_step, m.state, cache, seq, full, graphdef=m.graphdef)
   times: dict[str, list[float]] = {k: [] for k in plans} | {"verify": []}
@@ -69,7 +70,7 @@ def main() -> None:
     for name, plan in plans.items():
       cache = cache.with_length(args.context)
       t = time.perf_counter()
-      tok, cache = step(m.state, cache, tok, plan, key)
+      tok, cache = exes[name](m.state, cache, tok, plan, key)
       tok.block_until_ready()
       times[name].append(time.perf_counter() - t)
     cache = cache.with_length(args.context)

@@ -130,7 +130,7 @@ class Attention(nnx.Module):
   def _partial(self, rows, row_pos, k, v, key_pos, valid):
     """Unnormalised attention of rows[B, K, R, H] over keys k/v[B, K, S, H] at key_pos[B, S]:
     (row max m [B, K, R], sum of exp l [B, K, R], exp-weighted values [B, K, R, H]), all in
-    float32, for merging with other segments' and blocks' partials (log-sum-exp)."""
+    float32, for merging with the other segments' partials (log-sum-exp)."""
     s = jnp.einsum("bkrh,bksh->bkrs", rows, k.astype(rows.dtype)) * self.config.scale
     ok = valid[:, None, :] & (key_pos[:, None, :] <= row_pos[:, :, None])  # [B, R, S]
     if self.window is not None:
