@@ -334,10 +334,11 @@ def generate(
   full-precision cache, or a `quant_kv_cache.QuantKV` (the target reads it at 8 bits).
   `prefilled`: this prompt's `prefill_prompt` with the same cache type, sampling and seed,
   to decode from instead of prefilling again (the tokens are the same). `chunk`: tokens
-  per device call (default: all of them, or 16 when streaming to `on_token`)."""
+  per device call (default: up to 256, or 16 when streaming to `on_token`)."""
   size = check_prompt(prompt_tokens, max_new_tokens, config.max_context)
   eos = set(config.eos_ids if eos_ids is None else eos_ids)
-  chunk = chunk or (16 if on_token else max(max_new_tokens - 1, 1))
+  # A chunk size that does not follow max_new_tokens exactly: budgets share a compile.
+  chunk = chunk or (16 if on_token else min(256, -(-max(max_new_tokens - 1, 1) // 64) * 64))
   if chunk < 1:
     raise ValueError(f"chunk must be >= 1, got {chunk}")
   tokens: list[int] = []

@@ -24,6 +24,10 @@ from specjax.plan import DraftPlan
 from specjax.sampling import SamplingParams
 
 
+ALL_ROUNDS = 1 << 30  # rounds per call when nothing streams: until done
+TOKEN_BUCKET = 256  # the committed-token buffer grows in these steps
+
+
 @flax.struct.dataclass
 class Decoding:
   """The device loop's state between calls (B = 1)."""
@@ -112,11 +116,13 @@ def device_rounds(run, keep_plans: bool, rounds_per_call: int | None, static_pla
     plan = plan.freeze()
   selection_s = time.perf_counter() - t0
   budget = run.max_new_tokens
-  per_call = rounds_per_call or (4 if run.on_token else budget)
+  # Static sizes that do not follow the budget, so every max_new_tokens shares one compile.
+  per_call = rounds_per_call or (4 if run.on_token else ALL_ROUNDS)
   if per_call < 1:
     raise ValueError(f"rounds_per_call must be >= 1, got {per_call}")
+  capacity = -(-(budget + run.gamma + 1) // TOKEN_BUCKET) * TOKEN_BUCKET
   carry = Decoding.start(run.cache, jnp.asarray([run.first], jnp.int32), run.key, run.h_prev,
-                         capacity=budget + run.gamma + 1)
+                         capacity=capacity)
   eos = eos_array(run.eos)
   args = (run.state, carry, plan, jnp.int32(budget), eos)
   t_compile = time.perf_counter()

@@ -185,3 +185,18 @@ def test_a_frozen_plan_commits_the_same_tokens_without_conditionals(name):
                             graphdef=graphdef, vocab=config.vocab_size, gamma=4, threshold=0.5,
                             sampling=SamplingParams(), rounds_per_call=8).compile().as_text()
   assert hlo.count(" conditional(") == 0
+
+
+def test_a_new_token_budget_compiles_nothing():
+  """Buffer and chunk sizes are bucketed, not the budget itself: a run of another length
+  reuses the device loops' executables."""
+  from specjax import jit_cache
+
+  config, graphdef, state = target("qwen3")
+  ssd = lambda n: speculative_generate(graphdef, state, config, PROMPT, StaticDrafter(SKIP),
+                                       max_new_tokens=n, eos_ids=(), gamma=4)
+  ar = lambda n: generate(graphdef, state, config, PROMPT, max_new_tokens=n, eos_ids=())
+  ssd(40), ar(40)
+  before = jit_cache.compiled_count()
+  assert ssd(33).tokens == ar(33).tokens == ar_tokens("qwen3")[:33]
+  assert jit_cache.compiled_count() == before
