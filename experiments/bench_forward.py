@@ -54,7 +54,7 @@ def random_plan(L: int, frac: float, rng: np.random.Generator) -> DraftPlan:
 def step_ratios(m, context: int, rounds: int, steps: int, gamma: int = 4) -> dict:
   """Median ms of the AR step, verification of γ+1 tokens and draft steps at each share of
   active sub-layers, round-robin; ratios to the AR step."""
-  from specjax.engine import draft_step, verify_step
+  from specjax.engine import Draft, draft_step, verify_step
 
   cfg, state, graphdef = m.config, m.state, m.graphdef
   rng = np.random.default_rng(0)
@@ -67,8 +67,7 @@ def step_ratios(m, context: int, rounds: int, steps: int, gamma: int = 4) -> dic
   draft = compiled(draft_step, state, cache, last, plans[0.5][0], key, jnp.int32(1),
                    graphdef=graphdef, vocab=cfg.vocab_size, gamma=1, threshold=0.0,
                    sampling=greedy)
-  proto = draft_step(state, cache, last, plans[0.5][0], key, jnp.int32(1), graphdef=graphdef,
-                     vocab=cfg.vocab_size, gamma=gamma, threshold=0.0, sampling=greedy)
+  proto = Draft(n=jnp.int32(gamma), tokens=jnp.ones((gamma,), jnp.int32), q_rows=None)
   verify = compiled(verify_step, state, cache, last, proto, full, key, graphdef=graphdef,
                     sampling=greedy)
   holder = {"cache": cache}

@@ -261,8 +261,8 @@ def decode_chunk(
   """Up to min(chunk, budget) decode steps after token[1] (B = 1), stopping after an EOS.
 
   Returns (tokens int32[chunk] of which the first n are new, n, the last token [1], the
-  cache, the key). Each step splits the key as `generate`'s host loop did, so a chunk
-  size changes no token."""
+  cache, the key). Each step splits the key once, whatever the chunk, so a chunk size
+  changes no token."""
   plan = DraftPlan.full(nnx.merge(graphdef, state).config.num_layers)
   limit = jnp.minimum(budget, chunk)
 

@@ -12,13 +12,16 @@ sampled or greedy (the tests check).
 from __future__ import annotations
 
 import functools
+import time
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.engine import draft_fn, verify_fn
+from specjax.engine import SSDGeneration, draft_fn, verify_fn
+from specjax.generate import eos_array
+from specjax.jit_cache import compiled
 from specjax.kv_cache import KVCache
 from specjax.plan import DraftPlan
 from specjax.sampling import SamplingParams
@@ -104,12 +107,6 @@ def device_rounds(run, keep_plans: bool, rounds_per_call: int | None, static_pla
   """`engine.speculative_generate`'s device driver: the drafter's one plan (frozen into
   the executable when `static_plan`), then calls of `decode_rounds` until done, one host
   read each (`engine._Run` in, `SSDGeneration` out)."""
-  import time
-
-  from specjax.engine import SSDGeneration
-  from specjax.generate import eos_array
-  from specjax.jit_cache import compiled
-
   t0 = time.perf_counter()
   plan = run.drafter.plan(run.dstate)
   if static_plan:

@@ -200,3 +200,19 @@ def test_a_new_token_budget_compiles_nothing():
   before = jit_cache.compiled_count()
   assert ssd(33).tokens == ar(33).tokens == ar_tokens("qwen3")[:33]
   assert jit_cache.compiled_count() == before
+
+
+def test_bad_loop_settings_are_clear_errors():
+  from specjax.loader import resolve_dtype
+
+  config, graphdef, state = target("llama")
+  run = lambda **kw: speculative_generate(graphdef, state, config, PROMPT, StaticDrafter(SKIP),
+                                          max_new_tokens=8, eos_ids=(), **kw)
+  with pytest.raises(ValueError, match="loop must be"):
+    run(loop="gpu")
+  with pytest.raises(ValueError, match="rounds_per_call"):
+    run(rounds_per_call=-1)
+  with pytest.raises(ValueError, match="chunk"):
+    generate(graphdef, state, config, PROMPT, max_new_tokens=8, chunk=-2)
+  with pytest.raises(ValueError, match="unknown dtype 'float8'"):
+    resolve_dtype("float8")
