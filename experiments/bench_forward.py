@@ -32,16 +32,19 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report  # noqa: E402
 
+from specjax.cpu_kernels import kernel_status  # noqa: E402
 from specjax.generate import decode_step, generate  # noqa: E402
 from specjax.jit_cache import compiled  # noqa: E402
 from specjax.kv_cache import KVCache  # noqa: E402
 from specjax.loader import load_model  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402
+from specjax.quant import quantize_weights_int8  # noqa: E402
 from specjax.registry import get_spec  # noqa: E402
 from specjax.sampling import SamplingParams  # noqa: E402
 
 PROMPT = "Explain why the sky is blue to a ten-year-old, in a few short paragraphs."
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+INT8_FRACTIONS = (0.5, 1.0)  # drafts with 8-bit weights (`quantize_weights_int8`)
 
 
 def random_plan(L: int, frac: float, rng: np.random.Generator) -> DraftPlan:
@@ -59,14 +62,17 @@ def step_ratios(m, context: int, rounds: int, steps: int, gamma: int = 4) -> dic
   cfg, state, graphdef = m.config, m.state, m.graphdef
   rng = np.random.default_rng(0)
   plans = {f: [random_plan(cfg.num_layers, f, rng) for _ in range(3)] for f in FRACTIONS}
+  # The same plans reading 8-bit copies of every matrix (Int8WeightsDrafter's drafts).
+  int8 = quantize_weights_int8(state, cfg.num_layers)
+  plans |= {(f, 8): [p.replace(weights=int8) for p in plans[f]] for f in INT8_FRACTIONS}
   full = DraftPlan.full(cfg.num_layers)
   greedy = SamplingParams()
   cache = KVCache.create(cfg, 1, context + 64).with_length(context)
   tok, last, key = jnp.ones((1,), jnp.int32), jnp.int32(1), jax.random.key(0)
   step = compiled(decode_step, state, cache, tok, full, key, graphdef=graphdef, sampling=greedy)
-  draft = compiled(draft_step, state, cache, last, plans[0.5][0], key, jnp.int32(1),
-                   graphdef=graphdef, vocab=cfg.vocab_size, gamma=1, threshold=0.0,
-                   sampling=greedy)
+  drafts = {bits: compiled(draft_step, state, cache, last, plans[(0.5, 8) if bits == 8 else 0.5][0],
+                           key, jnp.int32(1), graphdef=graphdef, vocab=cfg.vocab_size, gamma=1,
+                           threshold=0.0, sampling=greedy) for bits in (32, 8)}
   proto = Draft(n=jnp.int32(gamma), tokens=jnp.ones((gamma,), jnp.int32), q_rows=None)
   verify = compiled(verify_step, state, cache, last, proto, full, key, graphdef=graphdef,
                     sampling=greedy)
@@ -87,18 +93,21 @@ def step_ratios(m, context: int, rounds: int, steps: int, gamma: int = 4) -> dic
     holder["cache"] = c.with_length(context)
     return out.n_commit
 
-  times = {"ar": [], "verify": []} | {f: [] for f in FRACTIONS}
+  times = {"ar": [], "verify": []} | {f: [] for f in plans}
   for _ in range(rounds):
     for _ in range(steps):
       times["ar"].append(timed(ar))
       times["verify"].append(timed(verify_once))
-      for f in FRACTIONS:
+      for f in plans:
+        draft = drafts[8 if isinstance(f, tuple) else 32]
         for plan in plans[f]:
-          times[f].append(timed(lambda p=plan: draft(state, holder["cache"], last, p, key,
-                                                     jnp.int32(1)).n))
+          times[f].append(timed(lambda p=plan, d=draft: d(state, holder["cache"], last, p, key,
+                                                          jnp.int32(1)).n))
   ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
   return {"ar_ms": ms["ar"], "verify_ms": ms["verify"], "verify_over_ar": ms["verify"] / ms["ar"],
-          "draft_over_ar": {f: ms[f] / ms["ar"] for f in FRACTIONS}, "gamma": gamma}
+          "draft_over_ar": {f: ms[f] / ms["ar"] for f in FRACTIONS},
+          "int8_draft_over_ar": {f: ms[(f, 8)] / ms["ar"] for f in INT8_FRACTIONS},
+          "gamma": gamma}
 
 
 def measured_bandwidth(gib: float = 1.0, repeats: int = 15) -> float:
@@ -202,6 +211,8 @@ def main() -> None:
   step_rows = [[f"verify γ+1 = {r['gamma'] + 1} tokens", r["verify_over_ar"]]]
   step_rows += [[f"draft step, {int(f * 100)} % of {2 * L} sub-layers", r["draft_over_ar"][f]]
                 for f in FRACTIONS]
+  step_rows += [[f"draft step, {int(f * 100)} % of {2 * L} sub-layers, 8-bit weights",
+                 r["int8_draft_over_ar"][f]] for f in INT8_FRACTIONS]
   print(report.markdown_table(["step", "time ÷ AR step"], step_rows))
   print(f"  AR step: {r['ar_ms']:.2f} ms, verify: {r['verify_ms']:.2f} ms")
 
@@ -235,6 +246,9 @@ def main() -> None:
       "machine": report.machine(),
       "draft_step_over_ar": {str(int(f * 100)): round(r["draft_over_ar"][f], 4)
                              for f in FRACTIONS},
+      "int8_draft_step_over_ar": {str(int(f * 100)): round(r["int8_draft_over_ar"][f], 4)
+                                  for f in INT8_FRACTIONS},
+      "int8_kernel": kernel_status(),
       "verify_over_ar": round(r["verify_over_ar"], 4),
       "ar_step_ms": round(r["ar_ms"], 3),
       "verify_ms": round(r["verify_ms"], 3),

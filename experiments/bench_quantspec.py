@@ -72,9 +72,10 @@ def run(args) -> dict:
   done = {r["key"] for r in bench._read_records(path) if r.get("method") == "complete"}
   model = load_model(args.model)
   kv = QuantKV(group=args.group, residual=args.residual)
-  drafters = {"quantspec": QuantSpecDrafter.for_model(model, kv_cache=kv),
-              "quantspec_kv_only": QuantSpecDrafter.for_model(model, kv_cache=kv,
-                                                              quantize_weights=False)}
+  drafters = {f"quantspec_w{bits}": QuantSpecDrafter.for_model(model, kv_cache=kv,
+                                                               weight_bits=bits)
+              for bits in (4, 8)}
+  drafters["quantspec_kv_only"] = QuantSpecDrafter.for_model(model, kv_cache=kv, weight_bits=16)
   work = []
   for n in args.contexts:
     if n + args.max_new_tokens + args.gamma + 1 > model.config.max_context:
@@ -137,7 +138,7 @@ def finish(model, args, kv: QuantKV, records: list[dict]) -> dict:
                  "–", "–", "–"])
     rows.append([n, "AR (int8 KV)", round(q_tps, 1), f"{s[AR_Q]['speedup']:.2f}", "1.00", "–",
                  "–", "–"])
-    for m in ("quantspec", "quantspec_kv_only"):
+    for m in ("quantspec_w4", "quantspec_w8", "quantspec_kv_only"):
       if m in s:
         rows.append([n, m, round(s[m]["tokens_per_s"], 1), f"{s[m]['speedup']:.2f}",
                      f"{s[m]['tokens_per_s'] / q_tps:.2f}", f"{s[m]['M']:.2f}",
@@ -166,7 +167,10 @@ def finish(model, args, kv: QuantKV, records: list[dict]) -> dict:
         f"channels, buffer 2R = {2 * kv.residual} tokens flushed R at a time during "
         f"decoding, before a step reads it, once it holds more than 2R − {kv.max_step} "
         f"(the flush schedule depends on the committed length only, so AR and QuantSpec "
-        f"verify against the same target); 4-bit MLP weights in groups of 128 rows. All methods in the same "
+        f"verify against the same target). Draft weights: `quantspec_w4` the paper's 4-bit "
+        f"MLP weights (groups of 128 rows), `quantspec_w8` 8-bit weights for every matmul "
+        f"and the LM head (one scale per output channel, the int8 CPU kernel), "
+        f"`quantspec_kv_only` the target's own. All methods in the same "
         f"process, on the jnp path (the quantised cache is dequantised inside each jitted "
         f"step; the Pallas kernel is for GPUs). QuantSpec is lossless with respect to the "
         f"target on the 8-bit cache: `mismatches` counts prompts whose tokens differ from "

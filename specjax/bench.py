@@ -16,8 +16,9 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from specjax import data, docs, metrics, plots
-from specjax.drafters import (ClaspDrafter, EarlyExitDrafter, KnapSpecDrafter, KNNDrafter,
-                              SelfSDDrafter, StaticDrafter, SwiftDrafter, drafter_class)
+from specjax.drafters import (ClaspDrafter, EarlyExitDrafter, Int8WeightsDrafter,
+                              KnapSpecDrafter, KNNDrafter, SelfSDDrafter, StaticDrafter,
+                              SwiftDrafter, drafter_class)
 from specjax.drafters import self_sd
 from specjax.drafters.static import load_plan, save_plan
 from specjax.engine import speculative_generate
@@ -66,8 +67,29 @@ def _chat_ids(tok, turns: list[str], answers: list[str]) -> list[int]:
   return tok.encode("\n\n".join(parts))
 
 
+OVERLAYS = ("8bit",)  # names that compose on top of a layer drafter: `self_sd+8bit`
+
+
 def _make_drafter(name: str, cfg: BenchConfig, model, out_dir: Path, search_prompts,
                   data_dir=None):
+  """The drafter called `name`: a drafter, an overlay alone (`8bit`: over the full model),
+  or a layer drafter with overlays on top, joined by `+` (`self_sd+8bit`)."""
+  base, *overlays = name.split("+")
+  if base in OVERLAYS:
+    base, overlays = None, [base] + overlays
+  drafter = None if base is None else _make_base(base, cfg, model, out_dir, search_prompts,
+                                                data_dir)
+  for overlay in overlays:
+    if overlay not in OVERLAYS:
+      drafter_class(overlay)  # an unknown name: the error lists them all
+      raise ValueError(f"{overlay!r} in {name!r} is not an overlay; overlays: "
+                       f"{', '.join(OVERLAYS)}")
+    drafter = Int8WeightsDrafter.for_model(model, base=drafter)
+  return drafter
+
+
+def _make_base(name: str, cfg: BenchConfig, model, out_dir: Path, search_prompts,
+               data_dir=None):
   L = model.config.num_layers
   if name == "early_exit":
     return EarlyExitDrafter(k=L // 2)
@@ -158,7 +180,8 @@ def run(cfg: BenchConfig, out_dir: Path, *, data_dir=None, resume: bool = False,
     raise ResumeMismatchError(f"--resume: {cfg_path} was written with other settings")
   cfg_path.write_text(cfg_json)
   for name in cfg.drafters:
-    drafter_class(name)
+    for part in name.split("+"):
+      drafter_class(part)
   if cfg.gamma < 1:
     raise ValueError(f"gamma must be >= 1, got {cfg.gamma}")
 

@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--model", default=DEFAULT_MODEL)
   p.add_argument("--drafters", default="early_exit,self_sd,swift",
                  help="comma-separated: static, early_exit, self_sd, swift, clasp, knapspec, "
-                 "knn")
+                 "knn, 8bit (the model at 8-bit weights); a drafter+8bit composes them "
+                 "(self_sd+8bit)")
   p.add_argument("--plan", help="plan file for the static drafter")
   p.add_argument("--categories", default="", help="comma-separated; default all 13")
   p.add_argument("--per-category", type=int, default=1,

@@ -18,6 +18,7 @@ G = N / K query heads per kv head, H head dim, D model dim, F MLP width, V vocab
 from __future__ import annotations
 
 import functools
+import math
 
 import flax.struct
 import jax
@@ -27,7 +28,7 @@ from flax import nnx
 from specjax.config import ModelConfig
 from specjax.kv_cache import DraftBuffer, KVCache
 from specjax.plan import DraftPlan, PlanError
-from specjax.quant import Int4MLP
+from specjax.quant import DraftWeights, LayerWeights
 from specjax.quant_kv_cache import QuantKVCache
 
 _NEG_INF = -1e30
@@ -97,10 +98,15 @@ class Attention(nnx.Module):
     self.window = config.sliding_window if config.is_sliding(layer) else None
     self.rope_base = config.layer_rope_base(layer)
 
-  def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
-    """x[B, T, D] -> q[B, T, N, H], k[B, T, K, H], v[B, T, K, H] (normed and rotated)."""
+  def project(self, x: jax.Array, positions: jax.Array, weights: LayerWeights | None = None
+              ) -> tuple[jax.Array, ...]:
+    """x[B, T, D] -> q[B, T, N, H], k[B, T, K, H], v[B, T, K, H] (normed and rotated),
+    with the layer's own projection or a draft's quantised one (`weights.qkv`)."""
     N, K = self.config.num_heads, self.config.num_kv_heads
-    qkv = jnp.einsum("btd,dnh->btnh", x, self.qkv[...])
+    if weights is not None and weights.qkv is not None:
+      qkv = weights.qkv.matmul(x).reshape(x.shape[:2] + self.qkv.shape[1:])
+    else:
+      qkv = jnp.einsum("btd,dnh->btnh", x, self.qkv[...])
     if self.config.qkv_bias:
       qkv = qkv + self.qkv_bias[...]
     q, k, v = qkv[:, :, :N], qkv[:, :, N : N + K], qkv[:, :, N + K :]
@@ -110,12 +116,14 @@ class Attention(nnx.Module):
     return rope(q), rope(k), v
 
   def attend(self, q: jax.Array, positions: jax.Array, segments: list[Segment],
-             quantised: QuantRead | None = None) -> jax.Array:
+             quantised: QuantRead | None = None, weights: LayerWeights | None = None
+             ) -> jax.Array:
     """Softmax of q[B, T, N, H] over the keys of every segment, each masked by validity,
     causality (key position <= query position) and the sliding window; returns [B, T, D].
-    With `quantised`, also over a layer of a quantised cache, read by the Pallas kernel."""
+    With `quantised`, also over a layer of a quantised cache, read by the Pallas kernel;
+    `weights.o`, when set, replaces the output projection."""
     if quantised is not None:
-      return self._attend_kernel(q, positions, segments, quantised)
+      return self._attend_kernel(q, positions, segments, quantised, weights)
     B, T, N, H = q.shape
     rows, row_pos = _to_rows(q, positions, segments[0].k.shape[1])  # [B, K, R, H], [B, R]
     parts = [self._prefix(rows, row_pos, seg) if _prefix_readable(seg) else
@@ -125,7 +133,7 @@ class Attention(nnx.Module):
     w = [jnp.exp(p[0] - m) for p in parts]
     total = sum(wi * p[1] for wi, p in zip(w, parts))
     out = sum(wi[..., None] * p[2] for wi, p in zip(w, parts)) / total[..., None]
-    return self._project_out(_from_rows(out.astype(q.dtype), T))
+    return self._project_out(_from_rows(out.astype(q.dtype), T), weights)
 
   def _partial(self, rows, row_pos, k, v, key_pos, valid):
     """Unnormalised attention of rows[B, K, R, H] over keys k/v[B, K, S, H] at key_pos[B, S]:
@@ -163,12 +171,16 @@ class Attention(nnx.Module):
     return jax.lax.switch(which, [over(span) for span in spans], rows, row_pos, seg.k, seg.v,
                           seg.positions, seg.valid)
 
-  def _project_out(self, out: jax.Array) -> jax.Array:
+  def _project_out(self, out: jax.Array, weights: LayerWeights | None = None) -> jax.Array:
     """[B, T, N·H] -> [B, T, D]: one matmul against o viewed as [N·H, D] (a bitcast)."""
     N, H, D = self.o.shape
-    return out.astype(self.o.dtype) @ self.o[...].reshape(N * H, D)
+    out = out.astype(self.o.dtype)
+    if weights is not None and weights.o is not None:
+      return weights.o.matmul(out)
+    return out @ self.o[...].reshape(N * H, D)
 
-  def _attend_kernel(self, q, positions, segments, read: QuantRead) -> jax.Array:
+  def _attend_kernel(self, q, positions, segments, read: QuantRead,
+                     weights: LayerWeights | None = None) -> jax.Array:
     """`attend` with the quantised slots read by `pallas_kernels.quant_attention`: the
     G = N/K query heads of a kv head and the T tokens are the kernel's Rq = G·T rows."""
     from pallas_kernels import quant_attention
@@ -185,7 +197,7 @@ class Attention(nnx.Module):
         fp_k, fp_v, fp_pos, fp_valid, bits=read.bits, group=cache.group,
         value_group=cache.value_group, scale=self.config.scale, window=self.window,
         interpret=jax.default_backend() == "cpu")
-    return self._project_out(_from_rows(out.astype(q.dtype), T))
+    return self._project_out(_from_rows(out.astype(q.dtype), T), weights)
 
 
 def _to_rows(q: jax.Array, positions: jax.Array, K: int) -> tuple[jax.Array, jax.Array]:
@@ -208,6 +220,11 @@ def _from_rows(out: jax.Array, T: int) -> jax.Array:
   return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, K * G * H)
 
 
+def _matmul(x: jax.Array, own: nnx.Param, quantised=None) -> jax.Array:
+  """x @ a layer's matrix: its own parameter, or a draft's quantised copy of it."""
+  return x @ own[...] if quantised is None else quantised.matmul(x)
+
+
 class MLP(nnx.Module):
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32):
     D, F = config.embed_dim, config.hidden_dim
@@ -215,17 +232,15 @@ class MLP(nnx.Module):
     self.down = _param(rngs, (F, D), F, dtype)
     self.activation = config.activation
 
-  def __call__(self, x: jax.Array, weights: Int4MLP | None = None) -> jax.Array:
-    if weights is None:
-      gate_up, down = self.gate_up[...], self.down[...]
-    else:  # dequantised in the jitted step (jnp path), fused by XLA into the matmul input
-      gate_up, down = weights.gate_up.dequantize(x.dtype), weights.down.dequantize(x.dtype)
-    gate, up = jnp.split(x @ gate_up, 2, axis=-1)
+  def __call__(self, x: jax.Array, weights: LayerWeights | None = None) -> jax.Array:
+    """The MLP with its own matrices, or a draft's quantised ones where `weights` has them."""
+    w = weights or LayerWeights()
+    gate, up = jnp.split(_matmul(x, self.gate_up, w.gate_up), 2, axis=-1)
     if self.activation == "gelu_tanh":
       gate = jax.nn.gelu(gate, approximate=True)
     else:
       gate = jax.nn.silu(gate)
-    return (gate * up) @ down
+    return _matmul(gate * up, self.down, w.down)
 
 
 class Block(nnx.Module):
@@ -242,8 +257,8 @@ class Block(nnx.Module):
       self.post_mlp_norm = RMSNorm(D, eps, dtype)
     self.post_norms = config.post_norms
 
-  def _attention_out(self, x, q, positions, segments, quantised=None):
-    out = self.attn.attend(q, positions, segments, quantised)
+  def _attention_out(self, x, q, positions, segments, quantised=None, weights=None):
+    out = self.attn.attend(q, positions, segments, quantised, weights)
     return x + (self.post_attn_norm(out) if self.post_norms else out)
 
   def attn_sublayer(
@@ -288,11 +303,12 @@ class Block(nnx.Module):
 
   def attn_sublayer_reading(
       self, run: jax.Array | None, x: jax.Array, positions: jax.Array, context: list[Segment],
-      quantised: QuantRead | None = None,
+      quantised: QuantRead | None = None, weights: LayerWeights | None = None,
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attend over read-only `context` (and a quantised cache layer, read by the kernel)
     plus the tokens themselves; return the residual and the tokens' K/V rows
-    [B, K, T, H] (zeros when skipped) for the caller to keep."""
+    [B, K, T, H] (zeros when skipped) for the caller to keep. A draft's quantised
+    `weights` replace the projections."""
     B, T, _ = x.shape
     K, H = context[0].k.shape[1], context[0].k.shape[3]
 
@@ -301,17 +317,17 @@ class Block(nnx.Module):
       return x, zeros, zeros
 
     def compute(x, context):
-      q, k, v = self.attn.project(self.attn_norm(x), positions)
+      q, k, v = self.attn.project(self.attn_norm(x), positions, weights)
       k = k.transpose(0, 2, 1, 3).astype(context[0].k.dtype)
       v = v.transpose(0, 2, 1, 3).astype(context[0].v.dtype)
       new = Segment(k, v, positions, jnp.ones(positions.shape, jnp.bool_))
-      return self._attention_out(x, q, positions, context + [new], quantised), k, v
+      return self._attention_out(x, q, positions, context + [new], quantised, weights), k, v
 
     return _cond(run, compute, skip, x, context)
 
-  def mlp_sublayer(self, run: jax.Array | None, x: jax.Array, weights: Int4MLP | None = None
-                   ) -> jax.Array:
-    """The MLP sub-layer, with the layer's own weights or (a QuantSpec draft) 4-bit ones."""
+  def mlp_sublayer(self, run: jax.Array | None, x: jax.Array,
+                   weights: LayerWeights | None = None) -> jax.Array:
+    """The MLP sub-layer, with the layer's own weights or a draft's quantised ones."""
     def compute(x):
       out = self.mlp(self.mlp_norm(x), weights)
       return x + (self.post_mlp_norm(out) if self.post_norms else out)
@@ -378,24 +394,48 @@ class Transformer(nnx.Module):
       x = x * jnp.asarray(self.config.embed_dim**0.5, x.dtype)
     return x
 
-  def head(self, hidden: jax.Array) -> jax.Array:
-    """Final norm + LM head over the full vocabulary, in float32."""
+  def head(self, hidden: jax.Array, weights: DraftWeights | None = None) -> jax.Array:
+    """Final norm + LM head over the full vocabulary, in float32 (a draft's quantised
+    head when `weights` has one)."""
     h = self.final_norm(hidden)
+    if weights is not None and weights.head is not None:
+      return weights.head.matmul(h.astype(jnp.float32))
     if self.config.tie_embeddings:
       return jnp.einsum("btd,vd->btv", h, self.embedding[...], preferred_element_type=jnp.float32)
     return jnp.einsum("btd,dv->btv", h, self.lm_head[...], preferred_element_type=jnp.float32)
 
-  def head_shortlist(self, hidden: jax.Array, ids: jax.Array) -> jax.Array:
+  def head_shortlist(self, hidden: jax.Array, ids: jax.Array,
+                     weights: DraftWeights | None = None) -> jax.Array:
     """Logits over the shortlist ids[K] only (a gather of K head rows, then the matmul);
     padding ids (-1) get -inf. [B, T, D] -> [B, T, K]."""
     h = self.final_norm(hidden)
     safe = jnp.maximum(ids, 0)
-    if self.config.tie_embeddings:
+    if weights is not None and weights.head is not None:
+      rows = weights.head.rows_of(safe, h.dtype)  # [K, D]
+    elif self.config.tie_embeddings:
       rows = jnp.take(self.embedding[...], safe, axis=0)  # [K, D]
     else:
       rows = jnp.take(self.lm_head[...], safe, axis=1).T
     logits = jnp.einsum("btd,kd->btk", h, rows, preferred_element_type=jnp.float32)
     return jnp.where(ids >= 0, logits, -jnp.inf)
+
+  def _draft_weights(self, weights: DraftWeights | None) -> list[LayerWeights | None]:
+    """Per layer, the draft's quantised matrices (None: its own), after checking that
+    they were quantised from this model (shapes are static: checked at trace time)."""
+    if weights is None:
+      return [None] * len(self.blocks)
+    for l, (block, lw) in enumerate(zip(self.blocks, weights.layers)):
+      for name, own in (("qkv", block.attn.qkv), ("o", block.attn.o),
+                        ("gate_up", block.mlp.gate_up), ("down", block.mlp.down)):
+        mat = getattr(lw, name)
+        if mat is not None and tuple(mat.shape) != _shape_of(own, name):
+          raise PlanError(f"plan.weights layer {l} {name} is {list(mat.shape)}, this model's is "
+                          f"{list(_shape_of(own, name))}: they were quantised from another model")
+    V, D = self.config.vocab_size, self.config.embed_dim
+    if weights.head is not None and tuple(weights.head.shape) != (D, V):
+      raise PlanError(f"plan.weights head is {list(weights.head.shape)}, this model's is "
+                      f"{[D, V]}: it was quantised from another model")
+    return list(weights.layers)
 
   def __call__(
       self,
@@ -447,6 +487,10 @@ class Transformer(nnx.Module):
       rows = jnp.arange(buffer.size, dtype=jnp.int32)
       buf_pos = jnp.broadcast_to(cache.length + rows, (B, buffer.size))
       buf_valid = jnp.broadcast_to(rows < buffer.count, (B, buffer.size))
+    layer_weights = self._draft_weights(plan.weights)
+    if plan.weights is not None and write_cache and buffer is None:
+      raise PlanError("quantised weights are a draft's: a forward that writes the cache is "
+                      "the target's and reads its own")
     x = self.embed(tokens)
     ks, vs, residuals = [], [], []
     for l, block in enumerate(self.blocks):
@@ -465,7 +509,8 @@ class Transformer(nnx.Module):
           context = [Segment(cache.k[l], cache.v[l], slots, cache_valid, filled=cache.length)]
         if buffer is not None:
           context.append(Segment(buffer.k[l], buffer.v[l], buf_pos, buf_valid))
-        x, k, v = block.attn_sublayer_reading(run, x, positions, context, read)
+        x, k, v = block.attn_sublayer_reading(run, x, positions, context, read,
+                                              layer_weights[l])
         if appending:  # written once this layer's read of the old cache is done
           k, v = _after(x, [k, v])
         if buffer is not None:
@@ -475,11 +520,11 @@ class Transformer(nnx.Module):
       vs.append(v)
       if return_residuals:
         residuals.append(x)
-      weights = None if plan.mlp_weights is None else plan.mlp_weights[l]
-      x = block.mlp_sublayer(plan.runs("mlp", l), x, weights)
+      x = block.mlp_sublayer(plan.runs("mlp", l), x, layer_weights[l])
       if return_residuals:
         residuals.append(x)
-    head = self.head if plan.vocab is None else (lambda h: self.head_shortlist(h, plan.vocab))
+    head = (functools.partial(self.head, weights=plan.weights) if plan.vocab is None else
+            lambda h: self.head_shortlist(h, plan.vocab, plan.weights))
     if logits == "all":
       out_logits = head(x)
     elif logits == "last":
@@ -504,6 +549,12 @@ class Transformer(nnx.Module):
     elif writing:  # every layer ran: writers use the full plan
       cache = cache.append(ks, vs, valid, settled=True)
     return out, cache
+
+
+def _shape_of(own: nnx.Param, name: str) -> tuple[int, int]:
+  """A parameter's shape as the [In, Out] matrix a draft's quantised copy holds."""
+  shape = own.shape
+  return (shape[0], math.prod(shape[1:])) if name == "qkv" else (math.prod(shape[:-1]), shape[-1])
 
 
 def _after(dep: jax.Array, arrays: list[jax.Array]) -> list[jax.Array]:

@@ -32,9 +32,11 @@ class DraftPlan:
   vocab: jax.Array | None = None  # int32[K] shortlist; None: the full vocabulary
   router: Any = None  # router.RouterPlan: a shortlist chosen per draft step (DynaSpec)
   # QuantSpec: the precision the draft reads the KV cache at (4: upper nibbles of a
-  # QuantKVCache; 16: as stored) and 4-bit MLP weights (quant.Int4MLP per layer) or None.
+  # QuantKVCache; 16: as stored).
   kv_bits: int = flax.struct.field(pytree_node=False, default=16)
-  mlp_weights: Any = None
+  # quant.DraftWeights: quantised matrices the draft reads instead of the target's own
+  # (8-bit: every matmul and the LM head; 4-bit: QuantSpec's MLP). None: the target's.
+  weights: Any = None
   # Every sub-layer runs, known at trace time (`full`): the forward traces no per-layer
   # conditional. The AR step and verification use it; a GPU runs each conditional as a
   # host round trip. Static, so a dense plan gets its own executable.
@@ -62,7 +64,8 @@ class DraftPlan:
 
   @property
   def weight_bits(self) -> int:
-    return 16 if self.mlp_weights is None else 4
+    """Bits per weight of the draft's quantised matrices; 16 when it reads the target's."""
+    return 16 if self.weights is None else self.weights.bits
 
   @property
   def num_layers(self) -> int:
@@ -123,9 +126,9 @@ class DraftPlan:
                       "after changing them")
     if self.kv_bits not in (4, 8, 16):
       raise PlanError(f"plan.kv_bits must be 4, 8 or 16, got {self.kv_bits}")
-    if self.mlp_weights is not None and len(self.mlp_weights) != num_layers:
-      raise PlanError(f"plan.mlp_weights covers {len(self.mlp_weights)} layers, the model has "
-                      f"{num_layers}")
+    if self.weights is not None and len(self.weights.layers) != num_layers:
+      raise PlanError(f"plan.weights cover {len(self.weights.layers)} layers, the model has "
+                      f"{num_layers}: they were quantised from another model")
     if self.vocab is not None and (self.vocab.ndim != 1 or self.vocab.dtype != jnp.int32):
       raise PlanError(f"plan.vocab must be int32[K], got {self.vocab.dtype}{self.vocab.shape}")
     return self

@@ -141,21 +141,116 @@ class Int4Matrix:
   def nbytes(self) -> int:
     return self.codes.nbytes + self.lo.nbytes + self.scale.nbytes
 
+  def matmul(self, x: jax.Array) -> jax.Array:
+    """x[..., In] @ this matrix, dequantised inside the jitted step (XLA fuses it into
+    the dot's input on a GPU; on a CPU it is materialised, see `Int8Matrix`)."""
+    return x @ self.dequantize(x.dtype)
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return self.rows, self.lo.shape[1]
+
+
+# --- 8-bit weights -------------------------------------------------------------------------
+
 
 @flax.struct.dataclass
-class Int4MLP:
-  """One layer's MLP weights at 4 bits (the draft's; the target keeps its own)."""
+class Int8Matrix:
+  """A [In, Out] matrix at 8 bits: symmetric int8 codes with one float32 scale per output
+  channel (error ≤ scale/2 = max|w[:, o]|/254), stored output-major as codes[Out, In] so
+  that each output's weights are contiguous for the CPU kernel (`cpu_kernels`)."""
 
-  gate_up: Int4Matrix  # [D, 2F]
-  down: Int4Matrix  # [F, D]
+  codes: jax.Array  # int8[Out, In]
+  scale: jax.Array  # float32[Out]
+
+  @classmethod
+  def quantize(cls, w: jax.Array, *, output_major: bool = False) -> Int8Matrix:
+    """w[In, Out], or w[Out, In] with `output_major` (a tied embedding used as the head)."""
+    w_oi = (w if output_major else w.T).astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w_oi), axis=1)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)  # an all-zero channel stays exact
+    codes = jnp.clip(jnp.round(w_oi / scale[:, None]), -127, 127).astype(jnp.int8)
+    return cls(codes, scale)
+
+  def matmul(self, x: jax.Array) -> jax.Array:
+    """x[..., In] @ this matrix -> [..., Out] in x's dtype."""
+    from specjax.cpu_kernels import int8_matmul
+
+    return int8_matmul(x, self.codes, self.scale).astype(x.dtype)
+
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    return (self.codes.astype(jnp.float32) * self.scale[:, None]).T.astype(dtype)
+
+  def rows_of(self, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """Output channels `ids` as a [K, In] matrix (an LM-head shortlist's rows)."""
+    return (jnp.take(self.codes, ids, axis=0).astype(jnp.float32)
+            * jnp.take(self.scale, ids)[:, None]).astype(dtype)
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return self.codes.shape[1], self.codes.shape[0]
+
+  @property
+  def nbytes(self) -> int:
+    return self.codes.nbytes + self.scale.nbytes
 
 
-def quantize_mlp_weights(state, num_layers: int, group: int = 128) -> tuple[Int4MLP, ...]:
-  """4-bit copies of every layer's MLP matrices, from an `nnx.State` of the model."""
-  blocks = state["blocks"]
-  out = []
+# --- a draft's weights ---------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class LayerWeights:
+  """One layer's matrices for the draft, as [In, Out] matrices with a `matmul`; None
+  keeps the layer's own full-precision parameter."""
+
+  qkv: Int8Matrix | None = None  # [D, (N + 2K)·H]
+  o: Int8Matrix | None = None  # [N·H, D]
+  gate_up: Int8Matrix | Int4Matrix | None = None  # [D, 2F]
+  down: Int8Matrix | Int4Matrix | None = None  # [F, D]
+
+
+@flax.struct.dataclass
+class DraftWeights:
+  """Quantised copies of the target's matrices that a draft reads instead of its own
+  (the target always reads its own: losslessness never depends on them)."""
+
+  layers: tuple[LayerWeights, ...]
+  head: Int8Matrix | None = None  # the LM head [D, V] (the embedding's transpose if tied)
+  bits: int = flax.struct.field(pytree_node=False, default=8)
+
+  @property
+  def nbytes(self) -> int:
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(self))
+
+
+def _model_matrices(state, num_layers: int):
+  """(layer, name, [In, Out] matrix) of every matmul weight of an `nnx.State`."""
   for l in range(num_layers):
-    mlp = blocks[l]["mlp"]
-    out.append(Int4MLP(Int4Matrix.quantize(mlp["gate_up"][...], group),
-                       Int4Matrix.quantize(mlp["down"][...], group)))
-  return tuple(out)
+    block = state["blocks"][l]
+    qkv = block["attn"]["qkv"][...]
+    o = block["attn"]["o"][...]
+    yield l, "qkv", qkv.reshape(qkv.shape[0], -1)
+    yield l, "o", o.reshape(-1, o.shape[-1])
+    yield l, "gate_up", block["mlp"]["gate_up"][...]
+    yield l, "down", block["mlp"]["down"][...]
+
+
+def quantize_mlp_weights(state, num_layers: int, group: int = 128) -> DraftWeights:
+  """QuantSpec's 4-bit draft weights: every layer's MLP matrices, groups of `group` rows."""
+  layers = [dict() for _ in range(num_layers)]
+  for l, name, w in _model_matrices(state, num_layers):
+    if name in ("gate_up", "down"):
+      layers[l][name] = Int4Matrix.quantize(w, group)
+  return DraftWeights(tuple(LayerWeights(**kw) for kw in layers), bits=4)
+
+
+def quantize_weights_int8(state, num_layers: int) -> DraftWeights:
+  """8-bit copies of every matmul the draft runs: attention projections, MLP, LM head."""
+  layers = [dict() for _ in range(num_layers)]
+  for l, name, w in _model_matrices(state, num_layers):
+    layers[l][name] = Int8Matrix.quantize(w)
+  if "lm_head" in state:
+    head = Int8Matrix.quantize(state["lm_head"][...])
+  else:
+    head = Int8Matrix.quantize(state["embedding"][...], output_major=True)
+  return DraftWeights(tuple(LayerWeights(**kw) for kw in layers), head=head, bits=8)

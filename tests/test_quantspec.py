@@ -318,7 +318,7 @@ def test_quantspec_sampling_round_keeps_the_target_distribution():
   # samples to see a wrong acceptance rule; skipping layer 1 as well (QuantSpec over a layer
   # drafter) moves q to TV 0.04, where the test sees each classic bug with power ~1.
   plan = DraftPlan.from_skips(L, [1], [1]).replace(
-      kv_bits=4, mlp_weights=quant.quantize_mlp_weights(state, L, 32))
+      kv_bits=4, weights=quant.quantize_mlp_weights(state, L, 32))
   run = jax.jit(jax.vmap(lambda k: round_fn(
       state, cache, first[0], plan, k, graphdef=graphdef, vocab=12, gamma=3, threshold=0.0,
       sampling=sampling)[0]))

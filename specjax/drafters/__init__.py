@@ -7,6 +7,7 @@ from specjax.drafters.clasp import ClaspDrafter
 from specjax.drafters.dynaspec import DynaSpecDrafter
 from specjax.drafters.early_exit import EarlyExitDrafter
 from specjax.drafters.frspec import FRSpecDrafter
+from specjax.drafters.int8_weights import Int8WeightsDrafter
 from specjax.drafters.knapspec import KnapSpecDrafter
 from specjax.drafters.knn import KNNDrafter
 from specjax.drafters.quantspec import QuantSpecDrafter
@@ -17,7 +18,7 @@ from specjax.drafters.swift import SwiftDrafter
 DRAFTERS: dict[str, type[Drafter]] = {
     d.name: d for d in (StaticDrafter, EarlyExitDrafter, SelfSDDrafter, SwiftDrafter,
                         ClaspDrafter, KnapSpecDrafter, KNNDrafter, QuantSpecDrafter, FRSpecDrafter,
-                        DynaSpecDrafter)
+                        DynaSpecDrafter, Int8WeightsDrafter)
 }
 
 
@@ -33,6 +34,6 @@ def drafter_class(name: str) -> type[Drafter]:
 
 
 __all__ = ["DRAFTERS", "ClaspDrafter", "Drafter", "DynaSpecDrafter", "EarlyExitDrafter",
-           "FRSpecDrafter", "KNNDrafter", "KnapSpecDrafter", "QuantSpecDrafter",
-           "SelfSDDrafter", "StaticDrafter", "SwiftDrafter", "UnknownDrafterError",
-           "drafter_class"]
+           "FRSpecDrafter", "Int8WeightsDrafter", "KNNDrafter", "KnapSpecDrafter",
+           "QuantSpecDrafter", "SelfSDDrafter", "StaticDrafter", "SwiftDrafter",
+           "UnknownDrafterError", "drafter_class"]

@@ -15,29 +15,48 @@ from typing import ClassVar
 
 from specjax.drafters.base import Drafter
 from specjax.drafters.overlay import OverlayDrafter
-from specjax.plan import DraftPlan
-from specjax.quant import quantize_mlp_weights
+from specjax.plan import DraftPlan, PlanError
+from specjax.quant import DraftWeights, quantize_mlp_weights, quantize_weights_int8
 from specjax.quant_kv_cache import QuantKV
+
+
+def default_weight_bits() -> int:
+  """8 on a CPU: XLA:CPU widens a 4-bit matrix to float32 in memory before its dot, so a
+  4-bit draft costs more than a full-precision one there, while the int8 kernel reads a
+  byte per weight (measured: docs/BENCHMARKS.md, "8-bit drafts"). 4 elsewhere, the
+  paper's setting, where XLA fuses the dequantisation into the GEMM."""
+  import jax
+
+  return 8 if jax.default_backend() == "cpu" else 4
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantSpecDrafter(OverlayDrafter):
   name = "quantspec"
-  fields = ("kv_bits", "mlp_weights")
+  fields = ("kv_bits", "weights")
   own_threshold: ClassVar[float] = 0.0  # QuantSpec drafts a fixed γ: its drafts are close
-  weights: tuple | None = None  # quant.Int4MLP per layer; None: full-precision weights
+  weights: DraftWeights | None = None  # 4-bit MLP matrices; None: full precision
   base: Drafter | None = None
   kv_cache: QuantKV = QuantKV()
 
   @classmethod
-  def for_model(cls, model, *, base: Drafter | None = None, weight_group: int = 128,
-                kv_cache: QuantKV = QuantKV(), quantize_weights: bool = True
-                ) -> QuantSpecDrafter:
-    """Quantise the model's MLP weights once (4-bit, groups of `weight_group` rows)."""
-    weights = quantize_mlp_weights(model.state, model.config.num_layers, weight_group) \
-        if quantize_weights else None
+  def for_model(cls, model, *, base: Drafter | None = None, weight_bits: int | None = None,
+                weight_group: int = 128, kv_cache: QuantKV = QuantKV()) -> QuantSpecDrafter:
+    """Quantise the draft's weights once. `weight_bits`: 4 (the paper's: MLP matrices in
+    groups of `weight_group` rows), 8 (every matmul and the LM head, per output channel)
+    or 16 (the target's own). None picks per backend (`default_weight_bits`)."""
+    bits = default_weight_bits() if weight_bits is None else weight_bits
+    L = model.config.num_layers
+    if bits == 4:
+      weights = quantize_mlp_weights(model.state, L, weight_group)
+    elif bits == 8:
+      weights = quantize_weights_int8(model.state, L)
+    elif bits == 16:
+      weights = None
+    else:
+      raise PlanError(f"QuantSpec's draft weights are 4, 8 or 16 bits, got {weight_bits}")
     return cls(weights=weights, base=base, kv_cache=kv_cache)
 
   def overlay_plan(self, session) -> DraftPlan:
     L = session.config.num_layers
-    return DraftPlan.full(L).replace(kv_bits=4, mlp_weights=self.weights).check(L)
+    return DraftPlan.full(L).replace(kv_bits=4, weights=self.weights).check(L)
