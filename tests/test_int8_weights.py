@@ -50,6 +50,13 @@ def test_the_kernel_builds_wherever_a_compiler_is_found():
     assert cpu_kernels.kernel_status() == "ready"
 
 
+def test_loading_the_kernel_keeps_subnormal_floats():
+  """Built with -ffast-math, the shared object switched the process to flush-to-zero."""
+  cpu_kernels.kernel_status()
+  tiny = np.float32(1e-40)  # subnormal
+  assert tiny * np.float32(1.0) > 0 and tiny / np.float32(2.0) > 0
+
+
 @settings(max_examples=25, deadline=None)
 @given(rows=st.sampled_from([(1,), (5,), (2, 3)]), inner=st.integers(1, 70),
        outer=st.integers(1, 200), seed=st.integers(0, 2**16))

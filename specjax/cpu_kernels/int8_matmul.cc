@@ -27,8 +27,8 @@ using Scales = ffi::Buffer<ffi::F32, 1>;
 constexpr int64_t kChannelsPerChunk = 64;
 constexpr int kLanes = 16;  // independent accumulators: one 512-bit vector of float32
 
-// Row m of x against weight row w (I entries), written for the vectoriser: it widens
-// 16 int8 weights at a time and keeps 16 partial sums (needs -ffast-math to reassociate).
+// Row m of x against weight row w (I entries), written for the vectoriser: int8 widened
+// in registers, FMA into 16 partial sums (built with -fassociative-math so it may).
 inline float RowDot(const float* x, const int8_t* w, int64_t I) {
   float acc[kLanes] = {0};
   int64_t i = 0;
