@@ -25,7 +25,7 @@ from specjax.engine import speculative_generate
 from specjax.generate import generate
 from specjax.sampling import SamplingParams
 
-DEFAULT_DRAFTERS = ("early_exit", "self_sd", "swift")
+DEFAULT_DRAFTERS = ("early_exit", "self_sd", "swift", "8bit", "self_sd+8bit")  # as the CLI's
 
 
 @dataclasses.dataclass(frozen=True)

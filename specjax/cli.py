@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 
   p = sub.add_parser("bench", help="AR vs every drafter on a Spec-Bench subset")
   p.add_argument("--model", default=DEFAULT_MODEL)
-  p.add_argument("--drafters", default="early_exit,self_sd,swift",
+  p.add_argument("--drafters", default="early_exit,self_sd,swift,8bit,self_sd+8bit",
                  help="comma-separated: static, early_exit, self_sd, swift, clasp, knapspec, "
                  "knn, 8bit (the model at 8-bit weights); a drafter+8bit composes them "
                  "(self_sd+8bit)")

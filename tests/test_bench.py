@@ -20,14 +20,15 @@ def test_bench_end_to_end_then_resume(tmp_path, capsys):
   argv = ["bench", *ARGS, "--data-dir", str(root), "--out", str(out)]
   assert main(argv) == 0
   figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-  assert set(figures["methods"]) == {"ar", "early_exit", "self_sd", "swift"}
+  methods = {"ar", "early_exit", "self_sd", "swift", "8bit", "self_sd+8bit"}  # the defaults
+  assert set(figures["methods"]) == methods
   assert figures["methods"]["ar"]["mismatches"] is None  # the reference
   assert all(r["mismatches"] == 0 for m, r in figures["methods"].items() if m != "ar")
   assert figures["prompts"] == 3
   for f in ("results.jsonl", "summary.md", "speedup.png", "self_sd_plan.json"):
     assert (out / f).exists()
   lines = (out / "results.jsonl").read_text().splitlines()
-  assert len(lines) == 3 * 4
+  assert len(lines) == 3 * len(methods)
   # A crash mid-prompt: keep the first prompt and half a line of the second.
   first = json.loads(lines[0])["prompt_id"]
   kept = [l for l in lines if json.loads(l)["prompt_id"] == first]
@@ -37,7 +38,7 @@ def test_bench_end_to_end_then_resume(tmp_path, capsys):
   assert main(argv + ["--resume"]) == 0
   again = (out / "results.jsonl").read_text().splitlines()
   assert again[: len(kept)] == kept  # finished prompts are neither redone nor lost
-  assert len(again) == 3 * 4
+  assert len(again) == 3 * len(methods)
   assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["prompts"] == 3
 
 
@@ -48,6 +49,12 @@ def test_bench_bad_input(tmp_path, capsys):
   root = str(write_spec_bench(tmp_path / "d"))
   assert main(["bench", *ARGS, "--drafters", "medusa", "--data-dir", root, "--out", out + "2"]) == 2
   assert "unknown drafter 'medusa'" in capsys.readouterr().err
+  assert main(["bench", *ARGS, "--drafters", "medusa+8bit", "--data-dir", root, "--out",
+               out + "4"]) == 2
+  assert "unknown drafter 'medusa'" in capsys.readouterr().err
+  assert main(["bench", *ARGS, "--drafters", "early_exit+swift", "--data-dir", root, "--out",
+               out + "5"]) == 2
+  assert "'swift' in 'early_exit+swift' is not an overlay" in capsys.readouterr().err
   assert main(["bench", *ARGS, "--gamma", "0", "--data-dir", root, "--out", out + "3"]) == 2
   assert "gamma" in capsys.readouterr().err
 
