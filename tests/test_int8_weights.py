@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from specjax import cpu_kernels, quant
 from specjax.config import tiny_config
-from specjax.drafters import (EarlyExitDrafter, Int8WeightsDrafter, QuantSpecDrafter,
-                              StaticDrafter)
+from specjax.drafters import (EarlyExitDrafter, FRSpecDrafter, Int8WeightsDrafter,
+                              QuantSpecDrafter, StaticDrafter)
 from specjax.engine import draft_step, round_fn, speculative_generate
 from specjax.generate import generate, positions_for, prefill_step
 from specjax.kv_cache import KVCache
@@ -129,6 +129,27 @@ def test_quantspec_with_8bit_weights_is_lossless_on_its_cache():
   assert out.tokens == ar.tokens
   assert out.plans[0].weight_bits == 8 and out.plans[0].kv_bits == 4
   assert_exercised(out)
+
+
+@pytest.mark.parametrize("outer", ["8bit", "frspec"])
+def test_overlays_over_quantspec_keep_its_cache_and_stay_lossless(outer):
+  """An overlay passes its base's KV cache through: FR-Spec over QuantSpec used to build
+  a full-precision cache and fail at trace time on the 4-bit read."""
+  model = as_model("qwen2")
+  kv = QuantKV(group=8, residual=16)
+  quantspec = QuantSpecDrafter.for_model(model, base=StaticDrafter(SKIP), weight_bits=4,
+                                         weight_group=32, kv_cache=kv)
+  drafter = (Int8WeightsDrafter.for_model(model, base=quantspec) if outer == "8bit" else
+             FRSpecDrafter(np.arange(0, 97, 2), quantspec))
+  assert drafter.kv_cache == kv
+  ar = generate(model.graphdef, model.state, model.config, PROMPT, max_new_tokens=48,
+                eos_ids=(), kv_cache=kv)
+  out = speculative_generate(model.graphdef, model.state, model.config, PROMPT, drafter,
+                             max_new_tokens=48, gamma=4, eos_ids=(), keep_plans=True)
+  assert out.tokens == ar.tokens
+  plan = out.plans[0]
+  assert plan.kv_bits == 4 and plan.weight_bits == (8 if outer == "8bit" else 4)
+  assert outer == "8bit" or plan.vocab is not None
 
 
 def test_8bit_sampling_round_keeps_the_target_distribution():

@@ -1,5 +1,5 @@
-"""Lossless SSD on a real model: SmolLM2 greedy SSD == greedy AR, every drafter,
-on Spec-Bench prompts (the shared data folder when present)."""
+"""Lossless SSD on a real model: SmolLM2 greedy SSD == greedy AR, every drafter (8-bit
+drafts included), on Spec-Bench prompts (the shared data folder when present)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from conftest import real_model
 from specjax import data
-from specjax.drafters import EarlyExitDrafter, SelfSDDrafter, SwiftDrafter
+from specjax.drafters import EarlyExitDrafter, Int8WeightsDrafter, SelfSDDrafter, SwiftDrafter
 from specjax.engine import speculative_generate
 from specjax.generate import generate
 from specjax.plan import DraftPlan
@@ -33,10 +33,14 @@ def _prompts() -> list[str]:
 def test_smollm2_ssd_equals_ar_for_every_drafter():
   m = real_model("smollm2-135m-instruct")
   L = m.config.num_layers
+  self_sd = SelfSDDrafter(DraftPlan.from_skips(L, skip_attn=range(10, 26, 2),
+                                               skip_mlp=range(12, 28, 3)))
   drafters = [
       EarlyExitDrafter(k=L // 2),
       SwiftDrafter(trials=8, window=24),
-      SelfSDDrafter(DraftPlan.from_skips(L, skip_attn=range(10, 26, 2), skip_mlp=range(12, 28, 3))),
+      self_sd,
+      Int8WeightsDrafter.for_model(m),  # the int8 kernel on a real model's shapes
+      Int8WeightsDrafter.for_model(m, base=self_sd),
   ]
   mismatches = []
   for text in _prompts():

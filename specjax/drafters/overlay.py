@@ -1,8 +1,8 @@
 """Drafters that set some fields of the plan on top of any layer drafter.
 
-An overlay contributes fields of the plan (a shortlist, a router, a KV precision, 4-bit
-weights) and leaves the layers, the draft length and the per-round updates to its `base`
-drafter (the full model when there is none). So KnapSpec × DynaSpec is
+An overlay contributes fields of the plan (a shortlist, a router, a KV precision,
+quantised weights) and leaves the layers, the draft length, the KV cache it needs and the
+per-round updates to its `base` drafter (the full model when there is none). So KnapSpec × DynaSpec is
 `DynaSpecDrafter(bundle, KnapSpecDrafter(...))`, and KnapSpec × QuantSpec
 `QuantSpecDrafter.for_model(model, base=KnapSpecDrafter(...))`.
 """
@@ -41,6 +41,12 @@ class OverlayDrafter(Drafter):
   @property
   def adaptive(self) -> bool:  # type: ignore[override]
     return bool(self.base and self.base.adaptive)
+
+  @property
+  def kv_cache(self):  # type: ignore[override]
+    """The base's cache (QuantSpec's, under FR-Spec or 8-bit weights); an overlay that
+    needs its own (QuantSpec) declares it as a field, which overrides this."""
+    return self.base.kv_cache if self.base else None
 
   @property
   def threshold(self) -> float:  # type: ignore[override]
