@@ -44,6 +44,9 @@ class BenchConfig:
   search_iterations: int
   plan_file: str | None
   dtype: str = "auto"  # weights and KV cache: auto (bfloat16 on a GPU, float32 on a CPU)
+  # γ per drafter from its measured acceptance and step costs (`draft_length`), at most
+  # `gamma`; drafters that choose their own draft length (KnapSpec) keep theirs.
+  auto_gamma: bool = False
 
 
 class ResumeMismatchError(ValueError):
@@ -198,6 +201,10 @@ def run(cfg: BenchConfig, out_dir: Path, *, data_dir=None, resume: bool = False,
   drafters = {n: _make_drafter(n, cfg, model, out_dir, search_prompts, data_dir)
               for n in cfg.drafters}
   methods = [metrics.AR] + list(drafters)
+  gammas = {n: cfg.gamma for n in drafters}
+  if cfg.auto_gamma:
+    gammas |= draft_lengths(model, drafters, cfg, search_prompts or evaluation[:1], out_dir,
+                            verbose)
 
   records = _read_records(results_path)
   # Only prompts with every method recorded count as done; the rest are redone.
@@ -207,11 +214,11 @@ def run(cfg: BenchConfig, out_dir: Path, *, data_dir=None, resume: bool = False,
   results_path.write_text("".join(json.dumps(r) + "\n" for r in records))
   todo = [p for p in evaluation if p.id not in complete]
 
-  _warm_up(model, drafters, cfg, sampling)
+  _warm_up(model, drafters, cfg, sampling, gammas)
   bar = tqdm(todo, desc=f"bench {cfg.model}", unit="prompt", disable=not verbose)
   carried: dict[str, object] = {}  # drafter states handed from prompt to prompt
   for prompt in bar:
-    recs = _run_prompt(model, prompt, drafters, cfg, sampling, carried)
+    recs = _run_prompt(model, prompt, drafters, cfg, sampling, carried, gammas)
     with results_path.open("a") as f:
       f.write("".join(json.dumps(r) + "\n" for r in recs))
     records += recs
@@ -219,18 +226,51 @@ def run(cfg: BenchConfig, out_dir: Path, *, data_dir=None, resume: bool = False,
   return finish(cfg, out_dir, records, verbose, write_docs)
 
 
-def _warm_up(model, drafters, cfg: BenchConfig, sampling) -> None:
+def draft_lengths(model, drafters: dict, cfg: BenchConfig, pilot_prompts, out_dir: Path,
+                  verbose: bool = True) -> dict[str, int]:
+  """Per drafter, the γ ≤ cfg.gamma of highest predicted tokens per time: α from a pilot
+  generation at γ = cfg.gamma on a prompt outside the evaluation set, step costs measured
+  under the pilot's plan. Kept in `draft_lengths.json`, so a resumed run reuses them.
+  Drafters that choose their draft length themselves, or draft from a quantised cache
+  (whose step costs this measurement does not cover), keep cfg.gamma."""
+  from specjax import draft_length
+
+  path = out_dir / "draft_lengths.json"
+  saved = json.loads(path.read_text()) if path.exists() else {}
+  ids = _chat_ids(model.tokenizer, list(pilot_prompts[0].turns[:1]), [])
+  for name, d in drafters.items():
+    if name in saved or d.own_gamma or d.kv_cache is not None:
+      continue
+    pilot = speculative_generate(model.graphdef, model.state, model.config, ids, d,
+                                 max_new_tokens=cfg.max_new_tokens, gamma=cfg.gamma,
+                                 threshold=cfg.threshold, keep_plans=True, eos_ids=())
+    alpha = draft_length.acceptance(pilot.round_drafted, pilot.round_accepted)
+    costs = draft_length.measure_step_costs(model.graphdef, model.state, model.config,
+                                            pilot.plans[0],
+                                            gammas=sorted({1, max(1, cfg.gamma // 2), cfg.gamma}))
+    gamma = draft_length.best_gamma(alpha, costs, cfg.gamma)
+    saved[name] = {"gamma": gamma, "alpha": round(alpha, 4), "draft_cost": round(costs.draft, 4),
+                   "verify_cost": {str(g): round(v, 4) for g, v in costs.verify.items()}}
+    path.write_text(json.dumps(saved, indent=1, sort_keys=True))
+    if verbose:
+      print(f"{name}: α {alpha:.3f}, draft step {costs.draft:.3f} AR steps -> γ = {gamma}",
+            file=sys.stderr)
+  return {name: saved[name]["gamma"] for name in drafters if name in saved}
+
+
+def _warm_up(model, drafters, cfg: BenchConfig, sampling, gammas: dict[str, int]) -> None:
   """Compile every executable the timed runs use (shape buckets as in the real prompts)."""
   ids = model.tokenizer.encode_prompt("Warm up.")
   generate(model.graphdef, model.state, model.config, ids, max_new_tokens=cfg.max_new_tokens,
            sampling=sampling, eos_ids=())
-  for d in drafters.values():
+  for name, d in drafters.items():
     speculative_generate(model.graphdef, model.state, model.config, ids, d,
-                         max_new_tokens=cfg.max_new_tokens, gamma=cfg.gamma,
+                         max_new_tokens=cfg.max_new_tokens, gamma=gammas[name],
                          threshold=cfg.threshold, sampling=sampling, eos_ids=())
 
 
-def _run_prompt(model, prompt, drafters, cfg: BenchConfig, sampling, carried) -> list[dict]:
+def _run_prompt(model, prompt, drafters, cfg: BenchConfig, sampling, carried,
+                gammas: dict[str, int] | None = None) -> list[dict]:
   turns = list(prompt.turns[: cfg.max_turns])
   recs = []
   ar_tokens: list[list[int]] = []
@@ -247,8 +287,11 @@ def _run_prompt(model, prompt, drafters, cfg: BenchConfig, sampling, carried) ->
         g = generate(model.graphdef, model.state, model.config, ids, **kw)
         rec["verify_s"] += g.decode_s  # an AR step is a one-token verification
       else:
+        rec["gamma"] = (gammas or {}).get(method, cfg.gamma)
         g = speculative_generate(model.graphdef, model.state, model.config, ids,
-                                 drafters[method], gamma=cfg.gamma, threshold=cfg.threshold,
+                                 drafters[method],
+                                 gamma=(gammas or {}).get(method, cfg.gamma),
+                                 threshold=cfg.threshold,
                                  drafter_state=carried.get(method), **kw)
         carried[method] = g.drafter_state
         for k in ("rounds", "drafted", "accepted", "committed", "draft_s", "verify_s",
@@ -282,8 +325,11 @@ def finish(cfg: BenchConfig, out_dir: Path, records: list[dict], verbose: bool,
   text = (f"# specjax bench: {cfg.model}\n\n{table}\n\nSpeedup vs AR by category:\n\n"
           f"{cat_table}\n")
   (out_dir / "summary.md").write_text(text)
+  lengths_path = out_dir / "draft_lengths.json"
+  lengths = _lengths_table(json.loads(lengths_path.read_text())) \
+      if cfg.auto_gamma and lengths_path.exists() else ""
   if write_docs:
-    _write_docs(cfg, table, cat_table, overall)
+    _write_docs(cfg, table, cat_table, overall, lengths)
   _plot(cats, list(cfg.drafters), out_dir / "speedup.png")
   if verbose:
     print(f"\n{table}\n\nspeedup vs AR by category\n{cat_table}\n")
@@ -341,17 +387,35 @@ def _plot(cats: dict, drafters: list[str], path: Path) -> None:
 
 
 
-def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict) -> None:
+def _lengths_table(saved: dict) -> str:
+  """The chosen draft lengths and the measurements behind them, as a markdown table."""
+  lines = ["| method | pilot α | draft step ÷ AR step | verify(γ) ÷ AR step | γ chosen |",
+           "|" + " --- |" * 5]
+  for name, r in sorted(saved.items()):
+    verify = ", ".join(f"γ={g}: {v:.2f}" for g, v in
+                       sorted(r["verify_cost"].items(), key=lambda kv: int(kv[0])))
+    lines.append(f"| {name} | {r['alpha']:.3f} | {r['draft_cost']:.3f} | {verify} | "
+                 f"{r['gamma']} |")
+  return "\n".join(lines)
+
+
+def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict,
+                lengths: str = "") -> None:
   """Regenerate this model's section of docs/BENCHMARKS.md."""
   n = overall.get(metrics.AR, {}).get("prompts", 0)
+  threshold = ("per drafter (0.8; KnapSpec 0.7; 8bit 0)" if cfg.threshold is None
+               else cfg.threshold)
+  gamma = (f"γ per drafter (≤ {cfg.gamma}) of highest predicted tokens per time, from its "
+           f"acceptance on a pilot prompt and its step costs measured here (table below)"
+           if cfg.auto_gamma else f"γ ≤ {cfg.gamma}")
   body = "\n".join([
       f"## SSD vs AR on Spec-Bench ({cfg.model})", "",
       f"{n} prompts ({cfg.per_category} per category), {cfg.max_new_tokens} new tokens, "
-      f"γ ≤ {cfg.gamma}, threshold {'per drafter (0.8; KnapSpec 0.7)' if cfg.threshold is None else cfg.threshold}, "
+      f"{gamma}, threshold {threshold}, "
       f"{'greedy' if cfg.temperature == 0 else f'T={cfg.temperature}'}; AR and every drafter "
       f"in the same process. Machine: {docs.machine()}.", "",
       table, "", "Speedup vs AR by category:", "", cat_table,
-  ])
+  ] + (["", "Draft lengths (`--auto-gamma`):", "", lengths] if lengths else []))
   docs.write_section(f"bench-{cfg.model}", body, _command(cfg))
 
 
@@ -361,7 +425,8 @@ def _command(cfg: BenchConfig) -> str:
 
   parts = [f"specjax bench --model {cfg.model} --per-category {cfg.per_category}",
            f"--max-new-tokens {cfg.max_new_tokens} --drafters {','.join(cfg.drafters)}",
-           f"--gamma {cfg.gamma}" + ("" if cfg.threshold is None else f" --threshold {cfg.threshold}"),
+           f"--gamma {cfg.gamma}" + (" --auto-gamma" if cfg.auto_gamma else "")
+           + ("" if cfg.threshold is None else f" --threshold {cfg.threshold}"),
            f"--search-iterations {cfg.search_iterations}"]
   if tuple(cfg.categories) != SPEC_BENCH_CATEGORIES:
     parts.append(f"--categories {','.join(cfg.categories)}")

@@ -79,6 +79,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
       max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, gamma=args.gamma,
       threshold=args.threshold, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
       search_iterations=args.search_iterations, plan_file=args.plan, dtype=args.dtype,
+      auto_gamma=args.auto_gamma,
   )
   out = Path(args.out or f"runs/bench-{args.model}")
   figures = bench.run(cfg, out, data_dir=args.data_dir, resume=args.resume,
@@ -202,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--max-turns", type=int, default=1, help="MT-bench prompts have 2 turns")
   p.add_argument("--gamma", type=int, default=4, help="maximum draft length")
+  p.add_argument("--auto-gamma", action="store_true",
+                 help="per drafter, the γ <= --gamma of highest predicted tokens per time, from "
+                 "its acceptance on a pilot prompt and its draft/verify costs measured here")
   p.add_argument("--threshold", type=float, default=None,
                  help="draft early-stop top-1 prob (default: each drafter's, 0.8 / KnapSpec 0.7)")
   p.add_argument("--temperature", type=float, default=0.0)

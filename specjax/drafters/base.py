@@ -28,6 +28,9 @@ class Drafter(abc.ABC):
   # then runs rounds from the host. A drafter whose plan is fixed once `init` has run
   # sets False, and its rounds run inside one jitted loop on the device.
   adaptive: ClassVar[bool] = True
+  # It chooses each round's draft length itself (`draft_length`, KnapSpec): callers that
+  # pick γ from measured costs (`specjax bench --auto-gamma`) leave it alone.
+  own_gamma: ClassVar[bool] = False
 
   @abc.abstractmethod
   def init(self, session, prior: Any = None) -> Any:

@@ -91,6 +91,7 @@ class KnapSpecDrafter(Drafter):
   name = "knapspec"
   wants_residuals: ClassVar[bool] = True
   threshold: ClassVar[float] = 0.7  # KnapSpec's draft early exit
+  own_gamma: ClassVar[bool] = True  # picks (plan, γ) by predicted tokens per second
   profile: LatencyProfile | None = None
   # Verified tokens scored, the newest (the paper: those of the last m = 5 rounds). The
   # DP runs (budgets × window) token-states through the model: cheap on a GPU, but

@@ -43,6 +43,10 @@ class OverlayDrafter(Drafter):
     return bool(self.base and self.base.adaptive)
 
   @property
+  def own_gamma(self) -> bool:  # type: ignore[override]
+    return bool(self.base and self.base.own_gamma)
+
+  @property
   def kv_cache(self):  # type: ignore[override]
     """The base's cache (QuantSpec's, under FR-Spec or 8-bit weights); an overlay that
     needs its own (QuantSpec) declares it as a field, which overrides this."""

@@ -1,0 +1,90 @@
+"""Draft length from the measured trade-off: acceptance from rounds, the TPT formula, the
+best γ, step costs measured on a model, and `specjax bench --auto-gamma` end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specjax import draft_length
+from specjax.cli import main
+from specjax.draft_length import StepCosts, acceptance, best_gamma, tokens_per_time
+from specjax.plan import DraftPlan
+from targets import target
+from test_bench import ARGS
+from test_data import write_spec_bench
+
+
+def test_acceptance_counts_accepted_tokens_over_accepted_plus_rejections():
+  # rounds of 4 drafts: all kept, 2 kept then a rejection, a rejection at once
+  assert acceptance([4, 4, 4], [4, 2, 0]) == 6 / 8
+  assert acceptance([3, 3], [3, 3]) == 1.0
+  with pytest.raises(ValueError, match="no drafted token"):
+    acceptance([], [])
+
+
+def test_verify_cost_interpolates_between_measured_gammas():
+  c = StepCosts(draft=0.5, verify={1: 1.1, 4: 1.4, 8: 2.2})
+  assert c.verify_at(1) == 1.1 and c.verify_at(8) == 2.2
+  assert c.verify_at(2) == pytest.approx(1.2)
+  assert c.verify_at(6) == pytest.approx(1.8)
+  assert c.verify_at(10) == pytest.approx(2.6)  # extrapolated from the last two
+
+
+def test_tokens_per_time_is_the_closed_form():
+  c = StepCosts(draft=0.25, verify={1: 1.0, 4: 1.0})
+  # α = 0.5, γ = 2: E = 1 + 0.5 + 0.25 = 1.75 tokens in 2·0.25 + 1 = 1.5 steps
+  assert tokens_per_time(0.5, 2, c) == pytest.approx(1.75 / 1.5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(alpha=st.floats(0.0, 0.999), draft=st.floats(0.02, 1.2),
+       v1=st.floats(1.0, 1.5), slope=st.floats(0.0, 0.3), gamma_max=st.integers(1, 12))
+def test_best_gamma_maximises_predicted_tokens_per_time(alpha, draft, v1, slope, gamma_max):
+  c = StepCosts(draft=draft, verify={1: v1, 8: v1 + 7 * slope})
+  g = best_gamma(alpha, c, gamma_max)
+  assert 1 <= g <= gamma_max
+  assert all(tokens_per_time(alpha, g, c) >= tokens_per_time(alpha, h, c) - 1e-12
+             for h in range(1, gamma_max + 1))
+
+
+def test_extremes_pick_the_ends():
+  cheap_and_agreeable = StepCosts(draft=0.3, verify={1: 1.2, 8: 1.5})
+  assert best_gamma(0.99, cheap_and_agreeable, 8) == 8
+  assert best_gamma(0.05, cheap_and_agreeable, 8) == 1
+  with pytest.raises(ValueError, match="gamma_max"):
+    best_gamma(0.5, cheap_and_agreeable, 0)
+
+
+def test_step_costs_measured_on_a_model_are_ratios_to_the_ar_step():
+  config, graphdef, state = target("llama")
+  plan = DraftPlan.first_layers(config.num_layers, 3)
+  c = draft_length.measure_step_costs(graphdef, state, config, plan, gammas=(1, 4), context=32,
+                                      repeats=3)
+  assert set(c.verify) == {1, 4}
+  assert 0 < c.draft < 10 and all(0 < v < 20 for v in c.verify.values())
+
+
+def test_bench_auto_gamma_records_and_reuses_the_chosen_lengths(tmp_path, capsys):
+  root = write_spec_bench(tmp_path / "data")
+  out = tmp_path / "run"
+  argv = ["bench", *ARGS, "--drafters", "early_exit,8bit", "--auto-gamma", "--data-dir",
+          str(root), "--out", str(out)]
+  assert main(argv) == 0
+  saved = json.loads((out / "draft_lengths.json").read_text())
+  assert set(saved) == {"early_exit", "8bit"}
+  records = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+  for r in records:
+    if r["method"] != "ar":
+      assert r["gamma"] == saved[r["method"]]["gamma"] and 1 <= r["gamma"] <= 3
+  figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert all(m["mismatches"] in (0, None) for m in figures["methods"].values())
+  (out / "draft_lengths.json").write_text(json.dumps(
+      {k: dict(v, gamma=1) for k, v in saved.items()}))  # a resumed run reuses the file
+  (out / "results.jsonl").write_text("")
+  assert main(argv + ["--resume"]) == 0
+  records = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+  assert {r["gamma"] for r in records if r["method"] != "ar"} == {1}
