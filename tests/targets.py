@@ -133,3 +133,39 @@ def assert_round_distribution(out, p_first, q_first, p_after, *, gamma: int) -> 
   chi2_matches(np.bincount(second, minlength=V), p_after(top))
   assert 0.0 < float(np.mean(n_commit - 1)) < gamma  # drafts were both kept and rejected
   return power
+
+
+def assert_plan_keeps_the_target_distribution(state, graphdef, config, cache, first, plan,
+                                              sampling, *, target_cache=None, vocab: int,
+                                              gamma: int = 3, rounds: int = 40_000) -> dict:
+  """Sample `rounds` rounds drafted under `plan` from one state (`cache` after a prefill
+  that sampled `first`) and check them with `assert_round_distribution` against the
+  target as verification reads it (`target_cache`, default `cache`)."""
+  import jax
+  import jax.numpy as jnp
+
+  from specjax.engine import draft_step, round_fn
+  from specjax.generate import positions_for
+  from specjax.model import apply
+  from specjax.plan import DraftPlan
+  from specjax.sampling import probs
+
+  target_cache = cache if target_cache is None else target_cache
+  full = DraftPlan.full(config.num_layers)
+  run = jax.jit(jax.vmap(lambda k: round_fn(
+      state, cache, first, plan, k, graphdef=graphdef, vocab=vocab, gamma=gamma,
+      threshold=0.0, sampling=sampling)[0]))
+  out = run(jax.random.split(jax.random.key(1), rounds))
+
+  def p(tokens):
+    o, _ = apply(state, target_cache, jnp.asarray([tokens], jnp.int32),
+                 positions_for(target_cache, len(tokens), 1), full, graphdef=graphdef,
+                 write_cache=False)
+    return np.asarray(probs(o.logits[0, -1], sampling), np.float64)
+
+  q1 = draft_step(state, cache, first, plan, jax.random.key(2), jnp.int32(1),
+                  jnp.zeros((config.embed_dim,)), graphdef=graphdef, vocab=vocab, gamma=1,
+                  threshold=0.0, sampling=sampling).q_rows[0]
+  f = int(first)
+  return assert_round_distribution(out, p([f]), np.asarray(q1, np.float64),
+                                   lambda t: p([f, t]), gamma=gamma)

@@ -21,15 +21,16 @@ from specjax import cpu_kernels, quant
 from specjax.config import tiny_config
 from specjax.drafters import (EarlyExitDrafter, FRSpecDrafter, Int8WeightsDrafter,
                               QuantSpecDrafter, StaticDrafter)
-from specjax.engine import draft_step, round_fn, speculative_generate
+from specjax.engine import speculative_generate
 from specjax.generate import generate, positions_for, prefill_step
 from specjax.kv_cache import KVCache
 from specjax.model import apply, init_model
 from specjax.plan import DraftPlan, PlanError
 from specjax.quant import Int8Matrix
 from specjax.quant_kv_cache import QuantKV
-from specjax.sampling import SamplingParams, probs
-from targets import PROMPT, ar_tokens, assert_exercised, assert_round_distribution, target
+from specjax.sampling import SamplingParams
+from targets import (PROMPT, ar_tokens, assert_exercised,
+                     assert_plan_keeps_the_target_distribution, target)
 
 SKIP = DraftPlan.from_skips(6, [2], [2])
 
@@ -165,23 +166,8 @@ def test_8bit_sampling_round_keeps_the_target_distribution():
                               jax.random.key(0), graphdef=graphdef, sampling=sampling)
   plan = DraftPlan.from_skips(L, [1], [1]).replace(
       weights=quant.quantize_weights_int8(state, L))
-  run = jax.jit(jax.vmap(lambda k: round_fn(
-      state, cache, first[0], plan, k, graphdef=graphdef, vocab=12, gamma=3, threshold=0.0,
-      sampling=sampling)[0]))
-  out = run(jax.random.split(jax.random.key(1), 40_000))
-
-  def p(tokens):
-    o, _ = apply(state, cache, jnp.asarray([tokens], jnp.int32),
-                 positions_for(cache, len(tokens), 1), DraftPlan.full(L), graphdef=graphdef,
-                 write_cache=False)
-    return np.asarray(probs(o.logits[0, -1], sampling), np.float64)
-
-  q1 = draft_step(state, cache, first[0], plan, jax.random.key(2), jnp.int32(1),
-                  jnp.zeros((config.embed_dim,)), graphdef=graphdef, vocab=12, gamma=1,
-                  threshold=0.0, sampling=sampling).q_rows[0]
-  f = int(first[0])
-  assert_round_distribution(out, p([f]), np.asarray(q1, np.float64), lambda t: p([f, t]),
-                            gamma=3)
+  assert_plan_keeps_the_target_distribution(state, graphdef, config, cache, first[0], plan,
+                                            sampling, vocab=12)
 
 
 # --- bad input -------------------------------------------------------------------------------

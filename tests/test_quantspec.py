@@ -19,15 +19,15 @@ from hypothesis import strategies as st
 from specjax import quant
 from specjax.config import tiny_config
 from specjax.drafters import KnapSpecDrafter, QuantSpecDrafter, StaticDrafter
-from specjax.engine import draft_step, round_fn, speculative_generate
+from specjax.engine import speculative_generate
 from specjax.generate import generate, positions_for, prefill_prompt, prefill_step
 from specjax.kv_cache import ContextOverflowError, KVCache
 from specjax.model import apply, init_model
 from specjax.plan import DraftPlan, PlanError
 from specjax.quant import Int4Matrix, QuantError
 from specjax.quant_kv_cache import QuantKV, QuantKVCache
-from specjax.sampling import SamplingParams, probs
-from targets import assert_exercised, assert_round_distribution, target
+from specjax.sampling import SamplingParams
+from targets import assert_exercised, assert_plan_keeps_the_target_distribution, target
 
 
 def grouped_scale(x, axis, group):
@@ -320,25 +320,10 @@ def test_quantspec_sampling_round_keeps_the_target_distribution():
   # drafter) moves q to TV 0.04, where the test sees each classic bug with power ~1.
   plan = DraftPlan.from_skips(L, [1], [1]).replace(
       kv_bits=4, weights=quant.quantize_mlp_weights(state, L, 32))
-  run = jax.jit(jax.vmap(lambda k: round_fn(
-      state, cache, first[0], plan, k, graphdef=graphdef, vocab=12, gamma=3, threshold=0.0,
-      sampling=sampling)[0]))
-  out = run(jax.random.split(jax.random.key(1), 40_000))
   target_cache = cache.settle()  # what verification reads: 24 tokens quantised, 6 buffered
   assert int(target_cache.quantized) == 24
-
-  def p(tokens):
-    o, _ = apply(state, target_cache, jnp.asarray([tokens], jnp.int32),
-                 positions_for(target_cache, len(tokens), 1), DraftPlan.full(L),
-                 graphdef=graphdef, write_cache=False)
-    return np.asarray(probs(o.logits[0, -1], sampling), np.float64)
-
-  q1 = draft_step(state, cache, first[0], plan, jax.random.key(2), jnp.int32(1),
-                  jnp.zeros((config.embed_dim,)), graphdef=graphdef, vocab=12, gamma=1,
-                  threshold=0.0, sampling=sampling).q_rows[0]
-  f = int(first[0])
-  assert_round_distribution(out, p([f]), np.asarray(q1, np.float64), lambda t: p([f, t]),
-                            gamma=3)
+  assert_plan_keeps_the_target_distribution(state, graphdef, config, cache, first[0], plan,
+                                            sampling, target_cache=target_cache, vocab=12)
 
 
 # --- bad input ---------------------------------------------------------------------------------
