@@ -1,4 +1,5 @@
-"""Hierarchical 4+4-bit quantisation (QuantSpec, Tiwari et al. 2025) and 4-bit packing.
+"""Hierarchical 4+4-bit quantisation (QuantSpec, Tiwari et al. 2025), 4-bit packing, and
+the quantised weights a draft reads (4-bit MLP, 8-bit everywhere).
 
 Per group, asymmetric min/max:
 
@@ -24,7 +25,8 @@ half in the high). Everything here is jnp and jit-friendly; the Pallas kernels
 
 Group axis conventions (the KV cache's): keys per channel over groups of G tokens, values
 per token over groups of channels. Weights: 4-bit (upper only) over groups of 128 input
-rows.
+rows (QuantSpec's MLP), or 8-bit symmetric with one scale per output channel for every
+matmul of a draft (`Int8Matrix`, read by the `cpu_kernels` int8 kernel on a CPU).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """`quantspec`: QuantSpec (Tiwari et al. 2025). The draft is the target's own layers
-reading the shared hierarchical KV cache at 4 bits (upper nibbles) with 4-bit MLP
-weights; verification reads the same cache at 8 bits. With a `base` layer drafter the
+reading the shared hierarchical KV cache at 4 bits (upper nibbles) with quantised weights
+(the paper's 4-bit MLP, or 8-bit matmuls: `weight_bits`, chosen per backend by
+default); verification reads the same cache at 8 bits. With a `base` layer drafter the
 two compose: QuantSpec × KnapSpec drafts with KnapSpec's sub-layers at 4-bit precision.
 
 The cache itself is chosen here (`kv_cache`), so `speculative_generate(..., drafter)`
