@@ -40,7 +40,7 @@ _EXPORTS = {
     "SwiftDrafter": "specjax.drafters",
 }
 
-from specjax.generate import generate  # noqa: E402  (see above)
+from specjax.generate import generate  # noqa: E402, F401  (see above; exported by __all__)
 
 __all__ = sorted([*_EXPORTS, "generate"])
 
