@@ -33,14 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report  # noqa: E402
 
 from specjax.cpu_kernels import kernel_status  # noqa: E402
-from specjax.generate import decode_step, generate  # noqa: E402
-from specjax.jit_cache import compiled  # noqa: E402
-from specjax.kv_cache import KVCache  # noqa: E402
+from specjax.draft_length import step_times  # noqa: E402
+from specjax.generate import generate  # noqa: E402
 from specjax.loader import load_model  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402
 from specjax.quant import quantize_weights_int8  # noqa: E402
 from specjax.registry import get_spec  # noqa: E402
-from specjax.sampling import SamplingParams  # noqa: E402
 
 PROMPT = "Explain why the sky is blue to a ten-year-old, in a few short paragraphs."
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)
@@ -56,57 +54,19 @@ def random_plan(L: int, frac: float, rng: np.random.Generator) -> DraftPlan:
 
 def step_ratios(m, context: int, rounds: int, steps: int, gamma: int = 4) -> dict:
   """Median ms of the AR step, verification of γ+1 tokens and draft steps at each share of
-  active sub-layers, round-robin; ratios to the AR step."""
-  from specjax.engine import Draft, draft_step, verify_step
-
-  cfg, state, graphdef = m.config, m.state, m.graphdef
+  active sub-layers (fp32 and 8-bit weights), round-robin; ratios to the AR step."""
+  cfg = m.config
   rng = np.random.default_rng(0)
   plans = {f: [random_plan(cfg.num_layers, f, rng) for _ in range(3)] for f in FRACTIONS}
   # The same plans reading 8-bit copies of every matrix (Int8WeightsDrafter's drafts).
-  int8 = quantize_weights_int8(state, cfg.num_layers)
+  int8 = quantize_weights_int8(m.state, cfg.num_layers)
   plans |= {(f, 8): [p.replace(weights=int8) for p in plans[f]] for f in INT8_FRACTIONS}
-  full = DraftPlan.full(cfg.num_layers)
-  greedy = SamplingParams()
-  cache = KVCache.create(cfg, 1, context + 64).with_length(context)
-  tok, last, key = jnp.ones((1,), jnp.int32), jnp.int32(1), jax.random.key(0)
-  step = compiled(decode_step, state, cache, tok, full, key, graphdef=graphdef, sampling=greedy)
-  drafts = {bits: compiled(draft_step, state, cache, last, plans[(0.5, 8) if bits == 8 else 0.5][0],
-                           key, jnp.int32(1), graphdef=graphdef, vocab=cfg.vocab_size, gamma=1,
-                           threshold=0.0, sampling=greedy) for bits in (32, 8)}
-  proto = Draft(n=jnp.int32(gamma), tokens=jnp.ones((gamma,), jnp.int32), q_rows=None)
-  verify = compiled(verify_step, state, cache, last, proto, full, key, graphdef=graphdef,
-                    sampling=greedy)
-  holder = {"cache": cache}
-
-  def timed(fn) -> float:
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - t
-
-  def ar():
-    tok2, c = step(state, holder["cache"], tok, full, key)
-    holder["cache"] = c.with_length(context)  # donated: keep the returned buffers
-    return tok2
-
-  def verify_once():
-    out, c = verify(state, holder["cache"], last, proto, full, key)
-    holder["cache"] = c.with_length(context)
-    return out.n_commit
-
-  times = {"ar": [], "verify": []} | {f: [] for f in plans}
-  for _ in range(rounds):
-    for _ in range(steps):
-      times["ar"].append(timed(ar))
-      times["verify"].append(timed(verify_once))
-      for f in plans:
-        draft = drafts[8 if isinstance(f, tuple) else 32]
-        for plan in plans[f]:
-          times[f].append(timed(lambda p=plan, d=draft: d(state, holder["cache"], last, p, key,
-                                                          jnp.int32(1)).n))
-  ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-  return {"ar_ms": ms["ar"], "verify_ms": ms["verify"], "verify_over_ar": ms["verify"] / ms["ar"],
-          "draft_over_ar": {f: ms[f] / ms["ar"] for f in FRACTIONS},
-          "int8_draft_over_ar": {f: ms[(f, 8)] / ms["ar"] for f in INT8_FRACTIONS},
+  t = step_times(m.graphdef, m.state, cfg, plans, gammas=(gamma,), context=context,
+                 repeats=rounds * steps)
+  return {"ar_ms": t.ar * 1e3, "verify_ms": t.verify[gamma] * 1e3,
+          "verify_over_ar": t.verify[gamma] / t.ar,
+          "draft_over_ar": {f: t.drafts[f] / t.ar for f in FRACTIONS},
+          "int8_draft_over_ar": {f: t.drafts[(f, 8)] / t.ar for f in INT8_FRACTIONS},
           "gamma": gamma}
 
 

@@ -9,6 +9,7 @@ Outputs: results.jsonl, summary.md (tables), speedup.png, and a last line of JSO
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from specjax.drafters import self_sd
 from specjax.drafters.static import load_plan, save_plan
 from specjax.engine import speculative_generate
 from specjax.generate import generate
+from specjax.quant import quantize_weights_int8
 from specjax.sampling import SamplingParams
 
 DEFAULT_DRAFTERS = ("early_exit", "self_sd", "swift", "8bit", "self_sd+8bit")  # as the CLI's
@@ -74,9 +76,10 @@ OVERLAYS = ("8bit",)  # names that compose on top of a layer drafter: `self_sd+8
 
 
 def _make_drafter(name: str, cfg: BenchConfig, model, out_dir: Path, search_prompts,
-                  data_dir=None):
+                  data_dir=None, int8_weights=None):
   """The drafter called `name`: a drafter, an overlay alone (`8bit`: over the full model),
-  or a layer drafter with overlays on top, joined by `+` (`self_sd+8bit`)."""
+  or a layer drafter with overlays on top, joined by `+` (`self_sd+8bit`). `int8_weights`
+  (a memoised thunk) lets every `8bit` name share one quantised copy of the model."""
   base, *overlays = name.split("+")
   if base in OVERLAYS:
     base, overlays = None, [base] + overlays
@@ -87,7 +90,9 @@ def _make_drafter(name: str, cfg: BenchConfig, model, out_dir: Path, search_prom
       drafter_class(overlay)  # an unknown name: the error lists them all
       raise ValueError(f"{overlay!r} in {name!r} is not an overlay; overlays: "
                        f"{', '.join(OVERLAYS)}")
-    drafter = Int8WeightsDrafter.for_model(model, base=drafter)
+    weights = int8_weights() if int8_weights else quantize_weights_int8(
+        model.state, model.config.num_layers)
+    drafter = Int8WeightsDrafter(weights=weights, base=drafter)
   return drafter
 
 
@@ -198,7 +203,9 @@ def run(cfg: BenchConfig, out_dir: Path, *, data_dir=None, resume: bool = False,
 
   model = load_model(cfg.model, dtype=cfg.dtype, verbose=verbose)
   sampling = SamplingParams(cfg.temperature, cfg.top_p)
-  drafters = {n: _make_drafter(n, cfg, model, out_dir, search_prompts, data_dir)
+  int8_weights = functools.cache(lambda: quantize_weights_int8(model.state,
+                                                               model.config.num_layers))
+  drafters = {n: _make_drafter(n, cfg, model, out_dir, search_prompts, data_dir, int8_weights)
               for n in cfg.drafters}
   methods = [metrics.AR] + list(drafters)
   gammas = {n: cfg.gamma for n in drafters}
@@ -289,9 +296,7 @@ def _run_prompt(model, prompt, drafters, cfg: BenchConfig, sampling, carried,
       else:
         rec["gamma"] = (gammas or {}).get(method, cfg.gamma)
         g = speculative_generate(model.graphdef, model.state, model.config, ids,
-                                 drafters[method],
-                                 gamma=(gammas or {}).get(method, cfg.gamma),
-                                 threshold=cfg.threshold,
+                                 drafters[method], gamma=rec["gamma"], threshold=cfg.threshold,
                                  drafter_state=carried.get(method), **kw)
         carried[method] = g.drafter_state
         for k in ("rounds", "drafted", "accepted", "committed", "draft_s", "verify_s",

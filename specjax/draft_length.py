@@ -75,11 +75,22 @@ def best_gamma(alpha: float, costs: StepCosts, gamma_max: int) -> int:
   return max(range(1, gamma_max + 1), key=lambda g: (tokens_per_time(alpha, g, costs), -g))
 
 
-def measure_step_costs(graphdef, state, config, plan: DraftPlan, *,
-                       gammas: Sequence[int] = (1, 4, 8), context: int = 256,
-                       repeats: int = 7) -> StepCosts:
-  """Median times of the AR step, one draft step under `plan` and verification at each γ
-  in `gammas`, interleaved so machine noise hits them alike; ratios to the AR step."""
+@dataclasses.dataclass(frozen=True)
+class StepTimes:
+  """Median seconds: the AR step, verification of γ + 1 tokens per γ, and one draft step
+  per group of plans (the median over all the group's plans)."""
+
+  ar: float
+  verify: dict[int, float]
+  drafts: dict
+
+
+def step_times(graphdef, state, config, plans: dict, *, gammas: Sequence[int] = (4,),
+               context: int = 256, repeats: int = 7) -> StepTimes:
+  """Time the AR step, verification at each γ in `gammas` and a draft step under every plan
+  of `plans` ({key: [DraftPlan, ...]}) at `context`, round-robin so that machine noise hits
+  them alike. Compiled ahead (one draft executable per plan structure), so nothing timed
+  compiles."""
   from specjax.engine import Draft, draft_step, verify_step
   from specjax.generate import decode_step
   from specjax.jit_cache import compiled
@@ -88,18 +99,11 @@ def measure_step_costs(graphdef, state, config, plan: DraftPlan, *,
   cache = KVCache.create(config, 1, context + max(gammas) + 2).with_length(context)
   tok, last, key, one = jnp.ones((1,), jnp.int32), jnp.int32(1), jax.random.key(0), jnp.int32(1)
   step = compiled(decode_step, state, cache, tok, full, key, graphdef=graphdef, sampling=greedy)
-  draft = compiled(draft_step, state, cache, last, plan, key, one, graphdef=graphdef,
-                   vocab=config.vocab_size, gamma=1, threshold=0.0, sampling=greedy)
   protos = {g: Draft(n=jnp.int32(g), tokens=jnp.ones((g,), jnp.int32), q_rows=None)
             for g in gammas}
   verifiers = {g: compiled(verify_step, state, cache, last, protos[g], full, key,
                            graphdef=graphdef, sampling=greedy) for g in gammas}
   holder = {"cache": cache}
-
-  def timed(fn) -> float:
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - t
 
   def writes(fn):  # the cache is donated: keep the returned one, at the same length
     def run():
@@ -108,15 +112,31 @@ def measure_step_costs(graphdef, state, config, plan: DraftPlan, *,
       return out
     return run
 
-  calls = {"ar": writes(lambda c: step(state, c, tok, full, key)),
-           "draft": lambda: draft(state, holder["cache"], last, plan, key, one).n}
-  calls |= {g: writes(lambda c, g=g: verifiers[g](state, c, last, protos[g], full, key))
-            for g in gammas}
-  for fn in calls.values():  # warm up
-    timed(fn)
-  times = {name: [] for name in calls}
-  for _ in range(repeats):
-    for name, fn in calls.items():
-      times[name].append(timed(fn))
-  ms = {name: statistics.median(v) for name, v in times.items()}
-  return StepCosts(draft=ms["draft"] / ms["ar"], verify={g: ms[g] / ms["ar"] for g in gammas})
+  def drafting(plan):
+    exe = compiled(draft_step, state, cache, last, plan, key, one, graphdef=graphdef,
+                   vocab=config.vocab_size, gamma=1, threshold=0.0, sampling=greedy)
+    return lambda: exe(state, holder["cache"], last, plan, key, one).n
+
+  calls = [("ar", writes(lambda c: step(state, c, tok, full, key)))]
+  calls += [(("verify", g), writes(lambda c, g=g: verifiers[g](state, c, last, protos[g], full,
+                                                                 key))) for g in gammas]
+  calls += [(("draft", name), drafting(plan)) for name, group in plans.items() for plan in group]
+  times: dict = {}
+  for _ in range(repeats + 1):  # the first pass warms up and is dropped
+    for name, fn in calls:
+      t = time.perf_counter()
+      jax.block_until_ready(fn())
+      times.setdefault(name, []).append(time.perf_counter() - t)
+  med = {name: statistics.median(v[1:]) for name, v in times.items()}
+  return StepTimes(ar=med["ar"], verify={g: med[("verify", g)] for g in gammas},
+                   drafts={name: med[("draft", name)] for name in plans})
+
+
+def measure_step_costs(graphdef, state, config, plan: DraftPlan, *,
+                       gammas: Sequence[int] = (1, 4, 8), context: int = 256,
+                       repeats: int = 7) -> StepCosts:
+  """One draft step under `plan` and verification at each γ in `gammas`, as ratios to the
+  AR step, measured together (`step_times`)."""
+  t = step_times(graphdef, state, config, {"plan": [plan]}, gammas=gammas, context=context,
+                 repeats=repeats)
+  return StepCosts(draft=t.drafts["plan"] / t.ar, verify={g: v / t.ar for g, v in t.verify.items()})

@@ -35,6 +35,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from specjax.cpu_kernels import int8_matmul
+
 
 class QuantError(ValueError):
   """Shapes that do not split into groups, or values that cannot be quantised."""
@@ -176,8 +178,6 @@ class Int8Matrix:
 
   def matmul(self, x: jax.Array) -> jax.Array:
     """x[..., In] @ this matrix -> [..., Out] in x's dtype."""
-    from specjax.cpu_kernels import int8_matmul
-
     return int8_matmul(x, self.codes, self.scale).astype(x.dtype)
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:

@@ -25,7 +25,7 @@ def default_weight_bits() -> int:
   """8 on a CPU: XLA:CPU widens a 4-bit matrix to float32 in memory before its dot, so a
   4-bit draft costs more than a full-precision one there, while the int8 kernel reads a
   byte per weight (measured: docs/BENCHMARKS.md, "8-bit drafts"). 4 elsewhere, the
-  paper's setting, where XLA fuses the dequantisation into the GEMM."""
+  paper's setting; which pays on a GPU is not measured yet."""
   import jax
 
   return 8 if jax.default_backend() == "cpu" else 4
@@ -36,7 +36,7 @@ class QuantSpecDrafter(OverlayDrafter):
   name = "quantspec"
   fields = ("kv_bits", "weights")
   own_threshold: ClassVar[float] = 0.0  # QuantSpec drafts a fixed γ: its drafts are close
-  weights: DraftWeights | None = None  # 4-bit MLP matrices; None: full precision
+  weights: DraftWeights | None = None  # 4- or 8-bit (`for_model`); None: the target's
   base: Drafter | None = None
   kv_cache: QuantKV = QuantKV()
 
