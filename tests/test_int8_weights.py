@@ -51,6 +51,23 @@ def test_the_kernel_builds_wherever_a_compiler_is_found():
     assert cpu_kernels.kernel_status() == "ready"
 
 
+def test_without_the_kernel_the_xla_path_gives_the_same_numbers(monkeypatch):
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(2, 3, 40)), jnp.float32)
+  m = Int8Matrix.quantize(jnp.asarray(rng.normal(size=(40, 70)), jnp.float32))
+  fast = np.asarray(m.matmul(x))
+  monkeypatch.setattr(cpu_kernels, "kernel_status", lambda: "disabled by SPECJAX_CPU_KERNELS=0")
+  slow = np.asarray(m.matmul(x))
+  np.testing.assert_allclose(slow, fast, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failing_compiler_is_a_clear_build_error(tmp_path, monkeypatch):
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  with pytest.raises(cpu_kernels.KernelBuildError, match="false"):
+    cpu_kernels._build(cpu_kernels._SOURCE, "false")
+  assert not any(p.suffix == ".so" for p in tmp_path.rglob("*"))  # nothing half-written kept
+
+
 def test_loading_the_kernel_keeps_subnormal_floats():
   """Built with -ffast-math, the shared object switched the process to flush-to-zero."""
   cpu_kernels.kernel_status()
