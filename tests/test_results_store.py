@@ -1,0 +1,78 @@
+"""The results store every benchmark shares: resume, crash safety, settings kept apart."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from specjax.results_store import ResultsStore, ResumeError, fingerprint
+
+SETTINGS = {"model": "tiny-llama", "gamma": 4, "drafters": ["knapspec"]}
+
+
+def unit_records(i: int) -> list[dict]:
+  return [{"method": "ar", "i": i}, {"method": "knapspec", "i": i, "text": "é" * (i % 5)}]
+
+
+def test_units_survive_reopening_and_a_rerun_needs_resume(tmp_path):
+  store = ResultsStore(tmp_path, SETTINGS, resume=False)
+  for i in range(3):
+    store.add(f"p{i}", unit_records(i))
+  with pytest.raises(ResumeError, match="--resume"):
+    ResultsStore(tmp_path, SETTINGS, resume=False)
+  again = ResultsStore(tmp_path, SETTINGS, resume=True)
+  assert again.units() == ["p0", "p1", "p2"] and again.done("p1") and not again.done("p3")
+  assert again.records() == [r for i in range(3) for r in unit_records(i)]
+
+
+def test_changed_settings_are_refused_naming_the_change(tmp_path):
+  ResultsStore(tmp_path, SETTINGS, resume=False).add("p0", unit_records(0))
+  with pytest.raises(ResumeError, match=r"gamma: 4 -> 6"):
+    ResultsStore(tmp_path, {**SETTINGS, "gamma": 6}, resume=True)
+
+
+def test_separate_mode_keeps_each_settings_own_units(tmp_path):
+  store = ResultsStore(tmp_path, {"sweep": "s"}, resume=False, mismatch="separate")
+  a, b = store.register({**SETTINGS, "gamma": 2}), store.register({**SETTINGS, "gamma": 6})
+  store.add("p0", unit_records(0), settings_key=a)
+  store.add("p0", unit_records(1), settings_key=b)
+  again = ResultsStore(tmp_path, {"sweep": "s"}, resume=True, mismatch="separate")
+  assert again.records(a) == unit_records(0) and again.records(b) == unit_records(1)
+  assert again.done("p0", a) and not again.done("p1", b)
+  assert json.loads((tmp_path / "settings.json").read_text())[a]["gamma"] == 2
+
+
+def test_a_file_of_another_format_is_refused(tmp_path):
+  (tmp_path / "results.jsonl").write_text(json.dumps({"prompt_id": "p0", "method": "ar"}) + "\n")
+  (tmp_path / "settings.json").write_text(json.dumps({fingerprint(SETTINGS): SETTINGS}))
+  with pytest.raises(ResumeError, match="not written by specjax's results store"):
+    ResultsStore(tmp_path, SETTINGS, resume=True)
+  (tmp_path / "settings.json").unlink()
+  (tmp_path / "results.jsonl").write_text(json.dumps({"unit": "p0", "settings": "x",
+                                                      "records": []}) + "\n")
+  with pytest.raises(ResumeError, match="no settings.json"):
+    ResultsStore(tmp_path, SETTINGS, resume=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(units=st.integers(1, 6), cut=st.floats(0, 1))
+def test_a_kill_anywhere_loses_at_most_the_unit_being_written(tmp_path_factory, units, cut):
+  """Cut the file at any byte (a kill mid-write): reopening keeps exactly the units whose
+  line is complete, drops the cut one from the file, and later units append cleanly."""
+  folder = tmp_path_factory.mktemp("store")
+  store = ResultsStore(folder, SETTINGS, resume=False)
+  for i in range(units):
+    store.add(f"p{i}", unit_records(i))
+  raw = (folder / "results.jsonl").read_bytes()
+  at = int(cut * len(raw))
+  (folder / "results.jsonl").write_bytes(raw[:at])
+  complete = raw[:at].count(b"\n")
+  again = ResultsStore(folder, SETTINGS, resume=True)
+  assert again.units() == [f"p{i}" for i in range(complete)]
+  for i in range(complete, units):
+    again.add(f"p{i}", unit_records(i))
+  final = ResultsStore(folder, SETTINGS, resume=True)
+  assert final.units() == [f"p{i}" for i in range(units)]
+  assert final.records() == [r for i in range(units) for r in unit_records(i)]
