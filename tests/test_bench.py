@@ -25,21 +25,24 @@ def test_bench_end_to_end_then_resume(tmp_path, capsys):
   assert figures["methods"]["ar"]["mismatches"] is None  # the reference
   assert all(r["mismatches"] == 0 for m, r in figures["methods"].items() if m != "ar")
   assert figures["prompts"] == 3
-  for f in ("results.jsonl", "summary.md", "speedup.png", "self_sd_plan.json"):
+  for f in ("results.jsonl", "settings.json", "summary.md", "speedup.png"):
     assert (out / f).exists()
+  assert len(list(out.glob("self_sd_plan-*.json"))) == 1  # the search, kept for a resume
   lines = (out / "results.jsonl").read_text().splitlines()
-  assert len(lines) == 3 * len(methods)
-  # A crash mid-prompt: keep the first prompt and half a line of the second.
-  first = json.loads(lines[0])["prompt_id"]
-  kept = [l for l in lines if json.loads(l)["prompt_id"] == first]
-  (out / "results.jsonl").write_text("\n".join(kept) + "\n" + lines[-1][:25])
+  assert len(lines) == 3  # one line per prompt, all its methods in it
+  assert {r["method"] for r in json.loads(lines[0])["records"]} == methods
+  # A crash mid-write: the first prompt kept, half a line of the second.
+  (out / "results.jsonl").write_text(lines[0] + "\n" + lines[1][:25])
   assert main(argv) == 2  # refuses to overwrite without --resume
   assert "--resume" in capsys.readouterr().err
   assert main(argv + ["--resume"]) == 0
   again = (out / "results.jsonl").read_text().splitlines()
-  assert again[: len(kept)] == kept  # finished prompts are neither redone nor lost
-  assert len(again) == 3 * len(methods)
+  assert again[0] == lines[0]  # finished prompts are neither redone nor lost
+  assert [json.loads(l)["unit"] for l in again] == [json.loads(l)["unit"] for l in lines]
   assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["prompts"] == 3
+  # A resume with a setting that changes the numbers is refused, and says which.
+  assert main([*argv, "--resume", "--gamma", "2"]) == 2
+  assert "gamma: 3 -> 2" in capsys.readouterr().err
 
 
 def test_bench_bad_input(tmp_path, capsys):
@@ -54,7 +57,10 @@ def test_bench_bad_input(tmp_path, capsys):
   assert "unknown drafter 'medusa'" in capsys.readouterr().err
   assert main(["bench", *ARGS, "--drafters", "early_exit+swift", "--data-dir", root, "--out",
                out + "5"]) == 2
-  assert "'swift' in 'early_exit+swift' is not an overlay" in capsys.readouterr().err
+  assert "'swift' is a layer drafter" in capsys.readouterr().err
+  assert main(["bench", *ARGS, "--option", "knapspec.taux=1", "--drafters", "knapspec",
+               "--data-dir", root, "--out", out + "6"]) == 2
+  assert "knapspec has no option 'taux'" in capsys.readouterr().err
   assert main(["bench", *ARGS, "--gamma", "0", "--data-dir", root, "--out", out + "3"]) == 2
   assert "gamma" in capsys.readouterr().err
 

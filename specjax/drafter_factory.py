@@ -1,0 +1,340 @@
+"""Every drafter and every composition, built by name, with the artefacts it reads.
+
+A name is a layer drafter followed by overlays, joined by `+`: `knapspec+8bit+dynaspec` is
+DynaSpec's head over 8-bit weights over KnapSpec's layer plans. An overlay alone drafts
+with the full model (`8bit`, `quantspec`, `frspec+quantspec`). Overlays apply left to
+right, each on top of the drafter before it; two overlays that set the same plan fields
+(`frspec+dynaspec`: both the head; `quantspec+8bit`: both the weights) are refused.
+
+Artefacts are found where specjax keeps them, or built (and kept) on first use: the
+Self-SD skip set (searched on prompts outside the evaluation), KnapSpec's latency
+profile, the KNN-SSD library, FR-Spec's token counts and DynaSpec's router, and one int8
+copy of the model shared by every `8bit` name.
+
+Options per part (`options={"knapspec": {"tau": 0.3}, "frspec": {"size": 16384}}`) are the
+drafter's constructor fields, plus the artefact settings in `ARTEFACT_OPTIONS`; every
+option changes the numbers, so `settings()` returns them for the results fingerprint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from specjax.drafters import (ClaspDrafter, Drafter, DynaSpecDrafter,
+                              EarlyExitDrafter, FRSpecDrafter, Int8WeightsDrafter,
+                              KnapSpecDrafter, KNNDrafter, QuantSpecDrafter, SelfSDDrafter,
+                              StaticDrafter, SwiftDrafter, drafter_class)
+
+BASES = ("static", "early_exit", "self_sd", "swift", "clasp", "knapspec", "knn")
+OVERLAYS = ("8bit", "quantspec", "frspec", "dynaspec")
+_CLASSES: dict[str, type[Drafter]] = {
+    "static": StaticDrafter, "early_exit": EarlyExitDrafter, "self_sd": SelfSDDrafter,
+    "swift": SwiftDrafter, "clasp": ClaspDrafter, "knapspec": KnapSpecDrafter,
+    "knn": KNNDrafter, "8bit": Int8WeightsDrafter, "quantspec": QuantSpecDrafter,
+    "frspec": FRSpecDrafter, "dynaspec": DynaSpecDrafter}
+# Options that shape an artefact rather than a constructor field, with their defaults.
+ARTEFACT_OPTIONS: dict[str, dict[str, Any]] = {
+    "static": {"plan": None},  # a plan file saved by a search
+    "self_sd": {"iterations": None},  # Bayesian-optimisation steps (default: the factory's)
+    "knn": {"anchors": 10},  # k-means anchors per domain
+    "quantspec": {"weight_bits": None, "group": 128, "residual": 128},  # bits None: per backend
+    "frspec": {"size": 32768},  # FR-Spec's shortlist: the paper's 32k
+    "dynaspec": {"clusters": 1024, "k_max": 32},
+}
+ARTEFACTS = ("profile", "library", "counts", "bundle", "self_sd_plan", "int8_weights")
+# Constructor fields the factory fills itself (artefacts), not options.
+_FILLED = {"fixed", "profile", "library", "weights", "base", "kv_cache", "shortlist", "bundle"}
+
+
+class DrafterNameError(ValueError):
+  """A drafter name the factory cannot build (the message lists what it can)."""
+
+
+def parse(name: str) -> tuple[str | None, list[str]]:
+  """(layer drafter or None, overlays in order) of a composed name, validated."""
+  parts = [p for p in name.split("+")]
+  if not name or any(not p for p in parts):
+    raise DrafterNameError(f"drafter name {name!r}: empty part; names are a layer drafter "
+                           f"({', '.join(BASES)}) and/or overlays ({', '.join(OVERLAYS)}) "
+                           f"joined by '+'")
+  for p in parts:
+    if p not in _CLASSES:
+      drafter_class(p)  # an unknown name: UnknownDrafterError lists them all
+      raise DrafterNameError(f"{p!r} is not built by name")
+  base = parts[0] if parts[0] in BASES else None
+  overlays = parts[1:] if base else parts
+  misplaced = [p for p in overlays if p in BASES]
+  if misplaced:
+    raise DrafterNameError(f"{name!r}: {misplaced[0]!r} is a layer drafter; a name holds at "
+                           f"most one, first (e.g. knapspec+8bit+dynaspec)")
+  owner: dict[str, str] = {}
+  for p in overlays:
+    for field in _CLASSES[p].fields:
+      if field in owner:
+        raise DrafterNameError(f"{name!r}: {owner[field]} and {p} both set the draft's "
+                               f"{field}; keep one")
+      owner[field] = p
+  return base, overlays
+
+
+def all_names() -> list[str]:
+  """Every single part the factory builds (compositions join them with '+')."""
+  return list(BASES) + list(OVERLAYS)
+
+
+@dataclasses.dataclass
+class DrafterFactory:
+  """Builds drafters for one model. `gamma`, `seed` and `search_iterations` are the
+  defaults of the drafters and searches that take them; `work_dir` keeps run-specific
+  artefacts (the Self-SD skip set); `search_prompts` are the prompts offline searches
+  score on (default: the last Spec-Bench prompt of each category, which `specjax bench`
+  never evaluates with its default settings)."""
+
+  model: Any
+  gamma: int = 4
+  seed: int = 0
+  search_iterations: int = 60
+  options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+  work_dir: Path | None = None
+  data_dir: str | Path | None = None
+  search_prompts: Sequence[Any] | None = None  # data.Prompt
+  # Artefacts already at hand, used instead of finding or building them: "profile",
+  # "library", "counts", "bundle", "self_sd_plan", "int8_weights".
+  artefacts: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  verbose: bool = True
+
+  def __post_init__(self):
+    unknown = set(self.artefacts) - set(ARTEFACTS)
+    if unknown:
+      raise ValueError(f"unknown artefact {sorted(unknown)[0]!r}; known: {', '.join(ARTEFACTS)}")
+    check_options(self.options)
+
+  # -- public ------------------------------------------------------------------------
+
+  def make(self, name: str) -> Drafter:
+    base_name, overlays = parse(name)
+    drafter = None if base_name is None else self._base(base_name)
+    for part in overlays:
+      drafter = self._overlay(part, drafter)
+    return drafter
+
+  def settings(self, names: Sequence[str]) -> dict:
+    """Everything of this factory that changes the numbers of `names` (fingerprinted)."""
+    parts = sorted({p for n in names for p in n.split("+")})
+    return {"gamma": self.gamma, "seed": self.seed, "search_iterations": self.search_iterations,
+            "options": {p: dict(sorted(self._opts(p).items())) for p in parts}}
+
+  # -- artefacts, built once per factory ---------------------------------------------
+
+  def _opts(self, part: str) -> dict[str, Any]:
+    return {**ARTEFACT_OPTIONS.get(part, {}), **self.options.get(part, {})}
+
+  def _kwargs(self, part: str) -> dict[str, Any]:
+    """The constructor fields among this part's options."""
+    return {k: v for k, v in self.options.get(part, {}).items() if k in _fields(_CLASSES[part])}
+
+  @functools.cached_property
+  def int8_weights(self):
+    from specjax.quant import quantize_weights_int8
+
+    if "int8_weights" in self.artefacts:
+      return self.artefacts["int8_weights"]
+    return quantize_weights_int8(self.model.state, self.model.config.num_layers)
+
+  @functools.cached_property
+  def latency_profile(self):
+    """The saved profile of this model on this device; measured now (and saved) when
+    there is none. A profile of another model or device is refused, not replaced."""
+    from specjax import profiler
+
+    if "profile" in self.artefacts:
+      return self.artefacts["profile"]
+    try:
+      return profiler.load_profile(self.model.name, self.model.config.num_layers)
+    except profiler.MissingProfileError as err:
+      self._say(f"{err}\nrunning the profiler now")
+      prof = profiler.measure(self.model, gamma=self.gamma, verbose=self.verbose)
+      profiler.save_profile(prof)
+      return prof
+
+  @functools.cached_property
+  def shortlists(self):
+    """(FR-Spec token counts, DynaSpec router bundle): `specjax router train`'s, built
+    now from training prompts when absent."""
+    from specjax import shortlists
+    from specjax.registry import cache_root
+
+    if "counts" in self.artefacts or "bundle" in self.artefacts:
+      return self.artefacts.get("counts"), self.artefacts.get("bundle")
+    o = self._opts("dynaspec")
+    root = cache_root() / "shortlists" / self.model.name
+    default = (o["clusters"], o["k_max"]) == (ARTEFACT_OPTIONS["dynaspec"]["clusters"],
+                                             ARTEFACT_OPTIONS["dynaspec"]["k_max"])
+    out = root if default else root / f"c{o['clusters']}-k{o['k_max']}"
+    if not (out / "counts.npz").exists() or not (out / "router" / "meta.json").exists():
+      self._say(f"no FR-Spec counts / DynaSpec router for {self.model.name} at {out}: "
+                f"building them now (`specjax router train` does the same)")
+      if not default and (root / "sequences.json").exists() and not (out / "sequences.json"
+                                                                      ).exists():
+        out.mkdir(parents=True, exist_ok=True)  # the training continuations are shared
+        (out / "sequences.json").write_text((root / "sequences.json").read_text())
+    counts, bundle, _ = shortlists.build(self.model, out, clusters=o["clusters"],
+                                         k_max=o["k_max"], data_dir=self.data_dir,
+                                         verbose=self.verbose)
+    return counts, bundle
+
+  def knn_library(self):
+    """The model's KNN-SSD library for these anchors; built now (and kept) when absent.
+    Another model's library is refused, not replaced."""
+    from specjax import knn_build, knn_library
+
+    if "library" in self.artefacts:
+      return self.artefacts["library"]
+    anchors = self._opts("knn")["anchors"]
+    path = knn_library.default_dir(self.model.name)
+    if anchors != ARTEFACT_OPTIONS["knn"]["anchors"]:
+      path = path.with_name(f"{path.name}-anchors{anchors}")
+    cfg = self.model.config
+    if (path / "meta.json").exists():
+      return knn_library.load_library(path, model=self.model.name, num_layers=cfg.num_layers,
+                                      embed_dim=cfg.embed_dim)
+    self._say(f"no KNN-SSD library for {self.model.name} at {path}: building it now "
+              f"(`specjax knn build --model {self.model.name}` does the same)")
+    build, _ = knn_build.domain_prompts(self.data_dir)
+    return knn_build.build(self.model, {d: ps[:40] for d, ps in build.items()}, path,
+                           anchors=anchors, iterations=self.search_iterations,
+                           gamma=self.gamma, seed=self.seed, verbose=self.verbose)
+
+  def self_sd_plan(self):
+    """A Self-SD skip set searched on `search_prompts`, kept in `work_dir` under a name
+    that says what it was searched with (a resumed run reuses it)."""
+    from specjax.drafters import self_sd
+    from specjax.drafters.static import load_plan, save_plan
+    from specjax.harness import prompt_ids
+    from specjax.registry import cache_root
+
+    if "self_sd_plan" in self.artefacts:
+      return self.artefacts["self_sd_plan"]
+    iterations = self._opts("self_sd")["iterations"] or self.search_iterations
+    prompts = list(self.search_prompts if self.search_prompts is not None
+                   else default_search_prompts(self.data_dir))
+    if not prompts:
+      raise ValueError("self_sd needs search prompts (none given and no Spec-Bench data)")
+    ids = [prompt_ids(self.model.tokenizer, list(p.turns[:1])) for p in prompts]
+    key = hashlib.sha256(json.dumps([iterations, self.gamma, self.seed, ids]).encode()
+                         ).hexdigest()[:10]
+    folder = Path(self.work_dir) if self.work_dir else cache_root() / "searches" / self.model.name
+    path = folder / f"self_sd_plan-{key}.json"
+    if path.exists():
+      return load_plan(path, model=self.model.name)
+    m = self.model
+    res = self_sd.search(m.graphdef, m.state, m.config, ids, iterations=iterations,
+                         gamma=self.gamma, seed=self.seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_plan(path, res.plan, model=m.name, objective=res.objective, alpha=res.alpha,
+              cost=res.cost, search_prompts=[p.id for p in prompts], iterations=iterations)
+    if res.objective < 1.0:
+      self._say(f"self_sd: no skip set found is predicted to beat AR on {m.name} (best "
+                f"predicted {res.objective:.2f}x, agreement {res.alpha:.2f}); using it anyway")
+    return res.plan
+
+  # -- construction ------------------------------------------------------------------
+
+  def _base(self, name: str) -> Drafter:
+    kw = self._kwargs(name)
+    L = self.model.config.num_layers
+    if name == "static":
+      from specjax.drafters.static import load_plan
+
+      plan = self._opts("static")["plan"]
+      if plan is None:
+        raise ValueError("the static drafter needs a plan file (option plan, or --plan FILE)")
+      return StaticDrafter(load_plan(plan, model=self.model.name), **kw)
+    if name == "early_exit":
+      return EarlyExitDrafter(**{"k": L // 2, **kw})
+    if name == "swift":
+      return SwiftDrafter(**{"seed": self.seed, **kw})
+    if name == "self_sd":
+      return SelfSDDrafter(self.self_sd_plan(), **kw)
+    if name == "clasp":
+      return ClaspDrafter(**kw)
+    if name == "knapspec":
+      return KnapSpecDrafter(profile=self.latency_profile, **{"max_gamma": self.gamma, **kw})
+    if name == "knn":
+      return KNNDrafter(self.knn_library(), **kw)
+    raise DrafterNameError(f"{name!r} is not a layer drafter")  # parse() prevents this
+
+  def _overlay(self, name: str, base: Drafter | None) -> Drafter:
+    kw = self._kwargs(name)
+    cfg = self.model.config
+    if name == "8bit":
+      return Int8WeightsDrafter(weights=self.int8_weights, base=base, **kw)
+    if name == "quantspec":
+      from specjax.quant_kv_cache import QuantKV
+
+      o = self._opts("quantspec")
+      kv = QuantKV(group=o["group"], residual=o["residual"])
+      if o["weight_bits"] == 8 or (o["weight_bits"] is None and _cpu()):
+        return QuantSpecDrafter(weights=self.int8_weights, base=base, kv_cache=kv, **kw)
+      return QuantSpecDrafter.for_model(self.model, base=base, weight_bits=o["weight_bits"],
+                                        kv_cache=kv)
+    if name == "frspec":
+      from specjax.drafters.frspec import frequent_shortlist
+
+      counts, _ = self.shortlists
+      if counts is None:
+        raise ValueError("frspec needs token counts (artefact 'counts')")
+      size = min(self._opts("frspec")["size"], cfg.vocab_size)
+      return FRSpecDrafter(frequent_shortlist(counts, size, cfg.eos_ids), base, **kw)
+    if name == "dynaspec":
+      _, bundle = self.shortlists
+      if bundle is None:
+        raise ValueError("dynaspec needs a router bundle (artefact 'bundle')")
+      return DynaSpecDrafter(bundle, base, **kw)
+    raise DrafterNameError(f"{name!r} is not an overlay")  # parse() prevents this
+
+  def _say(self, text: str) -> None:
+    if self.verbose:
+      print(text, file=sys.stderr)
+
+
+def check_options(options: Mapping[str, Mapping[str, Any]]) -> None:
+  """Refuse an option no drafter part has, listing the part's options."""
+  for part, opts in options.items():
+    if part not in _CLASSES:
+      raise DrafterNameError(f"options for {part!r}: not a drafter ({', '.join(_CLASSES)})")
+    allowed = set(ARTEFACT_OPTIONS.get(part, {})) | _fields(_CLASSES[part])
+    bad = sorted(set(opts) - allowed)
+    if bad:
+      raise DrafterNameError(f"{part} has no option {bad[0]!r}; its options: "
+                             f"{', '.join(sorted(allowed))}")
+
+
+def _fields(cls) -> set[str]:
+  return {f.name for f in dataclasses.fields(cls)} - _FILLED
+
+
+def _cpu() -> bool:
+  import jax
+
+  return jax.default_backend() == "cpu"
+
+
+def default_search_prompts(data_dir=None, per_category: int = 1, limit: int = 6) -> list:
+  """Prompts for offline searches that `specjax bench` does not evaluate: the last
+  Spec-Bench prompt of each category (categories with more than `per_category`)."""
+  from specjax import data
+
+  by_cat: dict[str, list] = {}
+  for p in data.load_spec_bench(data_dir):
+    by_cat.setdefault(p.category, []).append(p)
+  return [ps[-1] for ps in by_cat.values() if len(ps) > per_category][:limit]
+
+

@@ -1,0 +1,163 @@
+"""The experiment loop every benchmark shares: one prompt → ids path, and one per-prompt
+runner that decodes it with AR and then with every method in the same process, checking
+each method's tokens against AR's.
+
+`specjax bench`, the `experiments/` scripts and `specjax sweep` are thin users of it (with
+`drafter_factory` for the drafters and `results_store` for the results), so a speedup in
+any of their tables is measured the same way: AR and the methods on the same prompt,
+interleaved, with the same budgets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from specjax import metrics
+from specjax.sampling import SamplingParams
+
+# What an SSD generation reports, summed over a prompt's turns (metrics.summarize reads them).
+COUNTERS = ("rounds", "drafted", "accepted", "committed", "draft_s", "verify_s", "rounds_s",
+            "selection_s", "other_s")
+
+
+def prompt_ids(tokenizer, turns: Sequence[str], answers: Sequence[str] = ()) -> list[int]:
+  """The ids of a prompt's last turn, with earlier turns and this method's own answers as
+  history: through the chat template for chat models, joined by blank lines otherwise."""
+  if getattr(tokenizer, "is_chat", False):
+    msgs = []
+    for i, turn in enumerate(turns):
+      msgs.append({"role": "user", "content": turn})
+      if i < len(answers):
+        msgs.append({"role": "assistant", "content": answers[i]})
+    return tokenizer.encode_chat(msgs)
+  parts = []
+  for i, turn in enumerate(turns):
+    parts.append(turn)
+    if i < len(answers):
+      parts.append(answers[i])
+  return tokenizer.encode("\n\n".join(parts))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+  """What every method of a run shares; each field changes the numbers (fingerprinted)."""
+
+  max_new_tokens: int = 64
+  gamma: int = 4  # the longest draft (a drafter with its own policy may draft fewer)
+  threshold: float | None = None  # draft early stop; None: each drafter's own
+  temperature: float = 0.0
+  top_p: float = 1.0
+  seed: int = 0
+  max_turns: int = 1  # MT-bench prompts have two
+
+  def __post_init__(self):
+    if self.gamma < 1:
+      raise ValueError(f"gamma must be >= 1, got {self.gamma}")
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+  @property
+  def sampling(self) -> SamplingParams:
+    return SamplingParams(self.temperature, self.top_p)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+  """An AR baseline: `kv_cache` None (full precision) or a QuantKV (the target a
+  quantised-cache drafter must reproduce)."""
+
+  name: str = metrics.AR
+  kv_cache: Any = None
+
+
+def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[str, Any],
+               settings: RunSettings, *, gammas: Mapping[str, int] | None = None,
+               carried: dict | None = None, tags: Mapping[str, Any] | None = None,
+               references: Sequence[Reference] = (Reference(),),
+               extra: Callable[[str, Any], dict] | None = None) -> list[dict]:
+  """One record per method: the references (AR) first, then every drafter.
+
+  `prompt`: user turns (strings; the first `settings.max_turns` are decoded, each method
+  answering with its own history) or ready token ids (one turn). `gammas`: per-drafter
+  draft lengths (default settings.gamma). `carried`: drafter states handed from prompt to
+  prompt (SWIFT and budgeted KnapSpec learn across prompts); updated in place. A drafter is
+  compared with the reference that reads the same KV cache (its tokens must equal that
+  AR's); with sampling, `matches_ar` is None. Runs reading the same quantised cache share
+  one prefill of it. `extra(name, generation)` adds fields to a drafter's record.
+  """
+  from specjax.engine import speculative_generate
+  from specjax.generate import generate, prefill_prompt
+
+  carried = {} if carried is None else carried
+  if prompt and isinstance(prompt[0], int):
+    turns: list = [list(prompt)]
+  else:
+    turns = list(prompt[: settings.max_turns])
+  tags = dict(tags or {})
+  sampling = settings.sampling
+  g, s, c = model.graphdef, model.state, model.config
+  by_cache = {ref.kv_cache: ref.name for ref in references}
+  prefills: dict = {}  # (turn, QuantKV) -> Prefilled: one prefill per quantised cache
+  tokens_of: dict[str, list[list[int]]] = {}
+
+  def prefill(t: int, ids: list[int], kv) -> Any:
+    if kv is None or len(turns) > 1:  # later turns' histories differ per method
+      return None
+    if (t, kv) not in prefills:
+      room = settings.max_new_tokens + settings.gamma + 1
+      prefills[(t, kv)] = prefill_prompt(g, s, c, ids, max_new_tokens=room, kv_cache=kv,
+                                         sampling=sampling, seed=settings.seed + t)
+    return prefills[(t, kv)]
+
+  recs = []
+  methods = [(ref.name, None, ref.kv_cache) for ref in references]
+  methods += [(name, d, d.kv_cache) for name, d in drafters.items()]
+  for name, drafter, kv in methods:
+    rec: dict[str, Any] = dict(tags, method=name, decode_tokens=0, decode_s=0.0, prefill_s=0.0,
+                               prompt_tokens=0, tokens=[], **{k: 0 for k in COUNTERS})
+    answers: list[str] = []
+    for t, turn in enumerate(turns):
+      ids = turn if isinstance(turn, list) else prompt_ids(model.tokenizer,
+                                                           turns[: t + 1], answers)
+      kw = dict(max_new_tokens=settings.max_new_tokens, sampling=sampling,
+                seed=settings.seed + t, prefilled=prefill(t, ids, kv))
+      if drafter is None:
+        out = generate(g, s, c, ids, kv_cache=kv, **kw)
+        rec["verify_s"] += out.decode_s  # an AR step is a one-token verification
+      else:
+        rec["gamma"] = (gammas or {}).get(name, settings.gamma)
+        out = speculative_generate(g, s, c, ids, drafter, gamma=rec["gamma"],
+                                   threshold=settings.threshold,
+                                   drafter_state=carried.get(name), **kw)
+        carried[name] = out.drafter_state
+        for k in COUNTERS:
+          rec[k] += getattr(out, k)
+      rec["prompt_tokens"] += len(ids)
+      rec["decode_tokens"] += len(out.tokens) - 1
+      rec["decode_s"] += out.decode_s
+      rec["prefill_s"] += out.prefill_s
+      rec["tokens"].append(out.tokens)
+      if not isinstance(turn, list):
+        answers.append(model.tokenizer.decode(out.tokens, skip_special=True))
+    tokens_of[name] = rec["tokens"]
+    if drafter is not None:
+      ref = by_cache.get(kv)
+      if ref is None:
+        raise ValueError(f"{name} reads a {kv} cache: give a Reference with that kv_cache "
+                         f"to compare it with")
+      # sampled runs are not compared token for token (None, not a silent 0)
+      rec["matches_ar"] = rec["tokens"] == tokens_of[ref] if sampling.greedy else None
+      rec["reference"] = ref
+      if extra is not None:
+        rec.update(extra(name, out))
+    recs.append(rec)
+  return recs
+
+
+def summarize(records: Sequence[dict], references: Sequence[Reference] = (Reference(),)
+              ) -> dict[str, dict]:
+  """metrics.summarize over a run's records, with its references excluded from the
+  mismatch count."""
+  return metrics.summarize(records, tuple(r.name for r in references))

@@ -1,0 +1,122 @@
+"""The drafter factory: names, options, and the composition matrix — every overlay on every
+layer drafter, and overlay pairs in both orders, lossless on a tiny model."""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import numpy as np
+import pytest
+
+from specjax import harness
+from specjax.drafter_factory import (BASES, OVERLAYS, DrafterFactory, DrafterNameError,
+                                     parse)
+from specjax.drafters import UnknownDrafterError
+from specjax.drafters.static import save_plan
+from specjax.harness import Reference, RunSettings
+from specjax.plan import DraftPlan
+from specjax.quant_kv_cache import QuantKV
+from targets import PROMPT, target
+from test_dynaspec import bundle
+from test_knapspec import synthetic_profile
+from test_knn import tiny_library
+
+KV = QuantKV(group=8, residual=16)
+SETTINGS = RunSettings(max_new_tokens=24, gamma=4)
+
+
+@functools.cache
+def model():
+  config, graphdef, state = target("llama", 4, 97)
+  return types.SimpleNamespace(name="tiny-llama", config=config, graphdef=graphdef,
+                               state=state)
+
+
+@functools.cache
+def factory(plan_path: str) -> DrafterFactory:
+  skip = DraftPlan.from_skips(4, [1], [2])
+  counts = np.bincount(np.asarray(PROMPT) % 97, minlength=97).astype(np.int64) + 1
+  return DrafterFactory(
+      model(), gamma=4, verbose=False,
+      options={"static": {"plan": plan_path}, "clasp": {"interval": 3, "skip": 1},
+               "knapspec": {"interval": 4, "window": 2, "selection_budget": None},
+               "quantspec": {"group": KV.group, "residual": KV.residual},
+               "frspec": {"size": 48}, "swift": {"trials": 4, "bo_every": 4, "window": 8}},
+      artefacts={"profile": synthetic_profile(4), "library": tiny_library("llama"),
+                 "counts": counts, "bundle": bundle("llama")[0], "self_sd_plan": skip})
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory):
+  path = tmp_path_factory.mktemp("plans") / "static.json"
+  save_plan(path, DraftPlan.from_skips(4, [2], [1]), model="tiny-llama")
+  return str(path)
+
+
+def matrix() -> list[str]:
+  names = [f"{b}+{o}" for b in BASES for o in OVERLAYS] + list(OVERLAYS)
+  pairs = [("8bit", "frspec"), ("8bit", "dynaspec"), ("quantspec", "frspec"),
+           ("quantspec", "dynaspec")]
+  names += [f"{a}+{b}" for a, b in pairs] + [f"{b}+{a}" for a, b in pairs]
+  return names + ["knapspec+8bit+dynaspec", "clasp+quantspec+frspec"]
+
+
+def test_composition_matrix_is_lossless(plan_file):
+  """Greedy SSD == greedy AR for every composition (QuantSpec's against AR on its own
+  quantised cache), in one harness run as `specjax bench` makes them."""
+  f = factory(plan_file)
+  drafters = {name: f.make(name) for name in matrix()}
+  refs = (Reference(), Reference("ar_q", KV))
+  recs = harness.run_prompt(model(), PROMPT, drafters, SETTINGS, references=refs)
+  by_name = {r["method"]: r for r in recs}
+  bad = [n for n in drafters if not by_name[n]["matches_ar"]]
+  assert not bad, f"not lossless: {bad}"
+  for name, d in drafters.items():
+    expected = "ar_q" if "quantspec" in name else "ar"
+    assert by_name[name]["reference"] == expected, name
+    assert (d.kv_cache == KV) == ("quantspec" in name), name
+  assert sum(by_name[n]["drafted"] for n in drafters) > 0
+
+
+def test_compositions_set_the_fields_of_each_part(plan_file):
+  f = factory(plan_file)
+  d = f.make("knapspec+8bit+dynaspec")
+  assert (d.name, d.base.name, d.base.base.name) == ("dynaspec", "8bit", "knapspec")
+  assert d.own_gamma and d.wants_residuals  # KnapSpec's policy passes through
+  q = f.make("frspec+quantspec")  # FR-Spec alone, under QuantSpec
+  assert q.name == "quantspec" and q.base.name == "frspec" and q.kv_cache == KV
+  assert f.make("8bit").weights is f.make("self_sd+8bit").weights  # one int8 copy
+  assert f.make("quantspec").weights is f.make("8bit").weights  # 8-bit on a CPU
+
+
+@pytest.mark.parametrize("name, message", [
+    ("", "empty part"), ("self_sd+", "empty part"), ("medusa", "unknown drafter 'medusa'"),
+    ("early_exit+swift", "'swift' is a layer drafter"),
+    ("8bit+knapspec", "'knapspec' is a layer drafter"),
+    ("frspec+dynaspec", "frspec and dynaspec both set the draft's vocab"),
+    ("quantspec+8bit", "quantspec and 8bit both set the draft's weights"),
+    ("8bit+8bit", "8bit and 8bit both set"),
+])
+def test_bad_names_are_refused_with_the_reason(name, message):
+  with pytest.raises((DrafterNameError, UnknownDrafterError)) as err:
+    parse(name)
+  assert message in str(err.value)
+
+
+def test_bad_options_are_refused_with_the_valid_ones():
+  with pytest.raises(DrafterNameError, match="knapspec has no option 'taux'.*tau"):
+    DrafterFactory(model(), options={"knapspec": {"taux": 0.3}})
+  with pytest.raises(DrafterNameError, match="options for 'medusa'"):
+    DrafterFactory(model(), options={"medusa": {}})
+  with pytest.raises(ValueError, match="unknown artefact 'router'"):
+    DrafterFactory(model(), artefacts={"router": None})
+  with pytest.raises(ValueError, match="needs a plan file"):
+    DrafterFactory(model()).make("static")
+
+
+def test_settings_hold_every_option_of_the_named_parts(plan_file):
+  s = factory(plan_file).settings(["knapspec+8bit", "frspec"])
+  assert set(s["options"]) == {"knapspec", "8bit", "frspec"}
+  assert s["options"]["frspec"] == {"size": 48}
+  assert s["options"]["knapspec"]["window"] == 2 and s["gamma"] == 4
