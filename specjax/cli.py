@@ -1,4 +1,4 @@
-"""`specjax` command line: models, generate."""
+"""`specjax` command line: models, generate, bench, sweep, profile, router, knn, data."""
 
 from __future__ import annotations
 
@@ -34,6 +34,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
   sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
   if not args.prompt.strip():
     raise ValueError("the prompt is empty")
+  if args.drafter:
+    from specjax import drafter_factory
+
+    drafter_factory.parse(args.drafter)  # bad names and options fail before the model loads
+    drafter_factory.check_options(_options(args.option))
   model = load_model(args.model, dtype=args.dtype)
   tok = model.tokenizer
   ids = tok.encode_prompt(args.prompt, chat=False if args.no_chat else None)
@@ -41,10 +46,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
   on_token = None
   if not args.quiet:
     on_token = lambda t: print(stream.push(t), end="", flush=True)
-  result = generate(
-      model.graphdef, model.state, model.config, ids,
-      max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, on_token=on_token,
-  )
+  kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
+  if args.drafter:
+    return _speculate(args, model, ids, on_token, kw)
+  result = generate(model.graphdef, model.state, model.config, ids, on_token=on_token, **kw)
   if not args.quiet:
     print()
   stats = {
@@ -67,6 +72,65 @@ def _cmd_generate(args: argparse.Namespace) -> int:
   return 0
 
 
+def _speculate(args: argparse.Namespace, model, ids: list[int], on_token, kw: dict) -> int:
+  """`generate --drafter`: self-speculate the prompt (streamed), then AR on the same
+  prompt for the speedup and the losslessness check (unless --no-compare). Both are
+  compiled on a warm-up prompt first, so the rates are decoding alone."""
+  from specjax import drafter_factory
+  from specjax.engine import speculative_generate
+  from specjax.generate import generate
+
+  factory = drafter_factory.DrafterFactory(model, gamma=args.gamma, seed=args.seed,
+                                           options=_options(args.option),
+                                           data_dir=args.data_dir)
+  drafter = factory.make(args.drafter)
+  g, s, c = model.graphdef, model.state, model.config
+  ssd = lambda prompt, **extra: speculative_generate(g, s, c, prompt, drafter, gamma=args.gamma,
+                                                     threshold=args.threshold, **kw, **extra)
+  warm = model.tokenizer.encode_prompt("Warm up.")
+  ssd(warm)
+  out = ssd(ids, on_token=on_token)
+  if on_token:
+    print()
+  stats = {"model": model.name, "drafter": args.drafter, "prompt_tokens": len(ids),
+           "new_tokens": len(out.tokens), "M": round(out.mean_accepted, 3),
+           "alpha": round(out.acceptance_rate, 3),
+           "tokens_per_s": round(out.decode_tokens_per_s, 2)}
+  line = (f"[{args.drafter}: {stats['new_tokens']} tokens, M {out.mean_accepted:.2f}, "
+          f"α {out.acceptance_rate:.2f}, {out.decode_tokens_per_s:.1f} tok/s")
+  if not args.no_compare:
+    generate(g, s, c, warm, **kw)
+    ar = generate(g, s, c, ids, **kw)
+    speedup = out.decode_tokens_per_s / ar.decode_tokens_per_s if ar.decode_s else None
+    same = out.tokens == ar.tokens if kw["sampling"].greedy else None
+    stats |= {"ar_tokens_per_s": round(ar.decode_tokens_per_s, 2),
+              "speedup": speedup and round(speedup, 3), "matches_ar": same}
+    line += (f"; AR {ar.decode_tokens_per_s:.1f} tok/s: {speedup:.2f}× speedup"
+             + ("" if same is None else ", same tokens as AR" if same else
+                ", TOKENS DIFFER FROM AR"))
+  print(line + "]", file=sys.stderr)
+  if args.json:
+    print(json.dumps(stats))
+  return 0 if stats.get("matches_ar") is not False else 1
+
+
+def _options(pairs: list[str] | None) -> dict[str, dict]:
+  """`--option knapspec.tau=0.3` (repeatable) -> {"knapspec": {"tau": 0.3}}; values are
+  read as JSON when they parse (numbers, true/false, null), as text otherwise."""
+  out: dict[str, dict] = {}
+  for pair in pairs or []:
+    key, sep, value = pair.partition("=")
+    part, dot, name = key.partition(".")
+    if not sep or not dot or not part or not name:
+      raise ValueError(f"--option {pair!r}: expected DRAFTER.OPTION=VALUE (knapspec.tau=0.3)")
+    try:
+      parsed = json.loads(value)
+    except ValueError:
+      parsed = value
+    out.setdefault(part, {})[name] = parsed
+  return out
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
   from pathlib import Path
 
@@ -79,11 +143,25 @@ def _cmd_bench(args: argparse.Namespace) -> int:
       max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, gamma=args.gamma,
       threshold=args.threshold, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
       search_iterations=args.search_iterations, plan_file=args.plan, dtype=args.dtype,
-      auto_gamma=args.auto_gamma,
+      auto_gamma=args.auto_gamma, options=_options(args.option),
   )
   out = Path(args.out or f"runs/bench-{args.model}")
   figures = bench.run(cfg, out, data_dir=args.data_dir, resume=args.resume,
                       write_docs=args.write_docs)
+  print(json.dumps(figures, sort_keys=True))
+  return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+  from pathlib import Path
+
+  from specjax import sweep
+
+  spec = sweep.load(args.file)
+  out = Path(args.out or f"runs/sweep-{spec.name}")
+  command = f"specjax sweep {args.file}" + (f" --out {args.out}" if args.out else "")
+  figures = sweep.run(spec, out, data_dir=args.data_dir, resume=args.resume,
+                      write_docs=args.write_docs, command=command + " --write-docs")
   print(json.dumps(figures, sort_keys=True))
   return 0
 
@@ -163,12 +241,21 @@ def _cmd_data_fetch(args: argparse.Namespace) -> int:
   return 0
 
 
+def _option_arg(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--option", action="append", metavar="DRAFTER.OPTION=VALUE",
+                 help="a drafter's option, repeatable (knapspec.tau=0.3, frspec.size=16384, "
+                 "quantspec.weight_bits=4); see specjax.drafter_factory")
+
+
 def _dtype_arg(p: argparse.ArgumentParser) -> None:
   p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                  help="weights and KV cache (auto: bfloat16 on a GPU, float32 on a CPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:
+  from specjax.bench import DEFAULT_DRAFTERS
+  from specjax.drafter_factory import BASES, OVERLAYS
+
   parser = argparse.ArgumentParser(
       prog="specjax", description="Self-speculative decoding in JAX/Flax."
   )
@@ -187,15 +274,26 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
   p.add_argument("--quiet", action="store_true", help="do not stream the text")
   p.add_argument("--json", action="store_true", help="print the figures as one JSON line")
+  p.add_argument("--drafter", help="self-speculate with this drafter (any `specjax bench` "
+                 "name, e.g. knapspec or self_sd+8bit) and report M, α and the speedup over AR")
+  p.add_argument("--gamma", type=int, default=4, help="with --drafter: maximum draft length")
+  p.add_argument("--threshold", type=float, default=None,
+                 help="with --drafter: draft early-stop top-1 prob (default: the drafter's)")
+  p.add_argument("--no-compare", action="store_true",
+                 help="with --drafter: do not run AR on the prompt for the comparison")
+  _option_arg(p)
+  p.add_argument("--data-dir", help="with --drafter: prompts for a drafter's offline build "
+                 "(Self-SD search, KNN library, router)")
   _dtype_arg(p)
   p.set_defaults(func=_cmd_generate)
 
   p = sub.add_parser("bench", help="AR vs every drafter on a Spec-Bench subset")
   p.add_argument("--model", default=DEFAULT_MODEL)
-  p.add_argument("--drafters", default="early_exit,self_sd,swift,8bit,self_sd+8bit",
-                 help="comma-separated: static, early_exit, self_sd, swift, clasp, knapspec, "
-                 "knn, 8bit (the model at 8-bit weights); a drafter+8bit composes them "
-                 "(self_sd+8bit)")
+  p.add_argument("--drafters", default=",".join(DEFAULT_DRAFTERS),
+                 help="comma-separated; layer drafters: " + ", ".join(BASES) + "; overlays "
+                 "(alone: over the full model, or after a layer drafter with '+'): "
+                 + ", ".join(OVERLAYS) + " (e.g. knapspec+8bit+dynaspec)")
+  _option_arg(p)
   p.add_argument("--plan", help="plan file for the static drafter")
   p.add_argument("--categories", default="", help="comma-separated; default all 13")
   p.add_argument("--per-category", type=int, default=1,
@@ -220,6 +318,16 @@ def build_parser() -> argparse.ArgumentParser:
                  help="regenerate this model's section of docs/BENCHMARKS.md")
   _dtype_arg(p)
   p.set_defaults(func=_cmd_bench)
+
+  p = sub.add_parser("sweep", help="an ablation grid from a sweep file (TOML; see "
+                     "experiments/sweeps/), resumable, with a table and plots")
+  p.add_argument("file", help="sweep file, e.g. experiments/sweeps/clasp.toml")
+  p.add_argument("--data-dir", help="folder holding spec_bench/question.jsonl")
+  p.add_argument("--out", help="output folder (default runs/sweep-NAME)")
+  p.add_argument("--resume", action="store_true", help="continue an interrupted sweep")
+  p.add_argument("--write-docs", action="store_true",
+                 help="write the table and plots to docs/BENCHMARKS.md")
+  p.set_defaults(func=_cmd_sweep)
 
   p = sub.add_parser("profile", help="time attention / MLP sub-layers and verification "
                      "at several context lengths (KnapSpec reads it)")

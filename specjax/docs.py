@@ -46,3 +46,16 @@ def write_section(name: str, body: str, command: str) -> None:
   else:
     text = text.rstrip() + "\n\n" + block + "\n"
   DOCS.write_text(text)
+
+
+def copy_image(src, name: str) -> str:
+  """Copy a plot next to BENCHMARKS.md (docs/img/NAME); return its Markdown image link,
+  or "" when there is no plot (or no docs folder)."""
+  import shutil
+
+  if not src or not Path(src).exists() or not DOCS.parent.exists():
+    return ""
+  img = DOCS.parent / "img" / name
+  img.parent.mkdir(exist_ok=True)
+  shutil.copy(src, img)
+  return f"![{Path(name).stem}](img/{name})"

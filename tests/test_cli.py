@@ -26,3 +26,24 @@ def test_bad_input_exits_2_with_a_message(capsys):
   assert "empty" in capsys.readouterr().err
   assert main(["generate", "--model", "tiny-llama", "--prompt", "x" * 600]) == 2
   assert "exceeds the model's context" in capsys.readouterr().err
+
+
+def test_generate_with_a_drafter_streams_and_reports_the_speedup(capsys):
+  argv = ["generate", "--model", "tiny-llama", "--prompt", "the cat sat on", "--no-chat",
+          "--max-new-tokens", "16", "--drafter", "early_exit+8bit", "--json"]
+  assert main(argv) == 0
+  out, err = capsys.readouterr()
+  stats = json.loads(out.strip().splitlines()[-1])
+  assert stats["drafter"] == "early_exit+8bit" and stats["new_tokens"] == 16
+  assert stats["matches_ar"] is True and stats["speedup"] > 0 and 1 <= stats["M"] <= 5
+  assert "same tokens as AR" in err and "speedup" in err
+  streamed = out.strip().splitlines()[0]
+  assert streamed and not streamed.startswith("{")  # the text came before the figures
+  assert main(argv[:-1] + ["--no-compare", "--quiet"]) == 0
+  assert "speedup" not in capsys.readouterr().err
+  assert main(["generate", "--model", "tiny-llama", "--prompt", "hi", "--drafter",
+               "early_exit+swift"]) == 2
+  assert "'swift' is a layer drafter" in capsys.readouterr().err
+  assert main(["generate", "--model", "tiny-llama", "--prompt", "hi", "--drafter", "clasp",
+               "--option", "clasp.skip"]) == 2
+  assert "DRAFTER.OPTION=VALUE" in capsys.readouterr().err

@@ -1,0 +1,129 @@
+"""`specjax sweep`: grids from a file, killed mid-run and resumed, tables and plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from specjax import sweep
+from specjax.cli import main
+from test_data import write_spec_bench
+
+SWEEP = """
+name = "tiny"
+metric = "speedup"
+[fixed]
+model = "tiny-qwen3"
+drafters = ["early_exit"]
+categories = ["writing", "qa", "translation"]
+per_category = 1
+max_new_tokens = {tokens}
+[grid]
+gamma = [2, 3]
+"early_exit.k" = [1]
+"""
+
+
+def units(out) -> list[tuple[str, str]]:
+  return [(l["settings"], l["unit"]) for l in
+          map(json.loads, (out / "results.jsonl").read_text().splitlines())]
+
+
+def test_a_killed_sweep_resumes_without_losing_or_repeating_a_row(tmp_path, capsys):
+  root = write_spec_bench(tmp_path / "data")
+  spec = tmp_path / "tiny.toml"
+  spec.write_text(SWEEP.format(tokens=12))
+  out = tmp_path / "run"
+  argv = ["sweep", str(spec), "--data-dir", str(root), "--out", str(out)]
+  proc = subprocess.Popen([sys.executable, "-m", "specjax.cli", *argv], env=os.environ.copy(),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  path = out / "results.jsonl"
+  while time.time() < deadline and proc.poll() is None:
+    if path.exists() and path.read_bytes().count(b"\n") >= 1:
+      break
+    time.sleep(0.02)
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+  before = units(out)
+  assert 1 <= len(before) < 6, f"the kill came too late to test a resume: {len(before)} rows"
+
+  assert main(argv) == 2  # refuses to start over without --resume
+  assert "--resume" in capsys.readouterr().err
+  assert main(argv + ["--resume"]) == 0
+  after = units(out)
+  assert after[: len(before)] == before  # nothing redone, nothing lost
+  assert len(after) == len(set(after)) == 6  # 2 points x 3 prompts, once each
+  figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert figures["points"] == 2 and figures["mismatches"] == 0
+  assert [r["gamma"] for r in figures["rows"]] == [2, 3]
+  assert (out / "table.md").exists() and (out / "table.csv").exists()
+  assert (out / "sweep_tiny.png").exists()
+
+  # Changed settings: the points are run anew, kept apart from the old rows.
+  spec.write_text(SWEEP.format(tokens=8))
+  assert main(argv + ["--resume"]) == 0
+  figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert len(units(out)) == 12 and units(out)[:6] == after
+  assert all(r["prompts"] == 3 for r in figures["rows"]) and len(figures["rows"]) == 2
+
+
+@pytest.mark.parametrize("text, message", [
+    ('name = "x"\n[fixed]\ndrafters = ["clasp"]', "no model"),
+    ('[fixed]\nmodel = "tiny-llama"\ncolour = 1', "unknown setting 'colour'"),
+    ('metric = "bleu"\n[fixed]\nmodel = "tiny-llama"', "metric 'bleu'"),
+    ('[fixed]\nmodel = "tiny-llama"\n[grid]\ngamma = []', "non-empty list"),
+    ('[fixed]\nmodel = "tiny-llama"\n[grid]\ndrafters = [["medusa"]]', "unknown drafter"),
+    ('[fixed]\nmodel = "tiny-llama"\n[grid]\n"clasp.M" = [2]', "clasp has no option 'M'"),
+    ('[fixed]\nmodel = "tiny-llama"\n[grid]\ngamma = [0]', "gamma must be >= 1"),
+    ('[fixed\nmodel = 1', "not valid TOML"),
+    ('[[points]]\ngamma = 2\n[[points]]\ngamma = 2\n[fixed]\nmodel = "tiny-llama"',
+     "same settings"),
+])
+def test_bad_sweep_files_say_what_is_wrong(tmp_path, text, message):
+  path = tmp_path / "bad.toml"
+  path.write_text(text)
+  with pytest.raises(sweep.SweepFileError, match=message):
+    sweep.load(path)
+
+
+def test_points_and_grids_combine():
+  path_text = """
+[fixed]
+model = "tiny-llama"
+drafters = "clasp"
+[grid]
+"clasp.interval" = [2, 4]
+[[points]]
+gamma = 2
+[[points]]
+gamma = 3
+"""
+  import tempfile
+  from pathlib import Path
+
+  with tempfile.TemporaryDirectory() as d:
+    p = Path(d) / "s.toml"
+    p.write_text(path_text)
+    s = sweep.load(p)
+  assert s.axes == ("clasp.interval", "gamma")
+  assert [dict(pt.axes) for pt in s.points] == [
+      {"clasp.interval": 2, "gamma": 2}, {"clasp.interval": 4, "gamma": 2},
+      {"clasp.interval": 2, "gamma": 3}, {"clasp.interval": 4, "gamma": 3}]
+  assert s.points[0].config.drafters == ("clasp",)
+  assert s.points[1].config.options == {"clasp": {"interval": 4}}
+
+
+def test_every_shipped_sweep_file_loads():
+  from pathlib import Path
+
+  files = sorted((Path(__file__).parent.parent / "experiments" / "sweeps").glob("*.toml"))
+  assert len(files) >= 5
+  for f in files:
+    assert sweep.load(f).points
