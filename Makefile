@@ -36,7 +36,7 @@ test: setup-test
 	$(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile
 
 bench-forward: setup
-	$(BIN)/python experiments/bench_forward.py
+	$(BIN)/python experiments/bench_forward.py --write-docs
 
 clean-cache:
 	rm -rf .cache

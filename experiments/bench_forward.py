@@ -155,15 +155,14 @@ def llama_cpp_ar(name: str, ids: list[int], tokens: int, runs: int) -> dict | No
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--model", default="smollm2-135m-instruct")
   ap.add_argument("--tokens", type=int, default=128)
   ap.add_argument("--runs", type=int, default=3)
   ap.add_argument("--context", type=int, default=256)
   ap.add_argument("--rounds", type=int, default=5)
-  ap.add_argument("--no-write", action="store_true", help="do not touch docs/BENCHMARKS.md")
+  report.common_args(ap, results=False)
   args = ap.parse_args()
 
-  m = load_model(args.model)
+  m = load_model(args.model, dtype=args.dtype)
   L = m.config.num_layers
   print(f"[1/2] step costs, {args.model}, context {args.context}: AR step, verify, draft at "
         f"{len(FRACTIONS)} fractions x 3 plans, {args.rounds} rounds")
@@ -225,7 +224,7 @@ def main() -> None:
           round(ours["end_to_end_tok_s"] / hf["end_to_end_tok_s"], 3) if hf else None),
       "greedy_identical_to_transformers": same,
   }
-  if not args.no_write:
+  if args.write_docs:
     body = "\n".join([
         f"## Forward pass: draft-step cost and AR speed ({args.model})",
         "",

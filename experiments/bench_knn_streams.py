@@ -8,7 +8,7 @@ prompt with probability r (`data.task_stream`). Methods, as in the KNN-SSD paper
 Also: domain classification accuracy of the 1-NN lookup on held-out prompts, the
 similarity of out-of-domain prompts (HumanEval, no anchors) to their nearest anchor, and
 KNN-SSD vs AR on them. Greedy outputs are checked against AR. Results are appended to
-results.jsonl as they are made; --resume continues a crashed run. The last output line
+the shared results store as they are made; --resume continues a crashed run. The last output line
 is one JSON object with the figures.
 
   python experiments/bench_knn_streams.py --model smollm2-135m-instruct --write-docs
@@ -17,7 +17,6 @@ is one JSON object with the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -27,52 +26,22 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
-from specjax import bench, data, metrics, plots  # noqa: E402
-from specjax.drafters import KNNDrafter, StaticDrafter, self_sd  # noqa: E402
-from specjax.drafters.static import load_plan, save_plan  # noqa: E402
-from specjax.engine import speculative_generate  # noqa: E402
-from specjax.generate import generate  # noqa: E402
-from specjax.knn_build import domain_prompts, embed_all, prompt_ids  # noqa: E402
+from specjax import data, harness, metrics, plots  # noqa: E402
+from specjax.drafter_factory import DrafterFactory  # noqa: E402
+from specjax.drafters import KNNDrafter  # noqa: E402
+from specjax.harness import RunSettings  # noqa: E402
+from specjax.knn_build import domain_prompts, embed_all  # noqa: E402
 from specjax.loader import load_model  # noqa: E402
+from specjax.results_store import ResultsStore  # noqa: E402
 
 METHODS = ("ssd_f", "ssd_m", "knn")
 
 
-class Results:
-  """results.jsonl: one JSON object per finished unit of work, keyed for --resume."""
-
-  def __init__(self, path: Path, resume: bool):
-    if path.exists() and not resume:
-      raise SystemExit(f"{path} exists: pass --resume to continue it, or choose another --out")
-    self.path = path
-    self.records = bench._read_records(path)
-    self.done = {r["key"] for r in self.records}
-
-  def add(self, key: str, recs: list[dict]) -> None:
-    recs = [dict(r, key=key) for r in recs]
-    with self.path.open("a") as f:
-      f.write("".join(json.dumps(r) + "\n" for r in recs))
-    self.records += recs
-    self.done.add(key)
-
-
-def searched_plan(model, path: Path, prompts: list[data.Prompt], args):
-  """A Self-SD skip set searched on `prompts`, saved beside the results (reused on resume)."""
-  if path.exists():
-    return load_plan(path, model=model.name)
-  ids = [prompt_ids(model.tokenizer, p) for p in prompts]
-  res = self_sd.search(model.graphdef, model.state, model.config, ids,
-                       iterations=args.search_iterations, gamma=args.gamma, seed=args.seed)
-  save_plan(path, res.plan, model=model.name, alpha=res.alpha, objective=res.objective,
-            search_prompts=[p.id for p in prompts])
-  return res.plan
-
-
-def classify(model, lib, held: dict, ood: list, results: Results, args) -> None:
+def classify(model, lib, held: dict, ood: list, store: ResultsStore, args) -> None:
   """1-NN domain of every held-out prompt (capped per domain) and of the OOD prompts."""
   for domain, prompts in [*held.items(), ("ood:humaneval", ood)]:
-    key = f"classify/{domain}"
-    if key in results.done:
+    unit = f"classify/{domain}"
+    if store.done(unit):
       continue
     prompts = prompts[: args.classify_per_domain]
     x = embed_all(model, prompts, f"classify {domain}")
@@ -81,71 +50,54 @@ def classify(model, lib, held: dict, ood: list, results: Results, args) -> None:
       m = lib.nearest(e)
       recs.append(dict(kind="classify", domain=domain, prompt_id=p.id, predicted=m.name,
                        similarity=m.similarity))
-    results.add(key, recs)
+    store.add(unit, recs)
 
 
-def run_prompt(model, prompt, drafters: dict, args, **tags) -> list[dict]:
-  ids = prompt_ids(model.tokenizer, prompt)
-  kw = dict(max_new_tokens=args.max_new_tokens)
-  ar = generate(model.graphdef, model.state, model.config, ids, **kw)
-  base = dict(kind="decode", prompt_id=prompt.id, domain=prompt.category,
-              prompt_tokens=len(ids), **tags)
-  recs = [dict(base, method=metrics.AR, decode_tokens=len(ar.tokens) - 1,
-               decode_s=ar.decode_s, verify_s=ar.decode_s)]
-  for name, d in drafters.items():
-    g = speculative_generate(model.graphdef, model.state, model.config, ids, d,
-                             gamma=args.gamma, **kw)
-    rec = dict(base, method=name, decode_tokens=len(g.tokens) - 1, decode_s=g.decode_s,
-               matches_ar=g.tokens == ar.tokens,
-               **{k: getattr(g, k) for k in ("rounds", "drafted", "accepted", "committed",
-                                              "draft_s", "verify_s", "selection_s",
-                                              "other_s")})
-    if name == "knn":
-      rec.update(knn_domain=g.drafter_state.domain, similarity=g.drafter_state.similarity)
-    recs.append(rec)
-  return recs
+def knn_fields(name: str, g) -> dict:
+  """The domain KNN-SSD routed the prompt to, and how close its anchor was."""
+  if name != "knn":
+    return {}
+  return dict(knn_domain=g.drafter_state.domain, similarity=g.drafter_state.similarity)
 
 
 def run(args) -> dict:
   out_dir = Path(args.out or f"runs/knn-streams-{args.model}")
-  out_dir.mkdir(parents=True, exist_ok=True)
-  results = Results(out_dir / "results.jsonl", args.resume)
-  model = load_model(args.model)
-  cfg = bench.BenchConfig(
-      model=model.name, drafters=("knn",), per_category=1, categories=(),
-      max_new_tokens=args.max_new_tokens, max_turns=1, gamma=args.gamma, threshold=None,
-      temperature=0.0, top_p=1.0, seed=args.seed, search_iterations=args.search_iterations,
-      plan_file=None)
-  lib = bench.knn_library(model, cfg, args.data_dir)
+  store = ResultsStore(out_dir, report.settings(args), resume=args.resume)
+  model = load_model(args.model, dtype=args.dtype)
+  factory = lambda search=None: DrafterFactory(
+      model, gamma=args.gamma, seed=args.seed, search_iterations=args.search_iterations,
+      work_dir=out_dir, data_dir=args.data_dir, search_prompts=search)
+  lib = factory().knn_library()
   build, held = domain_prompts(args.data_dir, lib.domains)
   ood = data.load_humaneval(limit=max(args.classify_per_domain, args.ood))
-  classify(model, lib, held, ood, results, args)
+  classify(model, lib, held, ood, store, args)
 
   by_id = {p.id: p for ps in build.values() for p in ps}
   mixture = [by_id[lib.meta[d]["search_ids"][0]] for d in lib.domains]
-  ssd_m = StaticDrafter(searched_plan(model, out_dir / "ssd_m_plan.json", mixture, args))
+  ssd_m = factory(mixture).make("self_sd")  # one skip set for every domain
   knn = KNNDrafter(lib)
+  settings = RunSettings(max_new_tokens=args.max_new_tokens, gamma=args.gamma, seed=args.seed)
   streams = {r: list(data.task_stream(held, args.stream_length, r, args.seed))
              for r in args.ratios}
   total = sum(len(s) for s in streams.values()) + args.ood
   bar = tqdm(total=total, desc="knn streams", unit="prompt")
-  for r, stream in streams.items():
-    ssd_f = StaticDrafter(searched_plan(model, out_dir / f"ssd_f_plan_r{r}.json", stream[:1],
-                                        args))
-    drafters = {"ssd_f": ssd_f, "ssd_m": ssd_m, "knn": knn}
-    for j, p in enumerate(stream):
-      key = f"stream/{r}/{j}"
-      if key not in results.done:
-        results.add(key, run_prompt(model, p, drafters, args, ratio=r, index=j))
-      bar.update()
-  for j, p in enumerate(ood[: args.ood]):
-    key = f"ood/{j}"
-    if key not in results.done:
-      results.add(key, run_prompt(model, p, {"ssd_m": ssd_m, "knn": knn}, args, ratio="ood",
-                                  index=j))
+
+  def decode(unit: str, p, drafters: dict, **tags) -> None:
+    if not store.done(unit):
+      store.add(unit, harness.run_prompt(
+          model, p.turns, drafters, settings, extra=knn_fields,
+          tags=dict(kind="decode", prompt_id=p.id, domain=p.category, **tags)))
     bar.update()
+
+  for r, stream in streams.items():
+    ssd_f = factory(stream[:1]).make("self_sd")  # searched on the stream's first prompt
+    for j, p in enumerate(stream):
+      decode(f"stream/{r}/{j}", p, {"ssd_f": ssd_f, "ssd_m": ssd_m, "knn": knn}, ratio=r,
+             index=j)
+  for j, p in enumerate(ood[: args.ood]):
+    decode(f"ood/{j}", p, {"ssd_m": ssd_m, "knn": knn}, ratio="ood", index=j)
   bar.close()
-  return finish(model, lib, args, out_dir, results.records)
+  return finish(model, lib, args, out_dir, store.records())
 
 
 def per_prompt_speedups(runs: list[dict], method: str) -> list[float]:
@@ -251,7 +203,6 @@ def plot_streams(summary: dict, medians: dict, args, path: Path) -> Path | None:
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--model", default="smollm2-135m-instruct")
   p.add_argument("--ratios", default="0,0.3,0.7,1")
   p.add_argument("--stream-length", type=int, default=10)
   p.add_argument("--classify-per-domain", type=int, default=20)
@@ -261,9 +212,7 @@ def main(argv=None) -> None:
   p.add_argument("--search-iterations", type=int, default=40)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--data-dir")
-  p.add_argument("--out")
-  p.add_argument("--resume", action="store_true")
-  p.add_argument("--write-docs", action="store_true")
+  report.common_args(p)
   args = p.parse_args(argv)
   args.ratios = [float(r) for r in args.ratios.split(",") if r]
   report.print_json(run(args))

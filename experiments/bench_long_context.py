@@ -7,7 +7,8 @@ every drafter; greedy outputs are checked against AR's. Per method: tokens/s, sp
   * the masks KnapSpec chose, over rounds and over context length (a plot);
   * predicted TPT vs measured throughput across KnapSpec's candidates (Pearson r): the
     candidates of one selection, each decoded as a fixed plan with its own γ.
-Results are appended to results.jsonl prompt by prompt; --resume continues a crashed run.
+Results go to the shared results store prompt by prompt; --resume continues a crashed run
+made with the same settings.
 The last output line is one JSON object with the figures.
 
   python experiments/bench_long_context.py --model smollm2-135m-instruct \
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -28,12 +28,14 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
-from specjax import bench, data, metrics, plots, profiler  # noqa: E402
-from specjax.drafters import KnapSpecDrafter, StaticDrafter  # noqa: E402
+from specjax import data, harness, metrics, plots, profiler  # noqa: E402
+from specjax.drafter_factory import DrafterFactory  # noqa: E402
+from specjax.drafters import StaticDrafter  # noqa: E402
 from specjax.engine import speculative_generate  # noqa: E402
-from specjax.generate import generate  # noqa: E402
+from specjax.harness import RunSettings  # noqa: E402
 from specjax.layer_probe import bits_to_plan  # noqa: E402
 from specjax.loader import load_model  # noqa: E402
+from specjax.results_store import ResultsStore  # noqa: E402
 
 SPEC_CATEGORIES = ("writing", "qa", "math_reasoning", "translation", "summarization", "rag")
 
@@ -50,62 +52,46 @@ class FixedDrafter(StaticDrafter):
     return self.gamma
 
 
-def workloads(model, args) -> list[tuple[str, list[tuple[str, list[int]]]]]:
-  """[(workload, [(prompt id, token ids)])]: Spec-Bench first, then each context length."""
-  tok = model.tokenizer
+def workloads(model, args) -> list[tuple[str, list[tuple[str, list]]]]:
+  """[(workload, [(prompt id, turns or token ids)])]: Spec-Bench first, then each length."""
   spec = data.load_spec_bench(args.data_dir, SPEC_CATEGORIES, per_category=args.spec_bench)
-  out = [("spec-bench", [(p.id, tok.encode_chat([{"role": "user", "content": p.turns[0]}]))
-                         for p in spec])] if args.spec_bench else []
+  out = [("spec-bench", [(p.id, p.turns) for p in spec])] if args.spec_bench else []
   for n in args.contexts:
     if n + args.max_new_tokens + args.gamma + 1 > model.config.max_context:
       print(f"skipping {n}: beyond {model.name}'s context of {model.config.max_context}",
             file=sys.stderr)
       continue
-    prompts = data.long_context_prompts(tok, n, args.prompts, args.data_dir)
+    prompts = data.long_context_prompts(model.tokenizer, n, args.prompts, args.data_dir)
     out.append((f"ctx-{n}", [(p.id, list(p.ids)) for p in prompts]))
   return out
 
 
 def make_drafters(model, args, out_dir: Path) -> dict:
-  cfg = bench.BenchConfig(
-      model=model.name, drafters=tuple(args.drafters), per_category=1,
-      categories=data.SPEC_BENCH_CATEGORIES, max_new_tokens=args.max_new_tokens, max_turns=1,
-      gamma=args.gamma, threshold=None, temperature=0.0, top_p=1.0, seed=0,
-      search_iterations=args.search_iterations, plan_file=None)
+  """Every drafter by its factory name; `knapspec-fixed` is KnapSpec re-selecting every
+  `interval` rounds, as in the paper (no selection-time budget)."""
   # Self-SD searches once, on Spec-Bench prompts not used for evaluation.
   search = [p for p in data.load_spec_bench(args.data_dir) if p.category in SPEC_CATEGORIES]
   search = [ps for ps in ([p for p in search if p.category == c] for c in SPEC_CATEGORIES)]
   search_prompts = [ps[-1] for ps in search if ps][:6]
   drafters = {}
   for name in args.drafters:
-    if name in ("knapspec", "knapspec-fixed"):  # -fixed: every `interval` rounds (paper)
-      drafters[name] = KnapSpecDrafter(
-          profile=bench.latency_profile(model, args.gamma), interval=args.interval,
-          window=args.window, max_gamma=args.gamma,
-          selection_budget=None if name == "knapspec-fixed" else args.selection_budget)
-    else:
-      drafters[name] = bench._make_drafter(name, cfg, model, out_dir, search_prompts)
+    knapspec = {"interval": args.interval, "window": args.window,
+                "selection_budget": None if name == "knapspec-fixed" else args.selection_budget}
+    factory = DrafterFactory(model, gamma=args.gamma, search_iterations=args.search_iterations,
+                             options={"knapspec": knapspec}, work_dir=out_dir,
+                             data_dir=args.data_dir, search_prompts=search_prompts)
+    drafters[name] = factory.make("knapspec" if name == "knapspec-fixed" else name)
   return drafters
 
 
-def record(workload, pid, method, g, ar_tokens=None) -> dict:
-  rec = dict(workload=workload, prompt_id=pid, category=workload, method=method,
-             prompt_tokens=len(g.prompt_tokens), decode_tokens=len(g.tokens) - 1,
-             decode_s=g.decode_s, prefill_s=g.prefill_s, tokens=g.tokens)
-  if method != metrics.AR:
-    for k in ("rounds", "drafted", "accepted", "committed", "draft_s", "verify_s",
-              "selection_s", "other_s"):
-      rec[k] = getattr(g, k)
-    rec["matches_ar"] = g.tokens == ar_tokens
-  else:
-    rec["verify_s"] = g.decode_s
-  if method.startswith("knapspec"):
-    st = g.drafter_state
-    rec["selections"] = [dict(round=s.round, context=s.context, gamma=s.gamma,
+def knapspec_fields(name: str, g) -> dict:
+  """KnapSpec's selections: round, context, γ, the chosen masks and its candidates."""
+  if not name.startswith("knapspec"):
+    return {}
+  return {"selections": [dict(round=s.round, context=s.context, gamma=s.gamma,
                               bits=np.asarray(s.chosen_bits).astype(int).tolist(),
                               predicted_tpt=s.predicted_tpt, candidates=s.candidates)
-                         for s in st.selections]
-  return rec
+                         for s in g.drafter_state.selections]}
 
 
 def tpt_correlation(model, ids, sel: dict, args, ar_tps: float) -> dict:
@@ -131,49 +117,35 @@ def tpt_correlation(model, ids, sel: dict, args, ar_tps: float) -> dict:
 
 def run(args) -> dict:
   out_dir = Path(args.out or f"runs/long-context-{args.model}")
-  out_dir.mkdir(parents=True, exist_ok=True)
-  path = out_dir / "results.jsonl"
-  done = {(r["workload"], r["prompt_id"]) for r in bench._read_records(path)
-          if r.get("method") == "complete"} if args.resume else set()
-  if path.exists() and not args.resume:
-    raise SystemExit(f"{path} exists: pass --resume to continue it, or choose another --out")
-  model = load_model(args.model)
+  store = ResultsStore(out_dir, report.settings(args), resume=args.resume)
+  model = load_model(args.model, dtype=args.dtype)
   drafters = make_drafters(model, args, out_dir)
+  settings = RunSettings(max_new_tokens=args.max_new_tokens, gamma=args.gamma)
   work = workloads(model, args)
-  total = sum(len(ps) for _, ps in work)
-  bar = tqdm(total=total, desc=f"long-context {model.name}", unit="prompt")
-  carried: dict = {}
+  bar = tqdm(total=sum(len(ps) for _, ps in work), desc=f"long-context {model.name}",
+             unit="prompt")
+  carried: dict = {}  # SWIFT and budgeted KnapSpec learn across prompts
   for workload, prompts in work:
-    for j, (pid, ids) in enumerate(prompts):
-      if (workload, pid) in done:
-        bar.update()
-        continue
-      kw = dict(max_new_tokens=args.max_new_tokens)
-      ar = generate(model.graphdef, model.state, model.config, ids, **kw)
-      recs = [record(workload, pid, metrics.AR, ar)]
-      for name, d in drafters.items():
-        g = speculative_generate(model.graphdef, model.state, model.config, ids, d,
-                                 gamma=args.gamma, drafter_state=carried.get(name), **kw)
-        carried[name] = g.drafter_state  # SWIFT and budgeted KnapSpec learn across prompts
-        recs.append(record(workload, pid, name, g, ar.tokens))
-      if j == 0 and workload != "spec-bench" and args.tpt_candidates:
+    for j, (pid, prompt) in enumerate(prompts):
+      unit = f"{workload}/{pid}"
+      if not store.done(unit):
+        recs = harness.run_prompt(model, prompt, drafters, settings, carried=carried,
+                                  extra=knapspec_fields,
+                                  tags=dict(workload=workload, prompt_id=pid, category=workload))
         ks = [r for r in recs if r["method"].startswith("knapspec") and r["selections"]]
-        sel = ks[0]["selections"][0] if ks else None
-      else:
-        sel = None
-      if sel is not None:
-        recs.append(dict(workload=workload, prompt_id=pid, method="tpt_correlation",
-                         **tpt_correlation(model, ids, sel, args, ar.decode_tokens_per_s)))
-      recs.append(dict(workload=workload, prompt_id=pid, method="complete"))
-      with path.open("a") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in recs))
+        if j == 0 and workload != "spec-bench" and args.tpt_candidates and ks:
+          ar_tps = recs[0]["decode_tokens"] / recs[0]["decode_s"]
+          recs.append(dict(workload=workload, prompt_id=pid, method="tpt_correlation",
+                           **tpt_correlation(model, prompt, ks[0]["selections"][0], args,
+                                             ar_tps)))
+        store.add(unit, recs)
       bar.update()
   bar.close()
-  return finish(model, args, out_dir, bench._read_records(path))
+  return finish(model, args, out_dir, store.records())
 
 
 def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
-  runs = [r for r in records if r["method"] not in ("complete", "tpt_correlation")]
+  runs = [r for r in records if r["method"] != "tpt_correlation"]
   methods = [metrics.AR] + list(args.drafters)
   order = list(dict.fromkeys(r["workload"] for r in runs))
   summary = {w: metrics.summarize([r for r in runs if r["workload"] == w]) for w in order}
@@ -235,7 +207,7 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
         f"every prompt. AR and every drafter in the same process. "
         f"Machine: {report.machine()}.", "", table, "",
         "Latency profile (`specjax profile`, medians; what KnapSpec's weights come from):",
-        "", profiler.table(bench.latency_profile(model, args.gamma)), "",
+        "", profiler.table(DrafterFactory(model, gamma=args.gamma).latency_profile), "",
         "`speedup w/o selection` removes the measured selection time (DP, search) from the "
         "decode time: what the drafts themselves achieve, i.e. the speedup if selection ran "
         "off the critical path or on a device where the batched DP is nearly free.", "",
@@ -292,7 +264,6 @@ def plot_masks(runs: list[dict], order: list[str], path: Path) -> Path | None:
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--model", default="smollm2-135m-instruct")
   p.add_argument("--contexts", default="1024,2048,4096")
   p.add_argument("--prompts", type=int, default=2, help="long prompts per context length")
   p.add_argument("--spec-bench", type=int, default=1, help="Spec-Bench prompts per category")
@@ -306,9 +277,7 @@ def main(argv=None) -> None:
   p.add_argument("--tpt-candidates", type=int, default=6)
   p.add_argument("--search-iterations", type=int, default=40)
   p.add_argument("--data-dir")
-  p.add_argument("--out")
-  p.add_argument("--resume", action="store_true")
-  p.add_argument("--write-docs", action="store_true")
+  report.common_args(p)
   args = p.parse_args(argv)
   args.contexts = [int(n) for n in args.contexts.split(",") if n]
   args.drafters = [d for d in args.drafters.split(",") if d]

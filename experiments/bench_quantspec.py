@@ -9,8 +9,8 @@ Memory: bytes of the quantised cache (codes + scales, and the 2R buffer) vs a bf
 at 4k/16k/32k tokens, from the shapes alone. The jnp path is timed (the Pallas kernel is
 timed on a GPU by kernels_gpu.py). The three runs on the quantised cache start from one
 prefill of it (at 16k tokens a CPU prefill takes minutes; decoding excludes it anyway).
-results.jsonl is written prompt by prompt; --resume
-continues a crashed run. The last output line is one JSON object with the figures.
+Results go to the shared results store prompt by prompt; --resume continues a crashed run
+made with the same settings. The last output line is one JSON object with the figures.
 
   python experiments/bench_quantspec.py --model smollm2-135m-instruct --contexts 1024,4096,8192
 """
@@ -18,7 +18,6 @@ continues a crashed run. The last output line is one JSON object with the figure
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -29,13 +28,13 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
-from specjax import bench, data, metrics  # noqa: E402
-from specjax.drafters import QuantSpecDrafter  # noqa: E402
-from specjax.engine import speculative_generate  # noqa: E402
-from specjax.generate import generate, prefill_prompt  # noqa: E402
+from specjax import data, harness, metrics  # noqa: E402
+from specjax.drafter_factory import DrafterFactory  # noqa: E402
+from specjax.harness import Reference, RunSettings  # noqa: E402
 from specjax.kv_cache import KVCache  # noqa: E402
 from specjax.loader import load_model  # noqa: E402
 from specjax.quant_kv_cache import QuantKV, QuantKVCache  # noqa: E402
+from specjax.results_store import ResultsStore  # noqa: E402
 
 AR_FP, AR_Q = "ar", "ar_int8kv"
 
@@ -64,18 +63,16 @@ def _ctx(config, n):
 
 
 def run(args) -> dict:
-  out_dir = Path(args.out or f"runs/quantspec-{args.model}")
-  out_dir.mkdir(parents=True, exist_ok=True)
-  path = out_dir / "results.jsonl"
-  if path.exists() and not args.resume:
-    raise SystemExit(f"{path} exists: pass --resume to continue it, or choose another --out")
-  done = {r["key"] for r in bench._read_records(path) if r.get("method") == "complete"}
-  model = load_model(args.model)
+  store = ResultsStore(Path(args.out or f"runs/quantspec-{args.model}"), report.settings(args),
+                       resume=args.resume)
+  model = load_model(args.model, dtype=args.dtype)
   kv = QuantKV(group=args.group, residual=args.residual)
-  drafters = {f"quantspec_w{bits}": QuantSpecDrafter.for_model(model, kv_cache=kv,
-                                                               weight_bits=bits)
-              for bits in (4, 8)}
-  drafters["quantspec_kv_only"] = QuantSpecDrafter.for_model(model, kv_cache=kv, weight_bits=16)
+  drafters = {}
+  for name, bits in (("quantspec_w4", 4), ("quantspec_w8", 8), ("quantspec_kv_only", 16)):
+    options = {"quantspec": {"weight_bits": bits, "group": kv.group, "residual": kv.residual}}
+    drafters[name] = DrafterFactory(model, gamma=args.gamma, options=options).make("quantspec")
+  references = (Reference(AR_FP), Reference(AR_Q, kv))
+  settings = RunSettings(max_new_tokens=args.max_new_tokens, gamma=args.gamma)
   work = []
   for n in args.contexts:
     if n + args.max_new_tokens + args.gamma + 1 > model.config.max_context:
@@ -85,32 +82,15 @@ def run(args) -> dict:
     for p in data.long_context_prompts(model.tokenizer, n, args.prompts, args.data_dir):
       work.append((n, p))
   for n, p in tqdm(work, desc=f"quantspec {model.name}", unit="prompt"):
-    key = f"{n}/{p.id}"
-    if key in done:
+    unit = f"{n}/{p.id}"
+    if store.done(unit):
       continue
-    ids, kw = list(p.ids), dict(max_new_tokens=args.max_new_tokens)
-    base = dict(key=key, context=n, prompt_id=p.id, category=str(n), prompt_tokens=len(ids))
-    ar = generate(model.graphdef, model.state, model.config, ids, **kw)
-    # One prefill of the quantised cache for the three runs that read it.
-    pre = prefill_prompt(model.graphdef, model.state, model.config, ids, kv_cache=kv,
-                         max_new_tokens=args.max_new_tokens + args.gamma + 1)
-    arq = generate(model.graphdef, model.state, model.config, ids, kv_cache=kv, prefilled=pre,
-                   **kw)
-    recs = [dict(base, method=m, decode_tokens=len(g.tokens) - 1, decode_s=g.decode_s,
-                 verify_s=g.decode_s, tokens=g.tokens) for m, g in ((AR_FP, ar), (AR_Q, arq))]
-    recs[1]["matches_fp_ar"] = arq.tokens == ar.tokens
-    for name, d in drafters.items():
-      g = speculative_generate(model.graphdef, model.state, model.config, ids, d,
-                               gamma=args.gamma, prefilled=pre, **kw)
-      recs.append(dict(base, method=name, decode_tokens=len(g.tokens) - 1,
-                       decode_s=g.decode_s, matches_ar=g.tokens == arq.tokens,
-                       **{k: getattr(g, k) for k in ("rounds", "drafted", "accepted",
-                                                      "committed", "draft_s", "verify_s",
-                                                      "selection_s", "other_s")}))
-    recs.append(dict(key=key, method="complete"))
-    with path.open("a") as f:
-      f.write("".join(json.dumps(r) + "\n" for r in recs))
-  return finish(model, args, kv, bench._read_records(path))
+    recs = harness.run_prompt(model, list(p.ids), drafters, settings, references=references,
+                              tags=dict(context=n, prompt_id=p.id, category=str(n)))
+    fp, q = recs[0], recs[1]
+    q["matches_fp_ar"] = q["tokens"] == fp["tokens"]  # does the 8-bit cache change the target?
+    store.add(unit, recs)
+  return finish(model, args, kv, store.records())
 
 
 def int8_vs_fp(figures: dict) -> str:
@@ -120,7 +100,7 @@ def int8_vs_fp(figures: dict) -> str:
 
 
 def finish(model, args, kv: QuantKV, records: list[dict]) -> dict:
-  runs = [r for r in records if r["method"] != "complete"]
+  runs = records
   contexts = sorted({r["context"] for r in runs})
   header = ["context", "method", "tok/s", "speedup vs fp AR", "speedup vs int8-KV AR", "M",
             "α", "mismatches vs int8-KV AR"]
@@ -190,7 +170,6 @@ def finish(model, args, kv: QuantKV, records: list[dict]) -> dict:
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--model", default="smollm2-135m-instruct")
   p.add_argument("--contexts", default="1024,4096,8192,16384")
   p.add_argument("--prompts", type=int, default=1, help="long prompts per context length")
   p.add_argument("--max-new-tokens", type=int, default=64)
@@ -198,9 +177,7 @@ def main(argv=None) -> None:
   p.add_argument("--group", type=int, default=128)
   p.add_argument("--residual", type=int, default=128)
   p.add_argument("--data-dir")
-  p.add_argument("--out")
-  p.add_argument("--resume", action="store_true")
-  p.add_argument("--write-docs", action="store_true")
+  report.common_args(p)
   args = p.parse_args(argv)
   args.contexts = [int(n) for n in args.contexts.split(",") if n]
   report.print_json(run(args))

@@ -17,7 +17,6 @@ The last line is one JSON object with the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -29,10 +28,10 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
-from specjax import bench, data, metrics, shortlists  # noqa: E402
-from specjax.drafters import (DynaSpecDrafter, FRSpecDrafter, KnapSpecDrafter,  # noqa: E402
-                              StaticDrafter)
+from specjax import data, harness, metrics, shortlists  # noqa: E402
+from specjax.drafter_factory import DrafterFactory  # noqa: E402
 from specjax.drafters.frspec import frequent_shortlist  # noqa: E402
+from specjax.harness import RunSettings  # noqa: E402
 from specjax.engine import draft_step  # noqa: E402
 from specjax.jit_cache import compiled  # noqa: E402
 from specjax.kv_cache import KVCache  # noqa: E402
@@ -41,11 +40,22 @@ from specjax.plan import DraftPlan  # noqa: E402
 from specjax.profiler import median_time  # noqa: E402
 from specjax.registry import cache_root  # noqa: E402
 from specjax.router import collect_pairs, recall_at  # noqa: E402
+from specjax.results_store import ResultsStore  # noqa: E402
 from specjax.sampling import SamplingParams  # noqa: E402
 
 CATEGORIES = ("writing", "coding", "qa", "math_reasoning", "translation", "summarization",
               "extraction", "rag")
 FR_SIZES = (8192, 16384, 32768)
+# Method -> (drafter_factory name, its options given the number of layers L).
+METHODS = {
+    "full-vocab": ("early_exit", lambda L: {"early_exit": {"k": L}}),  # every layer
+    **{f"frspec-{n // 1024}k": ("frspec", lambda L, n=n: {"frspec": {"size": n}})
+       for n in FR_SIZES},
+    "dynaspec": ("dynaspec", lambda L: {}),
+    "knapspec": ("knapspec", lambda L: {}),
+    "dynaspec+knapspec": ("knapspec+dynaspec", lambda L: {}),
+    "frspec-32k+knapspec": ("knapspec+frspec", lambda L: {"frspec": {"size": 32768}}),
+}
 
 
 def draft_step_times(model, plans: dict, gamma: int, repeats: int) -> dict[str, float]:
@@ -65,7 +75,6 @@ def draft_step_times(model, plans: dict, gamma: int, repeats: int) -> dict[str, 
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--model", default="gemma3-270m")
   p.add_argument("--categories", default=",".join(CATEGORIES))
   p.add_argument("--per-category", type=int, default=1)
   p.add_argument("--max-new-tokens", type=int, default=64)
@@ -77,19 +86,20 @@ def main(argv=None) -> None:
   p.add_argument("--methods", default="full-vocab,frspec-8k,frspec-32k,dynaspec,knapspec,"
                  "dynaspec+knapspec")
   p.add_argument("--data-dir")
-  p.add_argument("--out")
-  p.add_argument("--resume", action="store_true")
-  p.add_argument("--write-docs", action="store_true")
+  report.common_args(p, default_model="gemma3-270m")
   args = p.parse_args(argv)
   cats = tuple(c for c in args.categories.split(",") if c)
   methods = [m for m in args.methods.split(",") if m]
-  out_dir = Path(args.out or f"runs/vocab-{args.model}")
-  out_dir.mkdir(parents=True, exist_ok=True)
-  path = out_dir / "results.jsonl"
-  if path.exists() and not args.resume:
-    raise SystemExit(f"{path} exists: pass --resume to continue it, or choose another --out")
+  unknown = sorted(set(methods) - set(METHODS))
+  if unknown:
+    raise SystemExit(f"unknown method {unknown[0]!r}; methods: {', '.join(METHODS)}")
+  if args.per_category > shortlists.RESERVED:  # evaluation never overlaps training
+    raise SystemExit(f"--per-category must be <= {shortlists.RESERVED} (the prompts the router "
+                     f"never trains on)")
+  store = ResultsStore(Path(args.out or f"runs/vocab-{args.model}"), report.settings(args),
+                       resume=args.resume)
 
-  model = load_model(args.model)
+  model = load_model(args.model, dtype=args.dtype)
   cfg = model.config
   counts, bundle, curves = shortlists.build(
       model, cache_root() / "shortlists" / model.name, prompts=args.train_prompts,
@@ -105,46 +115,30 @@ def main(argv=None) -> None:
   step_plans["DynaSpec"] = full.replace(router=bundle.plan_field(args.gamma))
   steps = draft_step_times(model, step_plans, args.gamma, args.repeats)
 
-  # 3. End to end.
-  knap = lambda: KnapSpecDrafter(profile=bench.latency_profile(model, args.gamma),
-                                 max_gamma=args.gamma)
-  make = {
-      "full-vocab": lambda: StaticDrafter(full),
-      "frspec-8k": lambda: FRSpecDrafter(fr[8192]),
-      "frspec-16k": lambda: FRSpecDrafter(fr[16384]),
-      "frspec-32k": lambda: FRSpecDrafter(fr[32768]),
-      "dynaspec": lambda: DynaSpecDrafter(bundle),
-      "knapspec": knap,
-      "dynaspec+knapspec": lambda: DynaSpecDrafter(bundle, knap()),
-      "frspec-32k+knapspec": lambda: FRSpecDrafter(fr[32768], knap()),
-  }
-  drafters = {m: make[m]() for m in methods}
-  bcfg = bench.BenchConfig(model=model.name, drafters=tuple(methods),
-                           per_category=args.per_category, categories=cats,
-                           max_new_tokens=args.max_new_tokens, max_turns=1, gamma=args.gamma,
-                           threshold=None, temperature=0.0, top_p=1.0, seed=0,
-                           search_iterations=0, plan_file=None)
+  # 3. End to end: every method is a factory name with its options.
+  artefacts = {"counts": counts, "bundle": bundle}
+  if any("knapspec" in m for m in methods):
+    artefacts["profile"] = DrafterFactory(model, gamma=args.gamma).latency_profile
+  drafters = {}
+  for m in methods:
+    name, options = METHODS[m]
+    factory = DrafterFactory(model, gamma=args.gamma, options=options(L), artefacts=artefacts)
+    drafters[m] = factory.make(name)
+  settings = RunSettings(max_new_tokens=args.max_new_tokens, gamma=args.gamma)
   prompts = data.load_spec_bench(args.data_dir, cats, per_category=args.per_category)
-  assert args.per_category <= shortlists.RESERVED  # evaluation never overlaps training
-  records = bench._read_records(path) if args.resume else []
-  done = {r["prompt_id"] for r in records if r["method"] == "complete"}
-  records = [r for r in records if r["prompt_id"] in done]
-  greedy = SamplingParams()
   carried: dict = {}  # drafter states handed from prompt to prompt (budgeted KnapSpec)
   for prompt in tqdm(prompts, desc=f"vocab {model.name}", unit="prompt"):
-    if prompt.id in done:
-      continue
-    recs = bench._run_prompt(model, prompt, drafters, bcfg, greedy, carried)
-    recs.append(dict(prompt_id=prompt.id, method="complete"))
-    with path.open("a") as f:
-      f.write("".join(json.dumps(r) + "\n" for r in recs))
-    records += recs
-  runs = [r for r in records if r["method"] != "complete"]
+    if not store.done(prompt.id):
+      store.add(prompt.id, harness.run_prompt(model, prompt.turns, drafters, settings,
+                                              carried=carried,
+                                              tags=dict(prompt_id=prompt.id,
+                                                        category=prompt.category)))
+  runs = store.records()
   summary = metrics.summarize(runs)
 
   # 4. Router recall on AR's outputs for the evaluation prompts (held out from training).
-  ar_seqs = [bench._chat_ids(model.tokenizer, [next(p for p in prompts
-                                                   if p.id == r["prompt_id"]).turns[0]], [])
+  ar_seqs = [harness.prompt_ids(model.tokenizer, next(p for p in prompts
+                                                      if p.id == r["prompt_id"]).turns[:1])
              + r["tokens"][0] for r in runs if r["method"] == metrics.AR]
   pairs = collect_pairs(model, ar_seqs, verbose=False)
   ks = sorted(set(bundle.plan_field(args.gamma).ks), reverse=True)

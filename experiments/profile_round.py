@@ -44,14 +44,13 @@ verify_step = jax.jit(verify_fn, static_argnames=("graphdef",), donate_argnames=
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--model", default="smollm2-135m-instruct")
   ap.add_argument("--gamma", type=int, default=4)
   ap.add_argument("--context", type=int, default=256)
   ap.add_argument("--repeats", type=int, default=30)
-  ap.add_argument("--no-write", action="store_true")
+  report.common_args(ap, results=False)
   args = ap.parse_args()
 
-  m = load_model(args.model)
+  m = load_model(args.model, dtype=args.dtype)
   L = m.config.num_layers
   cache = KVCache.create(m.config, 1, args.context + 64).with_length(args.context)
   key, tok = jax.random.key(0), jnp.ones((1,), jnp.int32)
@@ -93,7 +92,7 @@ def main() -> None:
              "context": args.context, "ms": {k: round(v, 3) for k, v in med.items()}}
   half = (args.gamma * med["first 50 % layers"] + t_v) / t_ar
   figures["break_even_M_half_layers"] = round(half, 3)
-  if not args.no_write:
+  if args.write_docs:
     report.write_section(f"round-{args.model}", "\n".join([
         f"## Round cost breakdown ({args.model}, context {args.context})", "",
         f"Machine: {figures['machine']}. Commit {report.git_revision()}.", "", table, "",

@@ -9,11 +9,34 @@ import subprocess
 import sys
 
 from specjax import docs
-from specjax.docs import DOCS, machine  # noqa: F401  (re-exported for the scripts)
+from specjax.docs import DOCS, copy_image, machine  # noqa: F401  (re-exported for the scripts)
 
 
 def command_line() -> str:
   return " ".join(["python", os.path.relpath(sys.argv[0], DOCS.parent.parent)] + sys.argv[1:])
+
+
+def common_args(p, default_model: str = "smollm2-135m-instruct", results: bool = True) -> None:
+  """The flags every experiment shares, spelled as `specjax bench` spells them. `results`:
+  the script keeps a results store (--out, --resume)."""
+  p.add_argument("--model", default=default_model)
+  p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                 help="weights and KV cache (auto: bfloat16 on a GPU, float32 on a CPU)")
+  if results:
+    p.add_argument("--out", help="output folder (default runs/EXPERIMENT-MODEL)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run made with the same settings")
+  p.add_argument("--write-docs", action="store_true",
+                 help="regenerate this experiment's section of docs/BENCHMARKS.md")
+
+
+# Arguments that say where things are or what to write, not what is measured.
+_NOT_SETTINGS = {"out", "resume", "write_docs", "data_dir"}
+
+
+def settings(args) -> dict:
+  """Every argument that changes a number: the results store's fingerprint."""
+  return {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_SETTINGS}
 
 
 def write_section(name: str, body: str) -> None:
@@ -41,15 +64,3 @@ def git_revision() -> str:
     return "unknown"
 
 
-def copy_image(src, name: str) -> str:
-  """Copy a plot next to BENCHMARKS.md (docs/img/NAME); return its Markdown image link,
-  or "" when there is no plot."""
-  import shutil
-  from pathlib import Path
-
-  if not src or not Path(src).exists():
-    return ""
-  img = DOCS.parent / "img" / name
-  img.parent.mkdir(exist_ok=True)
-  shutil.copy(src, img)
-  return f"![{Path(name).stem}](img/{name})"

@@ -54,7 +54,9 @@ def domain_prompts(data_dir=None, domains: Sequence[str] = DEFAULT_DOMAINS,
 
 def prompt_ids(tokenizer, prompt: data.Prompt) -> list[int]:
   """A prompt's first turn as the model sees it (chat template when it has one)."""
-  return tokenizer.encode_prompt(prompt.turns[0])
+  from specjax.harness import prompt_ids as turns_to_ids
+
+  return turns_to_ids(tokenizer, prompt.turns[:1])
 
 
 def embed_all(model, prompts: Sequence[data.Prompt], desc: str = "embed",
