@@ -95,10 +95,11 @@ def collect_pairs(model, sequences, verbose: bool = True) -> Pairs:
   cfg = model.config
   full = DraftPlan.full(cfg.num_layers)
 
+  # The cache and plan are arguments, not values made inside the jit: as constants XLA
+  # spent seconds constant-folding reductions over the zero cache in every compile.
   @jax.jit
-  def hidden(state, tokens):
-    cache = KVCache.create(cfg, 1, tokens.shape[1])
-    out, _ = apply(state, cache, tokens, jnp.arange(tokens.shape[1])[None], full,
+  def hidden(state, cache, tokens, plan):
+    out, _ = apply(state, cache, tokens, jnp.arange(tokens.shape[1])[None], plan,
                    graphdef=model.graphdef, logits="none")
     emb = nnx.merge(model.graphdef, state).embed(tokens)
     return emb[0], out.hidden[0]
@@ -109,9 +110,9 @@ def collect_pairs(model, sequences, verbose: bool = True) -> Pairs:
     seq = list(seq)[: cfg.max_context]
     if len(seq) < 3:
       continue
-    T = -(-len(seq) // 64) * 64  # pad to a bucket: few compilations
+    T = min(max(64, 1 << (len(seq) - 1).bit_length()), cfg.max_context)  # few compiles
     toks = jnp.asarray([seq + [0] * (T - len(seq))], jnp.int32)
-    e, h = hidden(model.state, toks)
+    e, h = hidden(model.state, KVCache.create(cfg, 1, T), toks, full)
     n = len(seq) - 2  # t = 1 .. len-2
     rows["emb"].append(np.asarray(e[1 : 1 + n]))
     rows["h_prev"].append(np.asarray(h[:n]))
