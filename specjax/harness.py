@@ -72,10 +72,18 @@ class Reference:
   kv_cache: Any = None
 
 
+def references_for(drafters: Mapping[str, Any]) -> tuple[Reference, ...]:
+  """AR on a full-precision cache, plus AR on each quantised cache a drafter reads (the
+  target that drafter must reproduce): `ar_int8kv`, or `ar_int8kv_1`, … when several."""
+  caches = list(dict.fromkeys(d.kv_cache for d in drafters.values() if d.kv_cache is not None))
+  names = ["ar_int8kv"] if len(caches) == 1 else [f"ar_int8kv_{i}" for i in range(len(caches))]
+  return (Reference(),) + tuple(Reference(n, kv) for n, kv in zip(names, caches))
+
+
 def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[str, Any],
                settings: RunSettings, *, gammas: Mapping[str, int] | None = None,
                carried: dict | None = None, tags: Mapping[str, Any] | None = None,
-               references: Sequence[Reference] = (Reference(),),
+               references: Sequence[Reference] | None = None,
                extra: Callable[[str, Any], dict] | None = None) -> list[dict]:
   """One record per method: the references (AR) first, then every drafter.
 
@@ -84,13 +92,14 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
   draft lengths (default settings.gamma). `carried`: drafter states handed from prompt to
   prompt (SWIFT and budgeted KnapSpec learn across prompts); updated in place. A drafter is
   compared with the reference that reads the same KV cache (its tokens must equal that
-  AR's); with sampling, `matches_ar` is None. Runs reading the same quantised cache share
-  one prefill of it. `extra(name, generation)` adds fields to a drafter's record.
+  AR's); with sampling, `matches_ar` is None. `references` default to `references_for`
+  the drafters. Runs reading the same quantised cache share one prefill of it. `extra(name, generation)` adds fields to a drafter's record.
   """
   from specjax.engine import speculative_generate
   from specjax.generate import generate, prefill_prompt
 
   carried = {} if carried is None else carried
+  references = references_for(drafters) if references is None else references
   if prompt and isinstance(prompt[0], int):
     turns: list = [list(prompt)]
   else:
@@ -142,7 +151,9 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
       if not isinstance(turn, list):
         answers.append(model.tokenizer.decode(out.tokens, skip_special=True))
     tokens_of[name] = rec["tokens"]
-    if drafter is not None:
+    if drafter is None:
+      rec["is_reference"] = True
+    else:
       ref = by_cache.get(kv)
       if ref is None:
         raise ValueError(f"{name} reads a {kv} cache: give a Reference with that kv_cache "
@@ -154,10 +165,3 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
         rec.update(extra(name, out))
     recs.append(rec)
   return recs
-
-
-def summarize(records: Sequence[dict], references: Sequence[Reference] = (Reference(),)
-              ) -> dict[str, dict]:
-  """metrics.summarize over a run's records, with its references excluded from the
-  mismatch count."""
-  return metrics.summarize(records, tuple(r.name for r in references))

@@ -45,7 +45,8 @@ def summarize(records: Iterable[dict], references: tuple[str, ...] = (AR,)) -> d
   """method -> {tokens_per_s, M, alpha, time shares (draft / verify / device rounds /
   selection / other),
   mismatches, prompts}. `references` (AR, and e.g. an int8-KV AR) are what others are
-  compared with: their `mismatches` is None."""
+  compared with: their `mismatches` is None, as for every method whose records are marked
+  `is_reference` (the harness marks its AR baselines)."""
   sums: dict[str, dict] = defaultdict(lambda: defaultdict(float))
   by_method: dict[str, list[dict]] = defaultdict(list)
   for r in records:
@@ -59,9 +60,10 @@ def summarize(records: Iterable[dict], references: tuple[str, ...] = (AR,)) -> d
   out = {}
   for method, s in sums.items():
     tps = s["tokens"] / s["decode_s"] if s["decode_s"] else 0.0
-    compared = None if method in references else mismatches(by_method[method], method)
+    reference = method in references or all(r.get("is_reference") for r in by_method[method])
+    compared = None if reference else mismatches(by_method[method], method)
     row = {"prompts": int(s["prompts"]), "tokens_per_s": tps, "mismatches": compared}
-    if method != AR:
+    if not reference:
       row |= {
           "M": s["committed"] / s["rounds"] if s["rounds"] else 0.0,
           "alpha": s["accepted"] / s["drafted"] if s["drafted"] else 0.0,

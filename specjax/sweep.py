@@ -203,7 +203,7 @@ def rows(sweep: Sweep, store: ResultsStore, keys: list[str]) -> list[dict]:
     if not records:
       continue
     for method, s in metrics.summarize(records).items():
-      if method == metrics.AR:
+      if "M" not in s:  # AR and the other references
         continue
       out.append({**dict(point.axes), "method": method, "prompts": s["prompts"],
                   "tokens_per_s": s["tokens_per_s"], "speedup": s["speedup"], "M": s["M"],
@@ -273,12 +273,18 @@ def finish(sweep: Sweep, store: ResultsStore, keys: list[str], out_dir: Path, ve
 
 
 def _write_docs(sweep: Sweep, text: str, image: Path | None, command: str) -> None:
-  fixed = sweep.points[0].config
+  first = sweep.points[0]
+  cfg = first.config
+  model = "models swept" if "model" in sweep.axes else cfg.model
+  prompts = (f"{cfg.per_category} long prompt(s) of {first.context} tokens"
+             if first.context else
+             f"{cfg.per_category * len(cfg.categories)} Spec-Bench prompts ({cfg.per_category} "
+             f"per category: {', '.join(cfg.categories)})")
+  sampling = "greedy" if cfg.temperature == 0 else f"T = {cfg.temperature}"
   body = "\n".join([
       f"## Sweep: {sweep.name}", "",
-      f"{fixed.model if 'model' not in sweep.axes else 'models swept'}; per point, AR and the "
-      f"drafters on the same prompts in one process ({'long prompts' if sweep.points[0].context else f'{fixed.per_category} Spec-Bench prompt(s) per category of {len(fixed.categories)}'}, "
-      f"{fixed.max_new_tokens} new tokens, {'greedy' if fixed.temperature == 0 else f'T={fixed.temperature}'}). "
-      f"Machine: {docs.machine()}.", "", text, "",
+      f"{model}; {prompts}, {cfg.max_new_tokens} new tokens, {sampling}. Per point, AR and "
+      f"the drafters decode the same prompts in one process; speedup is the point's drafter "
+      f"over the point's AR. Machine: {docs.machine()}.", "", text, "",
       docs.copy_image(image, f"sweep_{sweep.name}.png")])
   docs.write_section(f"sweep-{sweep.name}", body, command)

@@ -120,3 +120,18 @@ def test_settings_hold_every_option_of_the_named_parts(plan_file):
   assert set(s["options"]) == {"knapspec", "8bit", "frspec"}
   assert s["options"]["frspec"] == {"size": 48}
   assert s["options"]["knapspec"]["window"] == 2 and s["gamma"] == 4
+
+
+def test_default_references_cover_every_cache_a_drafter_reads(plan_file):
+  """Without explicit references, a QuantSpec drafter is compared with AR on its own
+  quantised cache, which the summary treats as a reference (no M, no mismatch count)."""
+  from specjax import metrics
+
+  f = factory(plan_file)
+  drafters = {"quantspec": f.make("quantspec"), "8bit": f.make("8bit")}
+  recs = harness.run_prompt(model(), PROMPT, drafters, RunSettings(max_new_tokens=8))
+  assert [r["method"] for r in recs] == ["ar", "ar_int8kv", "quantspec", "8bit"]
+  assert [r.get("reference") for r in recs] == [None, None, "ar_int8kv", "ar"]
+  s = metrics.summarize(recs)
+  assert s["ar_int8kv"]["mismatches"] is None and "M" not in s["ar_int8kv"]
+  assert s["quantspec"]["mismatches"] == 0 and s["8bit"]["mismatches"] == 0
