@@ -25,6 +25,8 @@ COUNTERS = ("rounds", "drafted", "accepted", "committed", "draft_s", "verify_s",
 def prompt_ids(tokenizer, turns: Sequence[str], answers: Sequence[str] = ()) -> list[int]:
   """The ids of a prompt's last turn, with earlier turns and this method's own answers as
   history: through the chat template for chat models, joined by blank lines otherwise."""
+  if len(turns) == 1 and not answers:
+    return tokenizer.encode_prompt(turns[0])  # the tokenizer's own rule for one user turn
   if getattr(tokenizer, "is_chat", False):
     msgs = []
     for i, turn in enumerate(turns):

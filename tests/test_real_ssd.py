@@ -23,9 +23,10 @@ FALLBACK = [
 
 
 def _prompts() -> list[str]:
+  """Three prompts of different tasks (a real model's drafts agree on them differently)."""
   if not (SHARED / data.SPEC_BENCH_FILE).exists():
     return FALLBACK
-  ps = data.load_spec_bench(SHARED, ["writing", "translation", "math_reasoning", "coding"],
+  ps = data.load_spec_bench(SHARED, ["writing", "translation", "math_reasoning"],
                             per_category=1)
   return [p.turns[0] for p in ps]
 
@@ -55,16 +56,17 @@ def test_smollm2_ssd_equals_ar_for_every_drafter():
 
 
 def test_smollm2_per_round_and_shortlist_drafters_equal_ar():
-  """CLaSp, KnapSpec (profiled on this machine, re-selecting every 4 rounds), FR-Spec and
-  FR-Spec on KnapSpec: greedy SSD == greedy AR on the real model."""
+  """CLaSp, KnapSpec (re-selecting every 4 rounds) and FR-Spec on KnapSpec: greedy SSD ==
+  greedy AR on the real model. KnapSpec reads a synthetic latency profile: which plans it
+  picks does not bear on losslessness, and the profiler has its own test."""
   import numpy as np
 
-  from specjax import profiler
   from specjax.drafters import ClaspDrafter, FRSpecDrafter, KnapSpecDrafter
   from specjax.drafters.frspec import frequent_shortlist
+  from test_knapspec import synthetic_profile
 
   m = real_model("smollm2-135m-instruct")
-  prof = profiler.measure(m, lengths=(256, 512), repeats=3, verbose=False)
+  prof = synthetic_profile(m.config.num_layers, m.name)
   prompts = [m.tokenizer.encode_prompt(t) for t in _prompts()[:2]]
   ars = [generate(m.graphdef, m.state, m.config, ids, max_new_tokens=40, eos_ids=()).tokens
          for ids in prompts]
@@ -72,7 +74,7 @@ def test_smollm2_per_round_and_shortlist_drafters_equal_ar():
                        minlength=m.config.vocab_size)
   short = frequent_shortlist(counts, 8192, m.config.eos_ids)
   knap = KnapSpecDrafter(profile=prof, interval=4, selection_budget=None)
-  drafters = [ClaspDrafter(interval=4), knap, FRSpecDrafter(short), FRSpecDrafter(short, knap)]
+  drafters = [ClaspDrafter(interval=4), knap, FRSpecDrafter(short, knap)]
   mismatches = []
   for ids, ar in zip(prompts, ars):
     for d in drafters:
