@@ -21,7 +21,7 @@ metric = "speedup"
 [fixed]
 model = "tiny-qwen3"
 drafters = ["early_exit"]
-categories = ["writing", "qa", "translation"]
+categories = ["writing", "qa"]
 per_category = 1
 max_new_tokens = {tokens}
 [grid]
@@ -52,14 +52,14 @@ def test_a_killed_sweep_resumes_without_losing_or_repeating_a_row(tmp_path, caps
   os.kill(proc.pid, signal.SIGKILL)
   proc.wait()
   before = units(out)
-  assert 1 <= len(before) < 6, f"the kill came too late to test a resume: {len(before)} rows"
+  assert 1 <= len(before) < 4, f"the kill came too late to test a resume: {len(before)} rows"
 
   assert main(argv) == 2  # refuses to start over without --resume
   assert "--resume" in capsys.readouterr().err
   assert main(argv + ["--resume"]) == 0
   after = units(out)
   assert after[: len(before)] == before  # nothing redone, nothing lost
-  assert len(after) == len(set(after)) == 6  # 2 points x 3 prompts, once each
+  assert len(after) == len(set(after)) == 4  # 2 points x 2 prompts, once each
   figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert figures["points"] == 2 and figures["mismatches"] == 0
   assert [r["gamma"] for r in figures["rows"]] == [2, 3]
@@ -70,8 +70,8 @@ def test_a_killed_sweep_resumes_without_losing_or_repeating_a_row(tmp_path, caps
   spec.write_text(SWEEP.format(tokens=8))
   assert main(argv + ["--resume"]) == 0
   figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-  assert len(units(out)) == 12 and units(out)[:6] == after
-  assert all(r["prompts"] == 3 for r in figures["rows"]) and len(figures["rows"]) == 2
+  assert len(units(out)) == 8 and units(out)[:4] == after
+  assert all(r["prompts"] == 2 for r in figures["rows"]) and len(figures["rows"]) == 2
 
 
 @pytest.mark.parametrize("text, message", [
