@@ -37,7 +37,8 @@ def domain_prompts(data_dir=None, domains: Sequence[str] = DEFAULT_DOMAINS,
   by_cat: dict[str, list[data.Prompt]] = {}
   for p in spec:
     by_cat.setdefault(p.category, []).append(p)
-  by_cat["gsm8k"] = data.load_gsm8k(data_dir, limit=gsm8k_rows)
+  if "gsm8k" in domains:
+    by_cat["gsm8k"] = data.load_gsm8k(data_dir, limit=gsm8k_rows)
   build: dict[str, list] = {}
   held: dict[str, list] = {}
   for domain in domains:

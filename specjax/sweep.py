@@ -16,7 +16,9 @@ A sweep file is TOML:
 
 Keys are `specjax bench` settings (model, drafters, gamma, threshold, max_new_tokens,
 per_category, categories, temperature, …), `context` (long prompts of about that many
-tokens instead of Spec-Bench's) or `DRAFTER.OPTION` (any option of `drafter_factory`).
+tokens instead of Spec-Bench's), `mix_ratio` (a task stream of `stream_length` held-out
+prompts over the categories as domains, switching domain with that probability after
+each prompt, as in KNN-SSD) or `DRAFTER.OPTION` (any option of `drafter_factory`).
 `[[points]]` tables list points instead of (or as well as) a grid.
 
 Every point runs AR and its drafters on the same prompts in the same process (the
@@ -44,6 +46,7 @@ from specjax import bench, data, docs, harness, metrics, plots
 from specjax.results_store import ResultsStore
 
 METRICS = ("speedup", "tokens_per_s", "M", "alpha")
+_WORKLOAD = ("context", "mix_ratio", "stream_length")
 _BENCH_FIELDS = {f.name for f in dataclasses.fields(bench.BenchConfig)} - {"options"}
 _DEFAULTS = dict(drafters=bench.DEFAULT_DRAFTERS, per_category=1,
                  categories=data.SPEC_BENCH_CATEGORIES, max_new_tokens=64, max_turns=1, gamma=4,
@@ -57,15 +60,19 @@ class SweepFileError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Point:
-  """One setting of the grid: its bench settings, long-context length, and the values of
-  the swept axes (for the table)."""
+  """One setting of the grid: its bench settings, its workload (Spec-Bench, long prompts
+of `context` tokens, or a task stream with `mix_ratio`), and the values of the swept
+  axes (for the table)."""
 
   config: bench.BenchConfig
   context: int | None
   axes: tuple[tuple[str, Any], ...]
+  mix_ratio: float | None = None
+  stream_length: int = 10
 
   def settings(self) -> dict:
-    return {**dataclasses.asdict(self.config), "context": self.context}
+    return {**dataclasses.asdict(self.config), "context": self.context,
+            "mix_ratio": self.mix_ratio, "stream_length": self.stream_length}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,10 +118,12 @@ def load(path: str | Path) -> Sweep:
 def _point(path: Path, values: Mapping[str, Any], axes) -> Point:
   settings: dict[str, Any] = dict(_DEFAULTS)
   options: dict[str, dict] = {}
-  context = None
+  context, workload = None, {}
   for key, value in values.items():
     if key == "context":
       context = int(value)
+    elif key in ("mix_ratio", "stream_length"):
+      workload[key] = value
     elif "." in key:
       part, _, option = key.partition(".")
       options.setdefault(part, {})[option] = value
@@ -122,7 +131,7 @@ def _point(path: Path, values: Mapping[str, Any], axes) -> Point:
       settings[key] = value
     else:
       raise SweepFileError(f"{path}: unknown setting {key!r}; settings: "
-                           f"{', '.join(sorted(_BENCH_FIELDS | {'context'}))} or "
+                           f"{', '.join(sorted(_BENCH_FIELDS | set(_WORKLOAD)))} or "
                            f"DRAFTER.OPTION")
   if "model" not in settings:
     raise SweepFileError(f"{path}: no model (set it in [fixed] or sweep it in [grid])")
@@ -135,7 +144,13 @@ def _point(path: Path, values: Mapping[str, Any], axes) -> Point:
     bench.validate(cfg)
   except (ValueError, KeyError) as err:  # KeyError: UnknownDrafterError
     raise SweepFileError(f"{path}: point {dict(axes)}: {err}") from None
-  return Point(cfg, context, axes)
+  if context is not None and "mix_ratio" in workload:
+    raise SweepFileError(f"{path}: point {dict(axes)}: context and mix_ratio are two workloads; "
+                         f"choose one")
+  if not 0 <= workload.get("mix_ratio", 0) <= 1 or workload.get("stream_length", 1) < 1:
+    raise SweepFileError(f"{path}: point {dict(axes)}: mix_ratio must be in [0, 1] and "
+                         f"stream_length >= 1")
+  return Point(cfg, context, axes, **workload)
 
 
 def run(sweep: Sweep, out_dir: Path, *, data_dir=None, resume: bool = False,
@@ -184,6 +199,12 @@ def _prompts(point: Point, data_dir) -> list[tuple[str, str, Any]]:
   if point.context is not None:
     return [(f"ctx{point.context}/{i}", f"ctx-{point.context}", None)
             for i in range(cfg.per_category)]
+  if point.mix_ratio is not None:  # held-out prompts: never used to build a KNN library
+    from specjax.knn_build import domain_prompts
+
+    _, held = domain_prompts(data_dir, cfg.categories)
+    stream = data.task_stream(held, point.stream_length, point.mix_ratio, cfg.seed)
+    return [(f"r{point.mix_ratio}/{j}", p.category, p.turns) for j, p in enumerate(stream)]
   evaluation, _ = bench.split_prompts(cfg, data_dir)
   return [(p.id, p.category, p.turns) for p in evaluation]
 
@@ -278,6 +299,8 @@ def _write_docs(sweep: Sweep, text: str, image: Path | None, command: str) -> No
   model = "models swept" if "model" in sweep.axes else cfg.model
   prompts = (f"{cfg.per_category} long prompt(s) of {first.context} tokens"
              if first.context else
+             f"task streams of {first.stream_length} held-out prompts over "
+             f"{', '.join(cfg.categories)}" if first.mix_ratio is not None else
              f"{cfg.per_category * len(cfg.categories)} Spec-Bench prompts ({cfg.per_category} "
              f"per category: {', '.join(cfg.categories)})")
   sampling = "greedy" if cfg.temperature == 0 else f"T = {cfg.temperature}"

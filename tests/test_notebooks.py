@@ -4,7 +4,6 @@ cannot rot; their outputs are stripped in the repository."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest

@@ -127,3 +127,25 @@ def test_every_shipped_sweep_file_loads():
   assert len(files) >= 5
   for f in files:
     assert sweep.load(f).points
+
+
+def test_a_mix_ratio_point_decodes_a_task_stream_of_held_out_prompts(tmp_path):
+  """r = 0 stays in one domain, r = 1 switches after every prompt; the prompts are the
+  held-out share of each category (never used to build a KNN library)."""
+  root = write_spec_bench(tmp_path / "data", per_category=4)
+  spec = tmp_path / "s.toml"
+  spec.write_text('[fixed]\nmodel = "tiny-llama"\ndrafters = ["knn"]\n'
+                  'categories = ["writing", "qa", "translation"]\nstream_length = 6\n'
+                  '[grid]\nmix_ratio = [0.0, 1.0]\n')
+  s = sweep.load(spec)
+  still, mixed = (sweep._prompts(p, root) for p in s.points)
+  assert len(still) == len(mixed) == 6
+  assert len({c for _, c, _ in still}) == 1
+  assert all(a[1] != b[1] for a, b in zip(mixed, mixed[1:]))
+  held = {f"{c} question {i}?" for c in ("writing", "qa", "translation") for i in range(2)}
+  assert {t[0] for _, _, t in still + mixed} <= held  # ceil(0.3 * 4) = 2 held out each
+  assert [u for u, _, _ in mixed][:2] == ["r1.0/0", "r1.0/1"]
+  bad = tmp_path / "bad.toml"
+  bad.write_text('[fixed]\nmodel = "tiny-llama"\ncontext = 512\nmix_ratio = 0.5\n')
+  with pytest.raises(sweep.SweepFileError, match="two workloads"):
+    sweep.load(bad)
