@@ -70,9 +70,8 @@ def make_drafters(model, args, out_dir: Path) -> dict:
   """Every drafter by its factory name; `knapspec-fixed` is KnapSpec re-selecting every
   `interval` rounds, as in the paper (no selection-time budget)."""
   # Self-SD searches once, on Spec-Bench prompts not used for evaluation.
-  search = [p for p in data.load_spec_bench(args.data_dir) if p.category in SPEC_CATEGORIES]
-  search = [ps for ps in ([p for p in search if p.category == c] for c in SPEC_CATEGORIES)]
-  search_prompts = [ps[-1] for ps in search if ps][:6]
+  _, search_prompts = data.evaluation_and_search(
+      data.load_spec_bench(args.data_dir, SPEC_CATEGORIES), args.spec_bench)
   drafters = {}
   for name in args.drafters:
     knapspec = {"interval": args.interval, "window": args.window,

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from specjax import docs
+from specjax.cli import add_dtype_arg
 from specjax.docs import DOCS, copy_image, machine  # noqa: F401  (re-exported for the scripts)
 
 
@@ -20,8 +21,7 @@ def common_args(p, default_model: str = "smollm2-135m-instruct", results: bool =
   """The flags every experiment shares, spelled as `specjax bench` spells them. `results`:
   the script keeps a results store (--out, --resume)."""
   p.add_argument("--model", default=default_model)
-  p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                 help="weights and KV cache (auto: bfloat16 on a GPU, float32 on a CPU)")
+  add_dtype_arg(p)
   if results:
     p.add_argument("--out", help="output folder (default runs/EXPERIMENT-MODEL)")
     p.add_argument("--resume", action="store_true",

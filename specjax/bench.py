@@ -53,7 +53,7 @@ def validate(cfg: BenchConfig) -> None:
   for name in cfg.drafters:
     drafter_factory.parse(name)
   drafter_factory.check_options(cfg.options)
-  RunSettings(max_new_tokens=cfg.max_new_tokens, gamma=cfg.gamma)  # raises on bad values
+  run_settings(cfg)  # raises on bad values
 
 
 def run_settings(cfg: BenchConfig) -> RunSettings:
@@ -63,14 +63,9 @@ def run_settings(cfg: BenchConfig) -> RunSettings:
 
 
 def split_prompts(cfg: BenchConfig, data_dir=None) -> tuple[list, list]:
-  """(evaluation prompts: the first `per_category` of each category, search prompts: the
-  last of each category beyond them, for offline searches such as Self-SD's)."""
-  by_cat: dict[str, list] = {}
-  for p in data.load_spec_bench(data_dir, cfg.categories):
-    by_cat.setdefault(p.category, []).append(p)
-  evaluation = [p for ps in by_cat.values() for p in ps[: cfg.per_category]]
-  search = [ps[-1] for ps in by_cat.values() if len(ps) > cfg.per_category][:6]
-  return evaluation, search
+  """(evaluation prompts, search prompts) of the run's categories (`data.evaluation_and_search`)."""
+  return data.evaluation_and_search(data.load_spec_bench(data_dir, cfg.categories),
+                                    cfg.per_category)
 
 
 def factory_for(cfg: BenchConfig, model, out_dir: Path, search_prompts, data_dir=None,
@@ -85,31 +80,50 @@ def factory_for(cfg: BenchConfig, model, out_dir: Path, search_prompts, data_dir
 
 
 def run(cfg: BenchConfig, out_dir: Path, *, data_dir=None, resume: bool = False,
-        verbose: bool = True, write_docs: bool = False) -> dict:
+        verbose: bool = True, write_docs: bool = False, docs_section: str | None = None
+        ) -> dict:
   from specjax.loader import load_model
 
   validate(cfg)
   store = ResultsStore(out_dir, dataclasses.asdict(cfg), resume=resume)
   evaluation, search_prompts = split_prompts(cfg, data_dir)
   model = load_model(cfg.model, dtype=cfg.dtype, verbose=verbose)
-  factory = factory_for(cfg, model, out_dir, search_prompts, data_dir, verbose)
+  todo = [(p.id, p.category, p.turns) for p in evaluation if not store.done(p.id)]
+  bar = tqdm(total=len(todo), desc=f"bench {cfg.model}", unit="prompt", disable=not verbose)
+
+  def progress() -> None:
+    bar.update()
+    bar.set_postfix_str(_postfix(store.records()))
+
+  run_units(cfg, model, todo, store, work_dir=out_dir, search_prompts=search_prompts,
+            pilot_prompts=search_prompts or evaluation[:1], data_dir=data_dir,
+            verbose=verbose, progress=progress)
+  bar.close()
+  return finish(cfg, out_dir, store.records(), verbose, write_docs, docs_section)
+
+
+def run_units(cfg: BenchConfig, model, units, store: ResultsStore, *, work_dir: Path,
+              search_prompts, pilot_prompts, data_dir=None, settings_key: str | None = None,
+              verbose: bool = True, progress=lambda: None) -> None:
+  """Build `cfg`'s drafters (and their γ, with `auto_gamma`), then decode each unit
+  (unit key, category, turns or ids) with AR and every drafter and add it to the store:
+  the loop `specjax bench` and every point of `specjax sweep` share."""
+  if not units:
+    return
+  factory = factory_for(cfg, model, work_dir, search_prompts, data_dir, verbose)
   drafters = {n: factory.make(n) for n in cfg.drafters}
   settings = run_settings(cfg)
   gammas = {n: cfg.gamma for n in drafters}
   if cfg.auto_gamma:
-    gammas |= draft_lengths(model, drafters, cfg, search_prompts or evaluation[:1], out_dir,
-                            verbose)
-  todo = [p for p in evaluation if not store.done(p.id)]
-  if todo:
-    _warm_up(model, drafters, settings, gammas)
-  bar = tqdm(todo, desc=f"bench {cfg.model}", unit="prompt", disable=not verbose)
+    gammas |= draft_lengths(model, drafters, cfg, pilot_prompts, work_dir, verbose)
+  harness.warm_up(model, drafters, settings, gammas)
   carried: dict[str, object] = {}  # drafter states handed from prompt to prompt
-  for prompt in bar:
-    store.add(prompt.id, harness.run_prompt(
-        model, prompt.turns, drafters, settings, gammas=gammas, carried=carried,
-        tags=dict(prompt_id=prompt.id, category=prompt.category)))
-    bar.set_postfix_str(_postfix(store.records()))
-  return finish(cfg, out_dir, store.records(), verbose, write_docs)
+  for unit, category, prompt in units:
+    store.add(unit, harness.run_prompt(model, prompt, drafters, settings, gammas=gammas,
+                                       carried=carried,
+                                       tags=dict(prompt_id=unit, category=category)),
+              settings_key=settings_key)
+    progress()
 
 
 def draft_lengths(model, drafters: dict, cfg: BenchConfig, pilot_prompts, out_dir: Path,
@@ -144,12 +158,6 @@ def draft_lengths(model, drafters: dict, cfg: BenchConfig, pilot_prompts, out_di
   return {name: saved[name]["gamma"] for name in drafters if name in saved}
 
 
-def _warm_up(model, drafters, settings: RunSettings, gammas: dict[str, int]) -> None:
-  """Compile every executable the timed runs use (shape buckets as in the real prompts)."""
-  ids = model.tokenizer.encode_prompt("Warm up.")
-  harness.run_prompt(model, ids, drafters, settings, gammas=gammas)
-
-
 def _postfix(records: list[dict]) -> str:
   s = metrics.summarize(records)
   return " ".join(f"{m}:{r['speedup']:.2f}x" for m, r in s.items()
@@ -157,7 +165,7 @@ def _postfix(records: list[dict]) -> str:
 
 
 def finish(cfg: BenchConfig, out_dir: Path, records: list[dict], verbose: bool,
-           write_docs: bool = False) -> dict:
+           write_docs: bool = False, docs_section: str | None = None) -> dict:
   overall = metrics.summarize(records)
   cats = metrics.by_category(records)
   table = _overall_table(overall)
@@ -169,7 +177,7 @@ def finish(cfg: BenchConfig, out_dir: Path, records: list[dict], verbose: bool,
   lengths = _lengths_table(json.loads(lengths_path.read_text())) \
       if cfg.auto_gamma and lengths_path.exists() else ""
   if write_docs:
-    _write_docs(cfg, table, cat_table, overall, lengths)
+    _write_docs(cfg, table, cat_table, overall, lengths, docs_section)
   _plot(cats, list(cfg.drafters), out_dir / "speedup.png")
   if verbose:
     print(f"\n{table}\n\nspeedup vs AR by category\n{cat_table}\n")
@@ -242,26 +250,28 @@ def _lengths_table(saved: dict) -> str:
 
 
 def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict,
-                lengths: str = "") -> None:
-  """Regenerate this model's section of docs/BENCHMARKS.md."""
+                lengths: str = "", section: str | None = None) -> None:
+  """Regenerate this model's section of docs/BENCHMARKS.md (or `section`: another
+  drafter list on the same model keeps its own table)."""
   n = overall.get(metrics.AR, {}).get("prompts", 0)
-  threshold = ("per drafter (0.8; KnapSpec 0.7; 8bit 0)" if cfg.threshold is None
+  threshold = ("per drafter (0.8; KnapSpec 0.7; 8bit and QuantSpec 0)" if cfg.threshold is None
                else cfg.threshold)
   gamma = (f"γ per drafter (≤ {cfg.gamma}) of highest predicted tokens per time, from its "
            f"acceptance on a pilot prompt and its step costs measured here (table below)"
            if cfg.auto_gamma else f"γ ≤ {cfg.gamma}")
   body = "\n".join([
-      f"## SSD vs AR on Spec-Bench ({cfg.model})", "",
+      f"## SSD vs AR on Spec-Bench ({cfg.model}"
+      + (f": {', '.join(cfg.drafters)})" if section else ")"), "",
       f"{n} prompts ({cfg.per_category} per category), {cfg.max_new_tokens} new tokens, "
       f"{gamma}, threshold {threshold}, "
       f"{'greedy' if cfg.temperature == 0 else f'T={cfg.temperature}'}; AR and every drafter "
       f"in the same process. Machine: {docs.machine()}.", "",
       table, "", "Speedup vs AR by category:", "", cat_table,
   ] + (["", "Draft lengths (`--auto-gamma`):", "", lengths] if lengths else []))
-  docs.write_section(f"bench-{cfg.model}", body, _command(cfg))
+  docs.write_section(section or f"bench-{cfg.model}", body, _command(cfg, section))
 
 
-def _command(cfg: BenchConfig) -> str:
+def _command(cfg: BenchConfig, section: str | None = None) -> str:
   """The `specjax bench` command line that reproduces this run."""
   from specjax.data import SPEC_BENCH_CATEGORIES
 
@@ -274,4 +284,7 @@ def _command(cfg: BenchConfig) -> str:
     parts.append(f"--categories {','.join(cfg.categories)}")
   if cfg.temperature:
     parts.append(f"--temperature {cfg.temperature} --top-p {cfg.top_p} --seed {cfg.seed}")
-  return " ".join(parts + ["--write-docs"])
+  for part, opts in sorted(cfg.options.items()):
+    parts += [f"--option {part}.{k}={v if isinstance(v, str) else json.dumps(v)}"
+              for k, v in sorted(opts.items())]
+  return " ".join(parts + ["--write-docs"] + ([f"--docs-section {section}"] if section else []))

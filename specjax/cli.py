@@ -34,11 +34,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
   sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
   if not args.prompt.strip():
     raise ValueError("the prompt is empty")
+  options = _options(args.option)
   if args.drafter:
     from specjax import drafter_factory
 
     drafter_factory.parse(args.drafter)  # bad names and options fail before the model loads
-    drafter_factory.check_options(_options(args.option))
+    drafter_factory.check_options(options)
   model = load_model(args.model, dtype=args.dtype)
   tok = model.tokenizer
   ids = tok.encode_prompt(args.prompt, chat=False if args.no_chat else None)
@@ -48,7 +49,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     on_token = lambda t: print(stream.push(t), end="", flush=True)
   kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
   if args.drafter:
-    return _speculate(args, model, ids, on_token, kw)
+    return _speculate(args, model, ids, on_token, kw, options)
   result = generate(model.graphdef, model.state, model.config, ids, on_token=on_token, **kw)
   if not args.quiet:
     print()
@@ -72,7 +73,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
   return 0
 
 
-def _speculate(args: argparse.Namespace, model, ids: list[int], on_token, kw: dict) -> int:
+def _speculate(args: argparse.Namespace, model, ids: list[int], on_token, kw: dict,
+               options: dict) -> int:
   """`generate --drafter`: self-speculate the prompt (streamed), then AR on the same
   prompt for the speedup and the losslessness check (unless --no-compare). Both are
   compiled on a warm-up prompt first, so the rates are decoding alone."""
@@ -81,7 +83,7 @@ def _speculate(args: argparse.Namespace, model, ids: list[int], on_token, kw: di
   from specjax.generate import generate
 
   factory = drafter_factory.DrafterFactory(model, gamma=args.gamma, seed=args.seed,
-                                           options=_options(args.option),
+                                           options=options,
                                            data_dir=args.data_dir)
   drafter = factory.make(args.drafter)
   g, s, c = model.graphdef, model.state, model.config
@@ -147,7 +149,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
   )
   out = Path(args.out or f"runs/bench-{args.model}")
   figures = bench.run(cfg, out, data_dir=args.data_dir, resume=args.resume,
-                      write_docs=args.write_docs)
+                      write_docs=args.write_docs, docs_section=args.docs_section)
   print(json.dumps(figures, sort_keys=True))
   return 0
 
@@ -247,7 +249,7 @@ def _option_arg(p: argparse.ArgumentParser) -> None:
                  "quantspec.weight_bits=4); see specjax.drafter_factory")
 
 
-def _dtype_arg(p: argparse.ArgumentParser) -> None:
+def add_dtype_arg(p: argparse.ArgumentParser) -> None:
   p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                  help="weights and KV cache (auto: bfloat16 on a GPU, float32 on a CPU)")
 
@@ -284,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
   _option_arg(p)
   p.add_argument("--data-dir", help="with --drafter: prompts for a drafter's offline build "
                  "(Self-SD search, KNN library, router)")
-  _dtype_arg(p)
+  add_dtype_arg(p)
   p.set_defaults(func=_cmd_generate)
 
   p = sub.add_parser("bench", help="AR vs every drafter on a Spec-Bench subset")
@@ -316,7 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--resume", action="store_true", help="continue an interrupted run")
   p.add_argument("--write-docs", action="store_true",
                  help="regenerate this model's section of docs/BENCHMARKS.md")
-  _dtype_arg(p)
+  p.add_argument("--docs-section", help="with --write-docs: the section to write (default "
+                 "bench-MODEL; name another for another drafter list on the same model)")
+  add_dtype_arg(p)
   p.set_defaults(func=_cmd_bench)
 
   p = sub.add_parser("sweep", help="an ablation grid from a sweep file (TOML; see "
@@ -336,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--gamma", type=int, default=4, help="verification is timed on γ+1 tokens")
   p.add_argument("--repeats", type=int, default=7, help="timed repeats per point (median)")
   p.add_argument("--out", help="profile file (default: the specjax cache, per model/device)")
-  _dtype_arg(p)
+  add_dtype_arg(p)
   p.set_defaults(func=_cmd_profile)
 
   p = sub.add_parser("router", help="DynaSpec router / FR-Spec counts")

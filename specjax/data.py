@@ -81,6 +81,19 @@ def load_spec_bench(
   return prompts
 
 
+def evaluation_and_search(prompts: Sequence[Prompt], per_category: int, search_limit: int = 6
+                          ) -> tuple[list[Prompt], list[Prompt]]:
+  """(evaluation: the first `per_category` prompts of each category, search: the last
+  prompt of each category that has more, at most `search_limit`). Offline searches (the
+  Self-SD skip set) score on the search prompts, never on the evaluated ones."""
+  by_cat: dict[str, list[Prompt]] = {}
+  for p in prompts:
+    by_cat.setdefault(p.category, []).append(p)
+  evaluation = [p for ps in by_cat.values() for p in ps[:per_category]]
+  search = [ps[-1] for ps in by_cat.values() if len(ps) > per_category][:search_limit]
+  return evaluation, search
+
+
 def load_gsm8k(directory: str | Path | None = None, limit: int | None = None) -> list[Prompt]:
   path = data_dir(directory) / "gsm8k" / "train.parquet"
   if not path.exists():

@@ -13,7 +13,7 @@ copy of the model shared by every `8bit` name.
 
 Options per part (`options={"knapspec": {"tau": 0.3}, "frspec": {"size": 16384}}`) are the
 drafter's constructor fields, plus the artefact settings in `ARTEFACT_OPTIONS`; every
-option changes the numbers, so `settings()` returns them for the results fingerprint.
+option changes the numbers, so runs fingerprint them (`BenchConfig.options`).
 """
 
 from __future__ import annotations
@@ -124,12 +124,6 @@ class DrafterFactory:
     for part in overlays:
       drafter = self._overlay(part, drafter)
     return drafter
-
-  def settings(self, names: Sequence[str]) -> dict:
-    """Everything of this factory that changes the numbers of `names` (fingerprinted)."""
-    parts = sorted({p for n in names for p in n.split("+")})
-    return {"gamma": self.gamma, "seed": self.seed, "search_iterations": self.search_iterations,
-            "options": {p: dict(sorted(self._opts(p).items())) for p in parts}}
 
   # -- artefacts, built once per factory ---------------------------------------------
 
@@ -279,12 +273,14 @@ class DrafterFactory:
     if name == "quantspec":
       from specjax.quant_kv_cache import QuantKV
 
+      from specjax.drafters.quantspec import default_weight_bits
+
       o = self._opts("quantspec")
       kv = QuantKV(group=o["group"], residual=o["residual"])
-      if o["weight_bits"] == 8 or (o["weight_bits"] is None and _cpu()):
+      bits = default_weight_bits() if o["weight_bits"] is None else o["weight_bits"]
+      if bits == 8:  # the int8 copy every 8-bit name shares
         return QuantSpecDrafter(weights=self.int8_weights, base=base, kv_cache=kv, **kw)
-      return QuantSpecDrafter.for_model(self.model, base=base, weight_bits=o["weight_bits"],
-                                        kv_cache=kv)
+      return QuantSpecDrafter.for_model(self.model, base=base, weight_bits=bits, kv_cache=kv)
     if name == "frspec":
       from specjax.drafters.frspec import frequent_shortlist
 
@@ -321,20 +317,10 @@ def _fields(cls) -> set[str]:
   return {f.name for f in dataclasses.fields(cls)} - _FILLED
 
 
-def _cpu() -> bool:
-  import jax
-
-  return jax.default_backend() == "cpu"
-
-
-def default_search_prompts(data_dir=None, per_category: int = 1, limit: int = 6) -> list:
-  """Prompts for offline searches that `specjax bench` does not evaluate: the last
-  Spec-Bench prompt of each category (categories with more than `per_category`)."""
+def default_search_prompts(data_dir=None) -> list:
+  """Prompts for offline searches that `specjax bench` does not evaluate (its defaults)."""
   from specjax import data
 
-  by_cat: dict[str, list] = {}
-  for p in data.load_spec_bench(data_dir):
-    by_cat.setdefault(p.category, []).append(p)
-  return [ps[-1] for ps in by_cat.values() if len(ps) > per_category][:limit]
+  return data.evaluation_and_search(data.load_spec_bench(data_dir), per_category=1)[1]
 
 

@@ -95,7 +95,8 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
   prompt (SWIFT and budgeted KnapSpec learn across prompts); updated in place. A drafter is
   compared with the reference that reads the same KV cache (its tokens must equal that
   AR's); with sampling, `matches_ar` is None. `references` default to `references_for`
-  the drafters. Runs reading the same quantised cache share one prefill of it. `extra(name, generation)` adds fields to a drafter's record.
+  the drafters. Runs reading the same quantised cache share one prefill of it.
+  `extra(name, generation)` adds fields to a drafter's record.
   """
   from specjax.engine import speculative_generate
   from specjax.generate import generate, prefill_prompt
@@ -112,6 +113,8 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
   by_cache = {ref.kv_cache: ref.name for ref in references}
   prefills: dict = {}  # (turn, QuantKV) -> Prefilled: one prefill per quantised cache
   tokens_of: dict[str, list[list[int]]] = {}
+  # The first turn's ids are every method's (later turns carry each method's own answers).
+  first = turns[0] if isinstance(turns[0], list) else prompt_ids(model.tokenizer, turns[:1])
 
   def prefill(t: int, ids: list[int], kv) -> Any:
     if kv is None or len(turns) > 1:  # later turns' histories differ per method
@@ -130,8 +133,7 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
                                prompt_tokens=0, tokens=[], **{k: 0 for k in COUNTERS})
     answers: list[str] = []
     for t, turn in enumerate(turns):
-      ids = turn if isinstance(turn, list) else prompt_ids(model.tokenizer,
-                                                           turns[: t + 1], answers)
+      ids = first if t == 0 else prompt_ids(model.tokenizer, turns[: t + 1], answers)
       kw = dict(max_new_tokens=settings.max_new_tokens, sampling=sampling,
                 seed=settings.seed + t, prefilled=prefill(t, ids, kv))
       if drafter is None:
@@ -167,3 +169,11 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
         rec.update(extra(name, out))
     recs.append(rec)
   return recs
+
+
+def warm_up(model, drafters: Mapping[str, Any], settings: RunSettings,
+            gammas: Mapping[str, int] | None = None) -> None:
+  """Compile every executable a timed `run_prompt` uses, on a short prompt (the shape
+  buckets are those of real prompts), so no timed run compiles."""
+  run_prompt(model, model.tokenizer.encode_prompt("Warm up."), drafters, settings,
+             gammas=gammas)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from specjax import data
+from specjax import data, harness
 from specjax.drafters import self_sd
 from specjax.knn_library import (LibraryError, SkipLibrary, choose_anchors, default_dir, embed,
                                  from_parts, save_library)
@@ -55,9 +55,7 @@ def domain_prompts(data_dir=None, domains: Sequence[str] = DEFAULT_DOMAINS,
 
 def prompt_ids(tokenizer, prompt: data.Prompt) -> list[int]:
   """A prompt's first turn as the model sees it (chat template when it has one)."""
-  from specjax.harness import prompt_ids as turns_to_ids
-
-  return turns_to_ids(tokenizer, prompt.turns[:1])
+  return harness.prompt_ids(tokenizer, prompt.turns[:1])
 
 
 def embed_all(model, prompts: Sequence[data.Prompt], desc: str = "embed",

@@ -60,6 +60,7 @@ class ResultsStore:
       raise ResumeError(f"{self.path} holds results: pass --resume to continue them, or "
                         f"choose another --out")
     self._lines = self._read()
+    self._done = {(ln["settings"], ln["unit"]) for ln in self._lines}
     self._known = self._read_settings()
     self.settings = dict(settings)
     self.key = self.register(settings)
@@ -116,8 +117,7 @@ class ResultsStore:
     return lines
 
   def done(self, unit: str, settings_key: str | None = None) -> bool:
-    key = settings_key or self.key
-    return any(ln["unit"] == unit and ln["settings"] == key for ln in self._lines)
+    return (settings_key or self.key, unit) in self._done
 
   def add(self, unit: str, records: Iterable[dict], settings_key: str | None = None) -> None:
     """Append one finished unit (all its records) in one write, flushed to disk."""
@@ -128,6 +128,7 @@ class ResultsStore:
       f.flush()
       os.fsync(f.fileno())
     self._lines.append(line)
+    self._done.add((line["settings"], unit))
 
   def records(self, settings_key: str | None = None) -> list[dict]:
     """The records of every unit made under these settings (or `settings_key`'s)."""

@@ -42,7 +42,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from specjax import bench, data, docs, harness, metrics, plots
+from specjax import bench, data, docs, metrics, plots
 from specjax.results_store import ResultsStore
 
 METRICS = ("speedup", "tokens_per_s", "M", "alpha")
@@ -61,7 +61,7 @@ class SweepFileError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Point:
   """One setting of the grid: its bench settings, its workload (Spec-Bench, long prompts
-of `context` tokens, or a task stream with `mix_ratio`), and the values of the swept
+  of `context` tokens, or a task stream with `mix_ratio`), and the values of the swept
   axes (for the table)."""
 
   config: bench.BenchConfig
@@ -174,20 +174,13 @@ def run(sweep: Sweep, out_dir: Path, *, data_dir=None, resume: bool = False,
     model = models[(cfg.model, cfg.dtype)]
     if point.context is not None:  # the long prompts are token ids: tokenise now
       work = _tokenised(model, point, work, data_dir)
-    _, search = bench.split_prompts(cfg, data_dir)
-    factory = bench.factory_for(cfg, model, out_dir / "artefacts", search, data_dir, verbose)
-    drafters = {n: factory.make(n) for n in cfg.drafters}
-    settings = bench.run_settings(cfg)
-    gammas = {n: cfg.gamma for n in drafters}
-    bench._warm_up(model, drafters, settings, gammas)
+    evaluation, search = bench.split_prompts(cfg, data_dir)
     bar.set_postfix_str(", ".join(f"{a}={v}" for a, v in point.axes))
-    carried: dict = {}
-    for unit, category, prompt in work:
-      store.add(unit, harness.run_prompt(model, prompt, drafters, settings, gammas=gammas,
-                                         carried=carried,
-                                         tags=dict(prompt_id=unit, category=category)),
-                settings_key=key)
-      bar.update()
+    # Per point: its draft lengths (auto_gamma) depend on its settings.
+    bench.run_units(cfg, model, work, store, work_dir=out_dir / "points" / key,
+                    search_prompts=search, pilot_prompts=search or evaluation[:1],
+                    data_dir=data_dir, settings_key=key, verbose=verbose,
+                    progress=bar.update)
   bar.close()
   return finish(sweep, store, keys, out_dir, verbose, write_docs, command)
 

@@ -103,3 +103,19 @@ def test_mismatches_cannot_read_zero_by_omission():
     metrics.summarize([ar, dict(run, matches_ar=None), dict(run, matches_ar=True)])
   greedy = metrics.summarize([ar, dict(run, matches_ar=True), dict(run, matches_ar=False)])
   assert greedy["x"]["mismatches"] == 1 and metrics.total_mismatches(greedy) == 1
+
+
+def test_the_docs_command_reproduces_the_options_and_the_section():
+  from specjax import data
+  from specjax.bench import BenchConfig, _command
+  from specjax.cli import _options
+
+  cfg = BenchConfig(model="m", drafters=("knapspec",), per_category=1,
+                    categories=data.SPEC_BENCH_CATEGORIES, max_new_tokens=64, max_turns=1,
+                    gamma=4, threshold=None, temperature=0.0, top_p=1.0, seed=0,
+                    search_iterations=60, plan_file=None,
+                    options={"knapspec": {"coupled": True, "objective": "cosine", "tau": 0.3}})
+  cmd = _command(cfg, "bench-m-knapspec")
+  given = [w.split(" ", 1)[0] for w in cmd.split("--option ")[1:]]
+  assert _options(given) == cfg.options  # the CLI reads back the same options
+  assert cmd.endswith("--write-docs --docs-section bench-m-knapspec")

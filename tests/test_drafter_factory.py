@@ -115,13 +115,6 @@ def test_bad_options_are_refused_with_the_valid_ones():
     DrafterFactory(model()).make("static")
 
 
-def test_settings_hold_every_option_of_the_named_parts(plan_file):
-  s = factory(plan_file).settings(["knapspec+8bit", "frspec"])
-  assert set(s["options"]) == {"knapspec", "8bit", "frspec"}
-  assert s["options"]["frspec"] == {"size": 48}
-  assert s["options"]["knapspec"]["window"] == 2 and s["gamma"] == 4
-
-
 def test_default_references_cover_every_cache_a_drafter_reads(plan_file):
   """Without explicit references, a QuantSpec drafter is compared with AR on its own
   quantised cache, which the summary treats as a reference (no M, no mismatch count)."""
