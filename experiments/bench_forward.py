@@ -33,12 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report  # noqa: E402
 
 from specjax.cpu_kernels import kernel_status  # noqa: E402
-from specjax.draft_length import step_times  # noqa: E402
-from specjax.generate import generate  # noqa: E402
-from specjax.loader import load_model  # noqa: E402
+from specjax.decode.draft_length import step_times  # noqa: E402
+from specjax.decode.generate import generate  # noqa: E402
+from specjax.models.loader import load_model  # noqa: E402
+from specjax.models.registry import get_spec  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402
 from specjax.quant import quantize_weights_int8  # noqa: E402
-from specjax.registry import get_spec  # noqa: E402
 
 PROMPT = "Explain why the sky is blue to a ten-year-old, in a few short paragraphs."
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)

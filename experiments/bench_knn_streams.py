@@ -26,13 +26,18 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
-from specjax import data, harness, metrics, plots  # noqa: E402
-from specjax.drafter_factory import DrafterFactory  # noqa: E402
+from specjax.bench import (
+  data,  # noqa: E402
+  harness,
+  metrics,
+  plots,
+)
+from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
+from specjax.bench.harness import RunSettings  # noqa: E402
+from specjax.bench.results_store import ResultsStore  # noqa: E402
 from specjax.drafters import KNNDrafter  # noqa: E402
-from specjax.harness import RunSettings  # noqa: E402
-from specjax.knn_build import domain_prompts, embed_all  # noqa: E402
-from specjax.loader import load_model  # noqa: E402
-from specjax.results_store import ResultsStore  # noqa: E402
+from specjax.models.loader import load_model  # noqa: E402
+from specjax.offline.knn_build import domain_prompts, embed_all  # noqa: E402
 
 METHODS = ("ssd_f", "ssd_m", "knn")
 

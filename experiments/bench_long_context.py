@@ -28,14 +28,20 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
-from specjax import data, harness, metrics, plots, profiler  # noqa: E402
-from specjax.drafter_factory import DrafterFactory  # noqa: E402
+from specjax.bench import (
+  data,  # noqa: E402
+  harness,
+  metrics,
+  plots,
+)
+from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
+from specjax.bench.harness import RunSettings  # noqa: E402
+from specjax.bench.results_store import ResultsStore  # noqa: E402
+from specjax.decode.engine import speculative_generate  # noqa: E402
 from specjax.drafters import StaticDrafter  # noqa: E402
-from specjax.engine import speculative_generate  # noqa: E402
-from specjax.harness import RunSettings  # noqa: E402
-from specjax.layer_probe import bits_to_plan  # noqa: E402
-from specjax.loader import load_model  # noqa: E402
-from specjax.results_store import ResultsStore  # noqa: E402
+from specjax.models.loader import load_model  # noqa: E402
+from specjax.selection import profiler
+from specjax.selection.layer_probe import bits_to_plan  # noqa: E402
 
 SPEC_CATEGORIES = ("writing", "qa", "math_reasoning", "translation", "summarization", "rag")
 

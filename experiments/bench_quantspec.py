@@ -28,13 +28,17 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
-from specjax import data, harness, metrics  # noqa: E402
-from specjax.drafter_factory import DrafterFactory  # noqa: E402
-from specjax.harness import Reference, RunSettings  # noqa: E402
+from specjax.bench import (
+  data,  # noqa: E402
+  harness,
+  metrics,
+)
+from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
+from specjax.bench.harness import Reference, RunSettings  # noqa: E402
+from specjax.bench.results_store import ResultsStore  # noqa: E402
 from specjax.kv_cache import KVCache  # noqa: E402
-from specjax.loader import load_model  # noqa: E402
+from specjax.models.loader import load_model  # noqa: E402
 from specjax.quant_kv_cache import QuantKV, QuantKVCache  # noqa: E402
-from specjax.results_store import ResultsStore  # noqa: E402
 
 AR_FP, AR_Q = "ar", "ar_int8kv"
 

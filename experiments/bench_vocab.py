@@ -28,20 +28,25 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
-from specjax import data, harness, metrics, shortlists  # noqa: E402
-from specjax.drafter_factory import DrafterFactory  # noqa: E402
-from specjax.drafters.frspec import frequent_shortlist  # noqa: E402
-from specjax.harness import RunSettings  # noqa: E402
-from specjax.engine import draft_step  # noqa: E402
+from specjax.bench import (
+  data,  # noqa: E402
+  harness,
+  metrics,
+)
+from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
+from specjax.bench.harness import RunSettings  # noqa: E402
+from specjax.bench.results_store import ResultsStore  # noqa: E402
+from specjax.decode.engine import draft_step  # noqa: E402
 from specjax.jit_cache import compiled  # noqa: E402
 from specjax.kv_cache import KVCache  # noqa: E402
-from specjax.loader import load_model  # noqa: E402
+from specjax.models.loader import load_model  # noqa: E402
+from specjax.models.registry import cache_root  # noqa: E402
+from specjax.offline import shortlists
+from specjax.offline.router import collect_pairs, recall_at  # noqa: E402
+from specjax.offline.token_counts import frequent_shortlist  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402
-from specjax.profiler import median_time  # noqa: E402
-from specjax.registry import cache_root  # noqa: E402
-from specjax.router import collect_pairs, recall_at  # noqa: E402
-from specjax.results_store import ResultsStore  # noqa: E402
 from specjax.sampling import SamplingParams  # noqa: E402
+from specjax.selection.profiler import median_time  # noqa: E402
 
 CATEGORIES = ("writing", "coding", "qa", "math_reasoning", "translation", "summarization",
               "extraction", "rag")

@@ -24,11 +24,11 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report  # noqa: E402
 
-from specjax.generate import decode_step, positions_for  # noqa: E402
+from specjax.decode.generate import decode_step, positions_for  # noqa: E402
 from specjax.jit_cache import compiled  # noqa: E402
 from specjax.kv_cache import KVCache  # noqa: E402
-from specjax.loader import load_model  # noqa: E402
 from specjax.model import apply  # noqa: E402
+from specjax.models.loader import load_model  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402
 from specjax.sampling import SamplingParams  # noqa: E402
 

@@ -1,5 +1,5 @@
 """Shared helpers for experiment scripts: machine description, tables, the last JSON line,
-and regenerating a section of docs/BENCHMARKS.md (via specjax.docs)."""
+and regenerating a section of docs/BENCHMARKS.md (via specjax.bench.docs)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import os
 import subprocess
 import sys
 
-from specjax import docs
+from specjax.bench import docs
+from specjax.bench.docs import DOCS, copy_image, machine  # noqa: F401  (re-exported for the scripts)
 from specjax.cli import add_dtype_arg
-from specjax.docs import DOCS, copy_image, machine  # noqa: F401  (re-exported for the scripts)
 
 
 def command_line() -> str:

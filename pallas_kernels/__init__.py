@@ -2,9 +2,14 @@
 (QuantSpec) KV cache. Each kernel has a pure-jnp reference beside it; on CPU they run
 with interpret=True (what CI tests)."""
 
-from pallas_kernels.quant_attention import (dense_partials, merge, merge_splits,
-                                            quant_attention, quant_partials,
-                                            reference_partials)
+from pallas_kernels.quant_attention import (
+                                            dense_partials,
+                                            merge,
+                                            merge_splits,
+                                            quant_attention,
+                                            quant_partials,
+                                            reference_partials,
+)
 
 __all__ = ["dense_partials", "merge", "merge_splits", "quant_attention", "quant_partials",
            "reference_partials"]

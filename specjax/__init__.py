@@ -6,9 +6,19 @@ The names most programs need, importable from `specjax` itself:
     from specjax import Int8WeightsDrafter, SelfSDDrafter   # and the other drafters
 
 They resolve on first use (PEP 562), and no module of the package imports its root.
-`generate` is the exception: it is also a submodule's name, and importing the submodule
-rebinds that name on the package, so the function is bound here at import, after it
-(the module itself: `importlib.import_module("specjax.generate")`).
+
+The package, by what each part is for:
+
+    specjax/            the core: config, plan, model, kv_cache, quant_kv_cache, quant,
+                        sampling, jit_cache, cli
+    specjax/cpu_kernels/ C++ kernels XLA:CPU lacks (the int8 matmul), through jax.ffi
+    specjax/models/     where models come from: registry, GGUF, tokenizer, params, tiny models
+    specjax/decode/     prefill and AR (generate), the SSD engine, the on-device round loop
+    specjax/drafters/   runtime drafting strategies, one per method, and overlays
+    specjax/selection/  layer probes, the sub-layer DP, latency profiles, cost, BO
+    specjax/offline/    artefacts built before decoding: Self-SD search, FR-Spec counts,
+                        DynaSpec clusters and router, the KNN-SSD library
+    specjax/bench/      data, drafter factory, harness, results store, metrics, bench, sweep
 """
 
 from __future__ import annotations
@@ -16,9 +26,10 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "load_model": "specjax.loader",
-    "speculative_generate": "specjax.engine",
-    "SSDGeneration": "specjax.engine",
+    "load_model": "specjax.models.loader",
+    "generate": "specjax.decode.generate",
+    "speculative_generate": "specjax.decode.engine",
+    "SSDGeneration": "specjax.decode.engine",
     "DraftPlan": "specjax.plan",
     "PlanError": "specjax.plan",
     "SamplingParams": "specjax.sampling",
@@ -40,9 +51,7 @@ _EXPORTS = {
     "SwiftDrafter": "specjax.drafters",
 }
 
-from specjax.generate import generate  # noqa: E402, F401  (see above; exported by __all__)
-
-__all__ = sorted([*_EXPORTS, "generate"])
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):

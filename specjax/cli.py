@@ -6,11 +6,11 @@ import argparse
 import json
 import sys
 
-from specjax.registry import DEFAULT_MODEL, MODELS, MissingWeightsError, UnknownModelError
+from specjax.models.registry import DEFAULT_MODEL, MODELS, MissingWeightsError, UnknownModelError
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-  from specjax.registry import is_installed
+  from specjax.models.registry import is_installed
 
   rows = [("name", "arch", "installed", "get it with")]
   for spec in MODELS.values():
@@ -27,8 +27,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-  from specjax.generate import TextStream, generate
-  from specjax.loader import load_model
+  from specjax.decode.generate import TextStream, generate
+  from specjax.models.loader import load_model
   from specjax.sampling import SamplingParams
 
   sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
@@ -36,7 +36,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     raise ValueError("the prompt is empty")
   options = _options(args.option)
   if args.drafter:
-    from specjax import drafter_factory
+    from specjax.bench import drafter_factory
 
     drafter_factory.parse(args.drafter)  # bad names and options fail before the model loads
     drafter_factory.check_options(options)
@@ -78,9 +78,9 @@ def _speculate(args: argparse.Namespace, model, ids: list[int], on_token, kw: di
   """`generate --drafter`: self-speculate the prompt (streamed), then AR on the same
   prompt for the speedup and the losslessness check (unless --no-compare). Both are
   compiled on a warm-up prompt first, so the rates are decoding alone."""
-  from specjax import drafter_factory
-  from specjax.engine import speculative_generate
-  from specjax.generate import generate
+  from specjax.bench import drafter_factory
+  from specjax.decode.engine import speculative_generate
+  from specjax.decode.generate import generate
 
   factory = drafter_factory.DrafterFactory(model, gamma=args.gamma, seed=args.seed,
                                            options=options,
@@ -136,7 +136,8 @@ def _options(pairs: list[str] | None) -> dict[str, dict]:
 def _cmd_bench(args: argparse.Namespace) -> int:
   from pathlib import Path
 
-  from specjax import bench, data
+  from specjax.bench import data
+  from specjax.bench import runner as bench
 
   drafters = tuple(d for d in args.drafters.split(",") if d)
   cats = tuple(c for c in args.categories.split(",") if c) or data.SPEC_BENCH_CATEGORIES
@@ -157,7 +158,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_sweep(args: argparse.Namespace) -> int:
   from pathlib import Path
 
-  from specjax import sweep
+  from specjax.bench import sweep
 
   spec = sweep.load(args.file)
   out = Path(args.out or f"runs/sweep-{spec.name}")
@@ -169,8 +170,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-  from specjax import profiler
-  from specjax.loader import load_model
+  from specjax.models.loader import load_model
+  from specjax.selection import profiler
 
   lengths = tuple(int(n) for n in args.lengths.split(",") if n)
   if not lengths or min(lengths) < args.gamma + 8:
@@ -190,9 +191,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 def _cmd_router_train(args: argparse.Namespace) -> int:
   from pathlib import Path
 
-  from specjax import shortlists
-  from specjax.loader import load_model
-  from specjax.registry import cache_root
+  from specjax.models.loader import load_model
+  from specjax.models.registry import cache_root
+  from specjax.offline import shortlists
 
   if not 1 <= args.k_max <= args.clusters:
     raise ValueError(f"--k-max must be in 1..--clusters ({args.clusters}), got {args.k_max}")
@@ -215,8 +216,8 @@ def _cmd_router_train(args: argparse.Namespace) -> int:
 def _cmd_knn_build(args: argparse.Namespace) -> int:
   from pathlib import Path
 
-  from specjax import knn_build
-  from specjax.loader import load_model
+  from specjax.models.loader import load_model
+  from specjax.offline import knn_build
 
   domains = tuple(d for d in args.domains.split(",") if d)
   build, _ = knn_build.domain_prompts(args.data_dir, domains)
@@ -236,7 +237,7 @@ def _cmd_knn_build(args: argparse.Namespace) -> int:
 
 
 def _cmd_data_fetch(args: argparse.Namespace) -> int:
-  from specjax import data
+  from specjax.bench import data
 
   path = data.fetch_spec_bench(args.data_dir)
   print(f"Spec-Bench saved to {path}")
@@ -246,7 +247,7 @@ def _cmd_data_fetch(args: argparse.Namespace) -> int:
 def _option_arg(p: argparse.ArgumentParser) -> None:
   p.add_argument("--option", action="append", metavar="DRAFTER.OPTION=VALUE",
                  help="a drafter's option, repeatable (knapspec.tau=0.3, frspec.size=16384, "
-                 "quantspec.weight_bits=4); see specjax.drafter_factory")
+                 "quantspec.weight_bits=4); see specjax.bench.drafter_factory")
 
 
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
@@ -255,8 +256,8 @@ def add_dtype_arg(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from specjax.bench import DEFAULT_DRAFTERS
-  from specjax.drafter_factory import BASES, OVERLAYS
+  from specjax.bench.drafter_factory import BASES, OVERLAYS
+  from specjax.bench.runner import DEFAULT_DRAFTERS
 
   parser = argparse.ArgumentParser(
       prog="specjax", description="Self-speculative decoding in JAX/Flax."

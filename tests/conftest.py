@@ -27,8 +27,8 @@ def tiny(request):
 
 def real_model(name: str):
   """Load a real model or skip the test when its weights package is absent."""
-  from specjax.loader import load_model
-  from specjax.registry import get_spec, is_installed
+  from specjax.models.loader import load_model
+  from specjax.models.registry import get_spec, is_installed
 
   if not is_installed(get_spec(name)):
     pytest.skip(f"{name} weights package not installed ({get_spec(name).install})")

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-
 from specjax.config import ModelConfig
-from specjax.params import fuse_projections, state_from_flat
+from specjax.models.params import fuse_projections, state_from_flat
 
 _HF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 

@@ -1,6 +1,6 @@
 """What the lossless and sampling tests run against, and the checks that keep them honest.
 
-* `target(...)`: a trained tiny model (`specjax.tiny`), refused unless its greedy output
+* `target(...)`: a trained tiny model (`specjax.models.tiny`), refused unless its greedy output
   varies (>= 8 distinct tokens in 48): against a constant target a cache, position or
   rollback bug still yields the right tokens.
 * `assert_exercised(out)`: the run rejected some drafts and kept others (0 < α < 1) and,
@@ -17,8 +17,8 @@ import functools
 import numpy as np
 from scipy import stats
 
-from specjax.generate import generate
-from specjax.tiny import tiny_model
+from specjax.decode.generate import generate
+from specjax.models.tiny import tiny_model
 
 PROMPT = list(range(3, 40))  # long enough for SWIFT's scoring window
 MIN_DISTINCT = 8  # of 48 greedy tokens
@@ -144,8 +144,8 @@ def assert_plan_keeps_the_target_distribution(state, graphdef, config, cache, fi
   import jax
   import jax.numpy as jnp
 
-  from specjax.engine import draft_step, round_fn
-  from specjax.generate import positions_for
+  from specjax.decode.engine import draft_step, round_fn
+  from specjax.decode.generate import positions_for
   from specjax.model import apply
   from specjax.plan import DraftPlan
   from specjax.sampling import probs

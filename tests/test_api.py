@@ -10,15 +10,15 @@ import specjax
 
 
 def test_every_exported_name_resolves_and_generate_is_the_function():
-  import specjax.engine  # noqa: F401  (imports the `generate` submodule on the way)
+  import specjax.decode.engine  # noqa: F401  (imports the `generate` module on the way)
 
   for name in specjax.__all__:
     assert getattr(specjax, name) is not None
   from specjax import DraftPlan, generate, load_model, speculative_generate
 
-  module = importlib.import_module("specjax.generate")
+  module = importlib.import_module("specjax.decode.generate")
   assert generate is module.generate and callable(load_model)
-  assert speculative_generate is specjax.engine.speculative_generate
+  assert speculative_generate is specjax.decode.engine.speculative_generate
   assert DraftPlan is importlib.import_module("specjax.plan").DraftPlan
   assert {"Int8WeightsDrafter", "SelfSDDrafter", "QuantSpecDrafter"} <= set(specjax.__all__)
 
@@ -26,3 +26,23 @@ def test_every_exported_name_resolves_and_generate_is_the_function():
 def test_an_unknown_name_is_an_attribute_error():
   with pytest.raises(AttributeError, match="no attribute 'nope'"):
     specjax.nope  # noqa: B018
+
+
+def test_the_layout_the_package_docstring_and_readme_describe_is_the_tree():
+  """Every folder the package docstring names exists, and every module of the package
+  is in the README's layout table (and every path there exists)."""
+  import re
+  from pathlib import Path
+
+  root = Path(specjax.__file__).parent
+  folders = re.findall(r"^    (specjax/[\w/]*)", specjax.__doc__, flags=re.M)
+  assert {f.rstrip("/") for f in folders} == {"specjax"} | {
+      f"specjax/{p.name}" for p in root.iterdir() if (p / "__init__.py").exists()}
+  readme = (root.parent / "README.md").read_text()
+  table = readme.split("## Layout", 1)[1]
+  named = set(re.findall(r"`((?:specjax|pallas_kernels)/[\w/]+\.py)`", table))
+  modules = {str(p.relative_to(root.parent)) for p in root.rglob("*.py")
+             if p.name != "__init__.py"}
+  assert modules <= named, sorted(modules - named)
+  assert all((root.parent / n).exists() for n in named), sorted(
+      n for n in named if not (root.parent / n).exists())

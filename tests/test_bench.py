@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from specjax import metrics
-from specjax.cli import main
 from test_data import write_spec_bench
+
+from specjax.bench import metrics
+from specjax.cli import main
 
 ARGS = ["--model", "tiny-qwen3", "--categories", "writing,qa,translation", "--per-category", "1",
         "--max-new-tokens", "12", "--search-iterations", "4", "--gamma", "3"]
@@ -106,8 +106,8 @@ def test_mismatches_cannot_read_zero_by_omission():
 
 
 def test_the_docs_command_reproduces_the_options_and_the_section():
-  from specjax import data
-  from specjax.bench import BenchConfig, _command
+  from specjax.bench import data
+  from specjax.bench.runner import BenchConfig, _command
   from specjax.cli import _options
 
   cfg = BenchConfig(model="m", drafters=("knapspec",), per_category=1,

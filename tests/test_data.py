@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specjax import data
+from specjax.bench import data
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 

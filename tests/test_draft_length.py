@@ -8,14 +8,14 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from specjax import draft_length
-from specjax.cli import main
-from specjax.draft_length import StepCosts, acceptance, best_gamma, tokens_per_time
-from specjax.plan import DraftPlan
 from targets import target
 from test_bench import ARGS
 from test_data import write_spec_bench
+
+from specjax.cli import main
+from specjax.decode import draft_length
+from specjax.decode.draft_length import StepCosts, acceptance, best_gamma, tokens_per_time
+from specjax.plan import DraftPlan
 
 
 def test_acceptance_counts_accepted_tokens_over_accepted_plus_rejections():

@@ -8,19 +8,18 @@ import types
 
 import numpy as np
 import pytest
-
-from specjax import harness
-from specjax.drafter_factory import (BASES, OVERLAYS, DrafterFactory, DrafterNameError,
-                                     parse)
-from specjax.drafters import UnknownDrafterError
-from specjax.drafters.static import save_plan
-from specjax.harness import Reference, RunSettings
-from specjax.plan import DraftPlan
-from specjax.quant_kv_cache import QuantKV
 from targets import PROMPT, target
 from test_dynaspec import bundle
 from test_knapspec import synthetic_profile
 from test_knn import tiny_library
+
+from specjax.bench import harness
+from specjax.bench.drafter_factory import BASES, OVERLAYS, DrafterFactory, DrafterNameError, parse
+from specjax.bench.harness import Reference, RunSettings
+from specjax.drafters import UnknownDrafterError
+from specjax.drafters.static import save_plan
+from specjax.plan import DraftPlan
+from specjax.quant_kv_cache import QuantKV
 
 KV = QuantKV(group=8, residual=16)
 SETTINGS = RunSettings(max_new_tokens=24, gamma=4)
@@ -118,7 +117,7 @@ def test_bad_options_are_refused_with_the_valid_ones():
 def test_default_references_cover_every_cache_a_drafter_reads(plan_file):
   """Without explicit references, a QuantSpec drafter is compared with AR on its own
   quantised cache, which the summary treats as a reference (no M, no mismatch count)."""
-  from specjax import metrics
+  from specjax.bench import metrics
 
   f = factory(plan_file)
   drafters = {"quantspec": f.make("quantspec"), "8bit": f.make("8bit")}

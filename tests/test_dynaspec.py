@@ -11,19 +11,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from targets import assert_exercised, assert_round_distribution, target
 
 from specjax.config import tiny_config
+from specjax.decode.engine import draft_step, round_fn, speculative_generate
+from specjax.decode.generate import generate, positions_for, prefill_step
 from specjax.drafters import DynaSpecDrafter, EarlyExitDrafter
-from specjax.engine import draft_step, round_fn, speculative_generate
-from specjax.generate import generate, positions_for, prefill_step
 from specjax.kv_cache import KVCache
 from specjax.model import apply, init_model
+from specjax.offline.router import (
+  RouterBundle,
+  RouterMismatchError,
+  collect_pairs,
+  k_schedule,
+  load_bundle,
+  recall_at,
+  save_bundle,
+  train_router,
+)
+from specjax.offline.vocab_clusters import balanced_assignment, spherical_kmeans
 from specjax.plan import DraftPlan
-from specjax.router import (RouterBundle, RouterMismatchError, collect_pairs, k_schedule,
-                            load_bundle, recall_at, save_bundle, train_router)
 from specjax.sampling import SamplingParams, probs
-from specjax.vocab_clusters import balanced_assignment, spherical_kmeans
-from targets import assert_exercised, assert_round_distribution, target
 
 V = 97
 PROMPT = list(range(3, 40))

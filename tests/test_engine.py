@@ -12,20 +12,24 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from reference import reference_forward
-from specjax.drafters import (EarlyExitDrafter, SelfSDDrafter, StaticDrafter, SwiftDrafter,
-                              UnknownDrafterError, drafter_class)
-from specjax.drafters import self_sd
-from specjax.drafters.static import load_plan, save_plan
-from specjax.engine import draft_step, round_fn, speculative_generate
-from specjax.generate import prefill_step
-from specjax.kv_cache import KVCache
-from specjax.plan import DraftPlan, PlanError
-from specjax.sampling import SamplingParams, probs
 from targets import PROMPT, ar_tokens, assert_exercised, assert_round_distribution, target
 
-
+from specjax.decode.engine import draft_step, round_fn, speculative_generate
+from specjax.decode.generate import prefill_step
+from specjax.drafters import (
+  EarlyExitDrafter,
+  SelfSDDrafter,
+  StaticDrafter,
+  SwiftDrafter,
+  UnknownDrafterError,
+  drafter_class,
+)
+from specjax.drafters.static import load_plan, save_plan
+from specjax.kv_cache import KVCache
+from specjax.offline import self_sd_search as self_sd
+from specjax.plan import DraftPlan, PlanError
+from specjax.sampling import SamplingParams, probs
 
 
 def ssd(arch, drafter, n=48, **kw):

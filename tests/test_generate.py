@@ -10,10 +10,10 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from reference import reference_forward
+
 from specjax.config import tiny_config
-from specjax.generate import TextStream, generate
+from specjax.decode.generate import TextStream, generate
 from specjax.kv_cache import ContextOverflowError
 from specjax.model import init_model
 from specjax.sampling import SamplingParams, probs
@@ -95,7 +95,7 @@ def test_bad_requests():
 
 
 def test_text_stream_holds_back_partial_characters():
-  from specjax.tokenizer import ByteTokenizer
+  from specjax.models.tokenizer import ByteTokenizer
 
   tok = ByteTokenizer()
   ids = tok.encode("né€", add_bos=False)

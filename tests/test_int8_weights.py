@@ -16,21 +16,31 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from targets import (
+  PROMPT,
+  ar_tokens,
+  assert_exercised,
+  assert_plan_keeps_the_target_distribution,
+  target,
+)
 
 from specjax import cpu_kernels, quant
 from specjax.config import tiny_config
-from specjax.drafters import (EarlyExitDrafter, FRSpecDrafter, Int8WeightsDrafter,
-                              QuantSpecDrafter, StaticDrafter)
-from specjax.engine import speculative_generate
-from specjax.generate import generate, positions_for, prefill_step
+from specjax.decode.engine import speculative_generate
+from specjax.decode.generate import generate, positions_for, prefill_step
+from specjax.drafters import (
+  EarlyExitDrafter,
+  FRSpecDrafter,
+  Int8WeightsDrafter,
+  QuantSpecDrafter,
+  StaticDrafter,
+)
 from specjax.kv_cache import KVCache
 from specjax.model import apply, init_model
 from specjax.plan import DraftPlan, PlanError
 from specjax.quant import Int8Matrix
 from specjax.quant_kv_cache import QuantKV
 from specjax.sampling import SamplingParams
-from targets import (PROMPT, ar_tokens, assert_exercised,
-                     assert_plan_keeps_the_target_distribution, target)
 
 SKIP = DraftPlan.from_skips(6, [2], [2])
 

@@ -10,16 +10,16 @@ import json
 
 import numpy as np
 import pytest
+from targets import PROMPT, assert_exercised, target
 
-from specjax import profiler
+from specjax.decode.engine import speculative_generate
+from specjax.decode.generate import generate
 from specjax.drafters import ClaspDrafter, KnapSpecDrafter
 from specjax.drafters.knapspec import slots_for, tokens_per_time
-from specjax.engine import speculative_generate
-from specjax.generate import generate
 from specjax.plan import PlanError
-from specjax.profiler import LatencyProfile, MissingProfileError, ProfileMismatchError
 from specjax.sampling import SamplingParams
-from targets import PROMPT, assert_exercised, target
+from specjax.selection import profiler
+from specjax.selection.profiler import LatencyProfile, MissingProfileError, ProfileMismatchError
 
 tiny = target
 

@@ -12,18 +12,26 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from specjax import knn_build
-from specjax.config import tiny_config
-from specjax.data import MT_BENCH_CATEGORIES, Prompt
-from specjax.drafters import KNNDrafter
-from specjax.engine import speculative_generate
-from specjax.generate import generate
-from specjax.knn_library import (LibraryError, SkipLibrary, choose_anchors, embed, from_parts,
-                                 load_library, save_library, unit)
-from specjax.model import init_model
-from specjax.sampling import SamplingParams
 from targets import assert_exercised, target
+
+from specjax.bench.data import MT_BENCH_CATEGORIES, Prompt
+from specjax.config import tiny_config
+from specjax.decode.engine import speculative_generate
+from specjax.decode.generate import generate
+from specjax.drafters import KNNDrafter
+from specjax.model import init_model
+from specjax.offline import knn_build
+from specjax.offline.knn_library import (
+  LibraryError,
+  SkipLibrary,
+  choose_anchors,
+  embed,
+  from_parts,
+  load_library,
+  save_library,
+  unit,
+)
+from specjax.sampling import SamplingParams
 
 
 def clusters(seed: int, k: int = 4, per: int = 30, d: int = 24, noise: float = 0.05):

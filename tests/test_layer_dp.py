@@ -15,15 +15,20 @@ import pytest
 from flax import nnx
 
 from specjax.config import tiny_config
-from specjax.generate import prefill_step
-from specjax.kv_cache import KVCache
+from specjax.decode.generate import prefill_step
 from specjax.jit_cache import compiled_count
-from specjax.layer_dp import run_dp, sublayer_items
-from specjax.layer_probe import (Window, bits_to_plan, full_residuals, plan_to_bits,
-                                 run_sublayers)
+from specjax.kv_cache import KVCache
 from specjax.model import apply, init_model
 from specjax.plan import DraftPlan
 from specjax.sampling import SamplingParams
+from specjax.selection.layer_dp import run_dp, sublayer_items
+from specjax.selection.layer_probe import (
+  Window,
+  bits_to_plan,
+  full_residuals,
+  plan_to_bits,
+  run_sublayers,
+)
 
 PROMPT = [5, 9, 2, 7, 7, 1, 30, 12, 8, 3, 44, 6, 19, 2, 25, 11, 4, 40, 13, 21]
 

@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from reference import reference_forward
+
 from specjax.config import tiny_config
 from specjax.kv_cache import KVCache
 from specjax.model import apply, init_model
@@ -168,7 +168,7 @@ def test_every_sublayer_of_a_draft_plan_is_a_conditional_and_a_dense_plan_has_no
 
 def test_decode_step_writes_the_cache_in_place():
   """The donated cache aliases the output (the step updates it in place)."""
-  from specjax.generate import decode_step
+  from specjax.decode.generate import decode_step
   from specjax.sampling import SamplingParams
 
   config = tiny_config("gemma3")
@@ -208,8 +208,8 @@ def _layer_copies(hlo: str, config, size: int) -> list[str]:
 def test_no_step_or_round_copies_any_cache_layer():
   """Prefill, AR step, draft and verification: no executable copies or transposes a cache
   layer (writes are in place, the draft only reads), in greedy and in sampling mode."""
-  from specjax.engine import draft_fn, draft_step, verify_step
-  from specjax.generate import decode_step, prefill_step
+  from specjax.decode.engine import draft_fn, draft_step, verify_step
+  from specjax.decode.generate import decode_step, prefill_step
   from specjax.sampling import SamplingParams
 
   config = tiny_config("gemma3")

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from test_data import write_spec_bench
 
 ROOT = Path(__file__).parent.parent

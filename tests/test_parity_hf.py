@@ -13,10 +13,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jax.numpy as jnp  # noqa: E402
-
 from conftest import real_model  # noqa: E402
 from hf_convert import config_from_hf, params_from_hf  # noqa: E402
-from specjax.generate import generate  # noqa: E402
+
+from specjax.decode.generate import generate  # noqa: E402
 from specjax.kv_cache import KVCache  # noqa: E402
 from specjax.model import apply  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402
@@ -77,7 +77,7 @@ PROMPT = "Speculative decoding drafts tokens cheaply and verifies them with the 
 @pytest.mark.parametrize("name", REAL)
 def test_real_model_matches_transformers(name, tmp_path):
   ours = real_model(name)
-  from specjax.registry import get_spec
+  from specjax.models.registry import get_spec
 
   gguf_path = get_spec(name).locate()
   (tmp_path / "m.gguf").symlink_to(gguf_path)

@@ -4,18 +4,15 @@ caches), and a padded prompt never flushes padding into quantised codes."""
 
 from __future__ import annotations
 
-import importlib
-
 import jax
 import numpy as np
 import pytest
 
+from specjax.decode import generate as gen
+from specjax.decode.engine import speculative_generate
+from specjax.decode.generate import Prefill, check_prompt, generate
 from specjax.drafters import EarlyExitDrafter
-from specjax.engine import speculative_generate
-from specjax.generate import Prefill, check_prompt, generate
 from specjax.plan import DraftPlan
-
-gen = importlib.import_module("specjax.generate")  # the module: `specjax.generate` is the function
 from specjax.quant_kv_cache import QuantKV, create_cache
 from specjax.sampling import SamplingParams
 

@@ -13,14 +13,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pallas_kernels import (merge, merge_splits, quant_attention, quant_partials,
-                            reference_partials)
+from pallas_kernels import merge, merge_splits, quant_attention, quant_partials, reference_partials
 from pallas_kernels.quant_attention import default_splits, split_for
 from specjax import quant
 from specjax.config import tiny_config
+from specjax.decode.engine import speculative_generate
+from specjax.decode.generate import generate
 from specjax.drafters import QuantSpecDrafter
-from specjax.engine import speculative_generate
-from specjax.generate import generate
 from specjax.model import init_model
 from specjax.quant_kv_cache import QuantKV
 
@@ -59,7 +58,7 @@ def dense_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid, bits
     (45, 5, None, 4)])  # two value groups per plane
 def test_kernel_equals_reference_equals_dense(bits, length, rq, window, gv):
   q, hk, hv, fp_k, fp_v = case(length * 7 + bits, Rq=rq, Gv=gv)
-  B, F = 1, fp_k.shape[2]
+  F = fp_k.shape[2]
   fp_pos = jnp.asarray([length + np.arange(F)], jnp.int32)
   fp_valid = jnp.asarray([np.arange(F) < 7])  # an odd number of buffered tokens
   q_pos = jnp.asarray([length + np.arange(rq) % 7], jnp.int32)  # queries among them

@@ -15,19 +15,19 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from targets import assert_exercised, assert_plan_keeps_the_target_distribution, target
 
 from specjax import quant
 from specjax.config import tiny_config
+from specjax.decode.engine import speculative_generate
+from specjax.decode.generate import generate, positions_for, prefill_prompt, prefill_step
 from specjax.drafters import KnapSpecDrafter, QuantSpecDrafter, StaticDrafter
-from specjax.engine import speculative_generate
-from specjax.generate import generate, positions_for, prefill_prompt, prefill_step
 from specjax.kv_cache import ContextOverflowError, KVCache
 from specjax.model import apply, init_model
 from specjax.plan import DraftPlan, PlanError
 from specjax.quant import Int4Matrix, QuantError
 from specjax.quant_kv_cache import QuantKV, QuantKVCache
 from specjax.sampling import SamplingParams
-from targets import assert_exercised, assert_plan_keeps_the_target_distribution, target
 
 
 def grouped_scale(x, axis, group):

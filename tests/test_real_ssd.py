@@ -4,14 +4,14 @@ drafts included), on Spec-Bench prompts (the shared data folder when present).""
 from __future__ import annotations
 
 import pytest
-
 from conftest import real_model
-from specjax import data
-from specjax.drafters import EarlyExitDrafter, Int8WeightsDrafter, SelfSDDrafter, SwiftDrafter
-from specjax.engine import speculative_generate
-from specjax.generate import generate
-from specjax.plan import DraftPlan
 from test_data import SHARED
+
+from specjax.bench import data
+from specjax.decode.engine import speculative_generate
+from specjax.decode.generate import generate
+from specjax.drafters import EarlyExitDrafter, Int8WeightsDrafter, SelfSDDrafter, SwiftDrafter
+from specjax.plan import DraftPlan
 
 pytestmark = pytest.mark.real
 
@@ -60,10 +60,10 @@ def test_smollm2_per_round_and_shortlist_drafters_equal_ar():
   greedy AR on the real model. KnapSpec reads a synthetic latency profile: which plans it
   picks does not bear on losslessness, and the profiler has its own test."""
   import numpy as np
+  from test_knapspec import synthetic_profile
 
   from specjax.drafters import ClaspDrafter, FRSpecDrafter, KnapSpecDrafter
-  from specjax.drafters.frspec import frequent_shortlist
-  from test_knapspec import synthetic_profile
+  from specjax.offline.token_counts import frequent_shortlist
 
   m = real_model("smollm2-135m-instruct")
   prof = synthetic_profile(m.config.num_layers, m.name)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from specjax.results_store import ResultsStore, ResumeError, fingerprint
+from specjax.bench.results_store import ResultsStore, ResumeError, fingerprint
 
 SETTINGS = {"model": "tiny-llama", "gamma": 4, "drafters": ["knapspec"]}
 

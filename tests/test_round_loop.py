@@ -10,17 +10,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from targets import PROMPT, ar_tokens, assert_exercised, target
 
-from specjax.drafters import (ClaspDrafter, DynaSpecDrafter, EarlyExitDrafter, FRSpecDrafter,
-                              QuantSpecDrafter, StaticDrafter, SwiftDrafter)
-from specjax.engine import speculative_generate
-from specjax.generate import generate
+from specjax.decode.engine import speculative_generate
+from specjax.decode.generate import generate
+from specjax.decode.round_loop import Decoding, decode_rounds
+from specjax.drafters import (
+  ClaspDrafter,
+  DynaSpecDrafter,
+  EarlyExitDrafter,
+  FRSpecDrafter,
+  QuantSpecDrafter,
+  StaticDrafter,
+  SwiftDrafter,
+)
 from specjax.kv_cache import KVCache
 from specjax.plan import DraftPlan
 from specjax.quant_kv_cache import QuantKV
-from specjax.round_loop import Decoding, decode_rounds
 from specjax.sampling import SamplingParams
-from targets import PROMPT, ar_tokens, assert_exercised, target
 
 SKIP = DraftPlan.from_skips(6, [1, 3], [2])
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.95)
@@ -203,7 +210,7 @@ def test_a_new_token_budget_compiles_nothing():
 
 
 def test_bad_loop_settings_are_clear_errors():
-  from specjax.loader import resolve_dtype
+  from specjax.models.loader import resolve_dtype
 
   config, graphdef, state = target("llama")
   run = lambda **kw: speculative_generate(graphdef, state, config, PROMPT, StaticDrafter(SKIP),

@@ -10,17 +10,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from targets import assert_exercised, target
 
+from specjax.decode.engine import draft_step, speculative_generate
+from specjax.decode.generate import generate
 from specjax.drafters import ClaspDrafter, EarlyExitDrafter
-from specjax.drafters.frspec import (CountsMismatchError, FRSpecDrafter, frequent_shortlist,
-                                     load_counts, save_counts)
-from specjax.engine import draft_step, speculative_generate
-from specjax.generate import generate
+from specjax.drafters.frspec import FRSpecDrafter
 from specjax.kv_cache import KVCache
 from specjax.model import apply
+from specjax.offline.token_counts import (
+  CountsMismatchError,
+  frequent_shortlist,
+  load_counts,
+  save_counts,
+)
 from specjax.plan import DraftPlan, PlanError
 from specjax.sampling import SamplingParams
-from targets import assert_exercised, target
 
 PROMPT = list(range(3, 40))
 V = 97

@@ -10,10 +10,10 @@ import sys
 import time
 
 import pytest
-
-from specjax import sweep
-from specjax.cli import main
 from test_data import write_spec_bench
+
+from specjax.bench import sweep
+from specjax.cli import main
 
 SWEEP = """
 name = "tiny"

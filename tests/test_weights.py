@@ -9,12 +9,12 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import real_model
-from specjax import registry
-from specjax.gguf_weights import GGUFFormatError, config_from_gguf
+
 from specjax.kv_cache import KVCache
 from specjax.model import apply
+from specjax.models import registry
+from specjax.models.gguf import GGUFFormatError, config_from_gguf
 from specjax.plan import DraftPlan, PlanError
 
 TEXTS = [
@@ -82,7 +82,7 @@ def test_corrupt_param_cache_is_rebuilt(tmp_path, monkeypatch, capsys):
   spec = registry.get_spec("smollm2-135m-instruct")
   if not registry.is_installed(spec):
     pytest.skip(spec.install)
-  from specjax.loader import load_model
+  from specjax.models.loader import load_model
 
   first = load_model(spec.name, verbose=False)
   ckpt_files = [p for p in (tmp_path / "params").rglob("*") if p.is_file() and p.stat().st_size > 1 << 20]

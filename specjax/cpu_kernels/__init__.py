@@ -53,7 +53,7 @@ def _cpu_flags() -> str:
 
 def _build(source: Path, compiler: str) -> Path:
   """The shared library of `source` for this machine, compiled now unless cached."""
-  from specjax.registry import cache_root
+  from specjax.models.registry import cache_root
 
   key = hashlib.sha256(b"\0".join(
       [source.read_bytes(), jax.__version__.encode(), _cpu_flags().encode(),

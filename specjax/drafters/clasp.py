@@ -17,9 +17,9 @@ import jax
 import numpy as np
 
 from specjax.drafters.base import Drafter
-from specjax.layer_dp import run_dp, sublayer_items
-from specjax.layer_probe import Window, bits_to_plan, prompt_window, push_round
 from specjax.plan import DraftPlan, PlanError
+from specjax.selection.layer_dp import run_dp, sublayer_items
+from specjax.selection.layer_probe import Window, bits_to_plan, prompt_window, push_round
 
 
 @dataclasses.dataclass

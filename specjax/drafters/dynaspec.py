@@ -1,7 +1,7 @@
 """`dynaspec`: the draft head scores a shortlist picked per draft step by a router
 (DynaSpec), optionally on top of any layer-skipping drafter.
 
-The router (`specjax.router`) scores token clusters (`specjax.vocab_clusters`) from
+The router (`specjax.offline.router`) scores token clusters (`specjax.offline.vocab_clusters`) from
 [embedding(x_t), h_{t−1}] inside the jitted draft step; the union of the top-k(t)
 clusters is the shortlist, k shrinking with the draft position. Verification keeps the
 full vocabulary, so the output is exactly the target's.
@@ -10,10 +10,11 @@ full vocabulary, so the output is exactly the target's.
 from __future__ import annotations
 
 import dataclasses
+
 from specjax.drafters.base import Drafter
 from specjax.drafters.head import HeadDrafter
+from specjax.offline.router import RouterBundle, RouterMismatchError
 from specjax.plan import DraftPlan
-from specjax.router import RouterBundle, RouterMismatchError
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -26,7 +27,7 @@ class DynaSpecDrafter(HeadDrafter):
   def __post_init__(self):
     if self.bundle is None:
       raise ValueError("dynaspec needs a trained router: `specjax router train`, then "
-                       "specjax.router.load_bundle")
+                       "specjax.offline.router.load_bundle")
     M = self.bundle.clusters.num_clusters
     if not 1 <= self.bundle.k_max <= M:
       raise ValueError(f"k_max = {self.bundle.k_max} clusters, but there are only {M}")

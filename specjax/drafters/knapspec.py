@@ -36,11 +36,11 @@ import jax
 import numpy as np
 
 from specjax.drafters.base import Drafter
-from specjax.layer_dp import run_dp, sublayer_items
 from specjax.jit_cache import compile_seconds
-from specjax.layer_probe import Window, bits_to_plan, prompt_window, push_round
 from specjax.plan import DraftPlan
-from specjax.profiler import LatencyProfile, ProfileMismatchError
+from specjax.selection.layer_dp import run_dp, sublayer_items
+from specjax.selection.layer_probe import Window, bits_to_plan, prompt_window, push_round
+from specjax.selection.profiler import LatencyProfile, ProfileMismatchError
 
 
 @dataclasses.dataclass
@@ -110,7 +110,7 @@ class KnapSpecDrafter(Drafter):
   def __post_init__(self):
     if self.profile is None:
       raise ValueError("knapspec needs a latency profile: load one with "
-                       "specjax.profiler.load_profile or run `specjax profile`")
+                       "specjax.selection.profiler.load_profile or run `specjax profile`")
     if not 0.0 < self.tau <= 1.0:
       raise ValueError(f"tau must be in (0, 1], got {self.tau}")
     if self.objective not in ("tpt", "cosine"):

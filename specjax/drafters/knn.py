@@ -13,7 +13,7 @@ import flax.struct
 import numpy as np
 
 from specjax.drafters.base import Drafter
-from specjax.knn_library import SkipLibrary
+from specjax.offline.knn_library import SkipLibrary
 from specjax.plan import DraftPlan
 
 

@@ -89,7 +89,7 @@ class SwiftDrafter(Drafter):
 
   def _bo_proposal(self, state: SwiftState, L: int) -> np.ndarray:
     """Gaussian-process UCB over the scored skip sets, with the same skip budget."""
-    from specjax.drafters.bayes import suggest_bits
+    from specjax.selection.bayes import suggest_bits
 
     return suggest_bits(np.asarray(state.xs), np.asarray(state.ys), self._skippable(L),
                         int(round(self.skip_ratio * self._skippable(L).size)),

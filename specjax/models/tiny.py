@@ -32,12 +32,12 @@ import optax
 from filelock import FileLock
 from flax import nnx
 
-from specjax import checkpoint
 from specjax.config import Arch, ModelConfig, tiny_config
 from specjax.kv_cache import KVCache
 from specjax.model import apply, init_model
+from specjax.models import checkpoint
+from specjax.models.registry import cache_root
 from specjax.plan import DraftPlan
-from specjax.registry import cache_root
 
 TRAINER_VERSION = 1  # bump when the language or the training recipe changes
 

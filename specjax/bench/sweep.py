@@ -42,8 +42,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from specjax import bench, data, docs, metrics, plots
-from specjax.results_store import ResultsStore
+from specjax.bench import data, docs, metrics, plots
+from specjax.bench import runner as bench
+from specjax.bench.results_store import ResultsStore
 
 METRICS = ("speedup", "tokens_per_s", "M", "alpha")
 _WORKLOAD = ("context", "mix_ratio", "stream_length")
@@ -156,7 +157,7 @@ def _point(path: Path, values: Mapping[str, Any], axes) -> Point:
 def run(sweep: Sweep, out_dir: Path, *, data_dir=None, resume: bool = False,
         verbose: bool = True, write_docs: bool = False, command: str | None = None) -> dict:
   """Run every point not already in the store; then the table, CSV and plots."""
-  from specjax.loader import load_model
+  from specjax.models.loader import load_model
 
   store = ResultsStore(out_dir, {"sweep": sweep.name}, resume=resume, mismatch="separate")
   keys = [store.register(p.settings()) for p in sweep.points]
@@ -193,7 +194,7 @@ def _prompts(point: Point, data_dir) -> list[tuple[str, str, Any]]:
     return [(f"ctx{point.context}/{i}", f"ctx-{point.context}", None)
             for i in range(cfg.per_category)]
   if point.mix_ratio is not None:  # held-out prompts: never used to build a KNN library
-    from specjax.knn_build import domain_prompts
+    from specjax.offline.knn_build import domain_prompts
 
     _, held = domain_prompts(data_dir, cfg.categories)
     stream = data.task_stream(held, point.stream_length, point.mix_ratio, cfg.seed)

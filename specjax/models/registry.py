@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specjax.config import Arch
-from specjax.gguf_weights import GGUFFormatError
+from specjax.models.gguf import GGUFFormatError
 
 
 class UnknownModelError(KeyError):
@@ -128,7 +128,7 @@ class SplitGGUF:
 
 def _check_gguf(path: Path, name: str) -> None:
   """Raise unless `path` parses as a GGUF file whose tensors all lie inside it."""
-  from specjax import gguf_weights
+  from specjax.models import gguf as gguf_weights
 
   with path.open("rb") as f:
     if f.read(4) != b"GGUF":

@@ -19,13 +19,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.engine import SSDGeneration, draft_fn, verify_fn
-from specjax.generate import eos_array
+from specjax.decode.engine import SSDGeneration, draft_fn, verify_fn
+from specjax.decode.generate import eos_array
 from specjax.jit_cache import compiled
 from specjax.kv_cache import KVCache
 from specjax.plan import DraftPlan
 from specjax.sampling import SamplingParams
-
 
 ALL_ROUNDS = 1 << 30  # rounds per call when nothing streams: until done
 TOKEN_BUCKET = 256  # the committed-token buffer grows in these steps

@@ -17,10 +17,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from specjax import data, docs, drafter_factory, harness, metrics, plots
-from specjax.engine import speculative_generate
-from specjax.harness import RunSettings
-from specjax.results_store import ResultsStore
+from specjax.bench import data, docs, drafter_factory, harness, metrics, plots
+from specjax.bench.harness import RunSettings
+from specjax.bench.results_store import ResultsStore
+from specjax.decode.engine import speculative_generate
 
 DEFAULT_DRAFTERS = ("early_exit", "self_sd", "swift", "8bit", "self_sd+8bit")  # as the CLI's
 
@@ -82,7 +82,7 @@ def factory_for(cfg: BenchConfig, model, out_dir: Path, search_prompts, data_dir
 def run(cfg: BenchConfig, out_dir: Path, *, data_dir=None, resume: bool = False,
         verbose: bool = True, write_docs: bool = False, docs_section: str | None = None
         ) -> dict:
-  from specjax.loader import load_model
+  from specjax.models.loader import load_model
 
   validate(cfg)
   store = ResultsStore(out_dir, dataclasses.asdict(cfg), resume=resume)
@@ -133,7 +133,7 @@ def draft_lengths(model, drafters: dict, cfg: BenchConfig, pilot_prompts, out_di
   under the pilot's plan. Kept in `draft_lengths.json`, so a resumed run reuses them.
   Drafters that choose their draft length themselves, or draft from a quantised cache
   (whose step costs this measurement does not cover), keep cfg.gamma."""
-  from specjax import draft_length
+  from specjax.decode import draft_length
 
   path = out_dir / "draft_lengths.json"
   saved = json.loads(path.read_text()) if path.exists() else {}
@@ -273,7 +273,7 @@ def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict,
 
 def _command(cfg: BenchConfig, section: str | None = None) -> str:
   """The `specjax bench` command line that reproduces this run."""
-  from specjax.data import SPEC_BENCH_CATEGORIES
+  from specjax.bench.data import SPEC_BENCH_CATEGORIES
 
   parts = [f"specjax bench --model {cfg.model} --per-category {cfg.per_category}",
            f"--max-new-tokens {cfg.max_new_tokens} --drafters {','.join(cfg.drafters)}",

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.config import ModelConfig
-from specjax.generate import Prefilled, check_prompt, positions_for, start_decoding
+from specjax.decode.generate import Prefilled, check_prompt, positions_for, start_decoding
 from specjax.jit_cache import compile_seconds, compiled
 from specjax.kv_cache import DraftBuffer, KVCache
 from specjax.model import apply
@@ -430,7 +430,7 @@ def speculative_generate(
   if loop == "host" or (loop == "auto" and drafter.adaptive):
     gen = _host_rounds(run, keep_plans)
   else:
-    from specjax.round_loop import device_rounds
+    from specjax.decode.round_loop import device_rounds
 
     if static_plan is None:
       static_plan = jax.default_backend() != "cpu"

@@ -33,6 +33,7 @@ from specjax.kv_cache import KVCache
 from specjax.plan import DraftPlan
 from specjax.sampling import SamplingParams
 
+
 @dataclasses.dataclass(frozen=True)
 class StepCosts:
   """Costs in AR steps: one draft step, and verification of γ + 1 tokens at measured γs."""
@@ -91,8 +92,8 @@ def step_times(graphdef, state, config, plans: dict, *, gammas: Sequence[int] = 
   of `plans` ({key: [DraftPlan, ...]}) at `context`, round-robin so that machine noise hits
   them alike. Compiled ahead (one draft executable per plan structure), so nothing timed
   compiles."""
-  from specjax.engine import Draft, draft_step, verify_step
-  from specjax.generate import decode_step
+  from specjax.decode.engine import Draft, draft_step, verify_step
+  from specjax.decode.generate import decode_step
   from specjax.jit_cache import compiled
 
   full, greedy = DraftPlan.full(config.num_layers), SamplingParams()

@@ -27,10 +27,21 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from specjax.drafters import (ClaspDrafter, Drafter, DynaSpecDrafter,
-                              EarlyExitDrafter, FRSpecDrafter, Int8WeightsDrafter,
-                              KnapSpecDrafter, KNNDrafter, QuantSpecDrafter, SelfSDDrafter,
-                              StaticDrafter, SwiftDrafter, drafter_class)
+from specjax.drafters import (
+  ClaspDrafter,
+  Drafter,
+  DynaSpecDrafter,
+  EarlyExitDrafter,
+  FRSpecDrafter,
+  Int8WeightsDrafter,
+  KnapSpecDrafter,
+  KNNDrafter,
+  QuantSpecDrafter,
+  SelfSDDrafter,
+  StaticDrafter,
+  SwiftDrafter,
+  drafter_class,
+)
 
 BASES = ("static", "early_exit", "self_sd", "swift", "clasp", "knapspec", "knn")
 OVERLAYS = ("8bit", "quantspec", "frspec", "dynaspec")
@@ -146,7 +157,7 @@ class DrafterFactory:
   def latency_profile(self):
     """The saved profile of this model on this device; measured now (and saved) when
     there is none. A profile of another model or device is refused, not replaced."""
-    from specjax import profiler
+    from specjax.selection import profiler
 
     if "profile" in self.artefacts:
       return self.artefacts["profile"]
@@ -162,8 +173,8 @@ class DrafterFactory:
   def shortlists(self):
     """(FR-Spec token counts, DynaSpec router bundle): `specjax router train`'s, built
     now from training prompts when absent."""
-    from specjax import shortlists
-    from specjax.registry import cache_root
+    from specjax.models.registry import cache_root
+    from specjax.offline import shortlists
 
     if "counts" in self.artefacts or "bundle" in self.artefacts:
       return self.artefacts.get("counts"), self.artefacts.get("bundle")
@@ -187,7 +198,7 @@ class DrafterFactory:
   def knn_library(self):
     """The model's KNN-SSD library for these anchors; built now (and kept) when absent.
     Another model's library is refused, not replaced."""
-    from specjax import knn_build, knn_library
+    from specjax.offline import knn_build, knn_library
 
     if "library" in self.artefacts:
       return self.artefacts["library"]
@@ -209,10 +220,10 @@ class DrafterFactory:
   def self_sd_plan(self):
     """A Self-SD skip set searched on `search_prompts`, kept in `work_dir` under a name
     that says what it was searched with (a resumed run reuses it)."""
-    from specjax.drafters import self_sd
+    from specjax.bench.harness import prompt_ids
     from specjax.drafters.static import load_plan, save_plan
-    from specjax.harness import prompt_ids
-    from specjax.registry import cache_root
+    from specjax.models.registry import cache_root
+    from specjax.offline import self_sd_search as self_sd
 
     if "self_sd_plan" in self.artefacts:
       return self.artefacts["self_sd_plan"]
@@ -271,9 +282,8 @@ class DrafterFactory:
     if name == "8bit":
       return Int8WeightsDrafter(weights=self.int8_weights, base=base, **kw)
     if name == "quantspec":
-      from specjax.quant_kv_cache import QuantKV
-
       from specjax.drafters.quantspec import default_weight_bits
+      from specjax.quant_kv_cache import QuantKV
 
       o = self._opts("quantspec")
       kv = QuantKV(group=o["group"], residual=o["residual"])
@@ -282,7 +292,7 @@ class DrafterFactory:
         return QuantSpecDrafter(weights=self.int8_weights, base=base, kv_cache=kv, **kw)
       return QuantSpecDrafter.for_model(self.model, base=base, weight_bits=bits, kv_cache=kv)
     if name == "frspec":
-      from specjax.drafters.frspec import frequent_shortlist
+      from specjax.offline.token_counts import frequent_shortlist
 
       counts, _ = self.shortlists
       if counts is None:
@@ -319,7 +329,7 @@ def _fields(cls) -> set[str]:
 
 def default_search_prompts(data_dir=None) -> list:
   """Prompts for offline searches that `specjax bench` does not evaluate (its defaults)."""
-  from specjax import data
+  from specjax.bench import data
 
   return data.evaluation_and_search(data.load_spec_bench(data_dir), per_category=1)[1]
 

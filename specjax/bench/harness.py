@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from specjax import metrics
+from specjax.bench import metrics
 from specjax.sampling import SamplingParams
 
 # What an SSD generation reports, summed over a prompt's turns (metrics.summarize reads them).
@@ -98,8 +98,8 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
   the drafters. Runs reading the same quantised cache share one prefill of it.
   `extra(name, generation)` adds fields to a drafter's record.
   """
-  from specjax.engine import speculative_generate
-  from specjax.generate import generate, prefill_prompt
+  from specjax.decode.engine import speculative_generate
+  from specjax.decode.generate import generate, prefill_prompt
 
   carried = {} if carried is None else carried
   references = references_for(drafters) if references is None else references

@@ -20,10 +20,17 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from specjax import data, harness
-from specjax.drafters import self_sd
-from specjax.knn_library import (LibraryError, SkipLibrary, choose_anchors, default_dir, embed,
-                                 from_parts, save_library)
+from specjax.bench import data, harness
+from specjax.offline import self_sd_search as self_sd
+from specjax.offline.knn_library import (
+  LibraryError,
+  SkipLibrary,
+  choose_anchors,
+  default_dir,
+  embed,
+  from_parts,
+  save_library,
+)
 
 DEFAULT_DOMAINS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag",
                    "gsm8k")

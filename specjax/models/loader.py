@@ -12,13 +12,14 @@ import jax.numpy as jnp
 from flax import nnx
 from tqdm.auto import tqdm
 
-from specjax import checkpoint, gguf_weights
 from specjax.config import ModelConfig
 from specjax.model import Transformer
-from specjax.params import fuse_projections, param_shapes, state_from_flat
-from specjax.registry import cache_root, get_spec
-from specjax.tiny import tiny_model
-from specjax.tokenizer import ByteTokenizer, TextTokenizer, tokenizer_from_gguf
+from specjax.models import checkpoint
+from specjax.models import gguf as gguf_weights
+from specjax.models.params import fuse_projections, param_shapes, state_from_flat
+from specjax.models.registry import cache_root, get_spec
+from specjax.models.tiny import tiny_model
+from specjax.models.tokenizer import ByteTokenizer, TextTokenizer, tokenizer_from_gguf
 
 CONVERTER_VERSION = 2  # bump when the GGUF -> params conversion changes
 

@@ -12,7 +12,7 @@ import platform
 import re
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "BENCHMARKS.md"
 
 
 def machine() -> str:

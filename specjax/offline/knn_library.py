@@ -24,7 +24,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from specjax import checkpoint
+from specjax.models import checkpoint
 from specjax.plan import DraftPlan
 
 
@@ -37,7 +37,7 @@ class LibraryError(ValueError):
 
 def embed(graphdef, state, config, ids: Sequence[int]) -> np.ndarray:
   """The prompt embedding float32[D] that `speculative_generate` hands its drafter."""
-  from specjax.generate import Prefill, check_prompt
+  from specjax.decode.generate import Prefill, check_prompt
   from specjax.kv_cache import KVCache
   from specjax.sampling import SamplingParams
 
@@ -213,6 +213,6 @@ def _jsonable(x):
 
 
 def default_dir(model: str) -> Path:
-  from specjax.registry import cache_root
+  from specjax.models.registry import cache_root
 
   return cache_root() / "knn" / model

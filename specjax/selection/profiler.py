@@ -135,7 +135,7 @@ class LatencyProfile:
 
 
 def profile_path(model: str, device: str | None = None, dtype: str = "float32") -> Path:
-  from specjax.registry import cache_root
+  from specjax.models.registry import cache_root
 
   return cache_root() / "profiles" / f"{model}__{device or device_name()}__{dtype}.json"
 
@@ -183,8 +183,8 @@ def measure(model, lengths=(256, 1024, 2048, 4096), gamma: int = 4, repeats: int
   """Profile a loaded model (`loader.LoadedModel`) at the given cache sizes."""
   from tqdm.auto import tqdm
 
-  from specjax.engine import Draft, draft_step, verify_step
-  from specjax.generate import decode_step
+  from specjax.decode.engine import Draft, draft_step, verify_step
+  from specjax.decode.generate import decode_step
   from specjax.jit_cache import compiled
   from specjax.kv_cache import KVCache
   from specjax.sampling import SamplingParams

@@ -25,8 +25,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from specjax import checkpoint
-from specjax.vocab_clusters import VocabClusters
+from specjax.models import checkpoint
+from specjax.offline.vocab_clusters import VocabClusters
 
 
 class RouterMismatchError(ValueError):

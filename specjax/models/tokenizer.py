@@ -16,7 +16,7 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from specjax.gguf_weights import GGUFFormatError, _field
+from specjax.models.gguf import GGUFFormatError, _field
 
 # GGUF token types (llama.cpp): 3 = control, 4 = user-defined, 6 = byte.
 _CONTROL, _USER_DEFINED = 3, 4

@@ -111,7 +111,7 @@ def plan_to_bits(plan: DraftPlan) -> np.ndarray:
 
 
 def _residuals_fn(state, cache, tokens, start, *, graphdef):
-  from specjax.generate import positions_for
+  from specjax.decode.generate import positions_for
   from specjax.model import apply
 
   view = cache.with_length(start)

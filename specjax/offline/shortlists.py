@@ -15,11 +15,16 @@ from pathlib import Path
 
 import numpy as np
 
-from specjax import data, plots
-from specjax.drafters.frspec import count_tokens, load_counts, save_counts
-from specjax.router import (RouterBundle, collect_pairs, load_bundle, save_bundle,
-                            train_router)
-from specjax.vocab_clusters import spherical_kmeans
+from specjax.bench import data, plots
+from specjax.offline.router import (
+  RouterBundle,
+  collect_pairs,
+  load_bundle,
+  save_bundle,
+  train_router,
+)
+from specjax.offline.token_counts import count_tokens, load_counts, save_counts
+from specjax.offline.vocab_clusters import spherical_kmeans
 
 RESERVED = 5  # Spec-Bench prompts per category kept for evaluation
 
@@ -44,7 +49,7 @@ def sequences(model, out: Path, count: int, new_tokens: int, data_dir=None,
   """Training prompts + the model's greedy continuations, cached in sequences.json."""
   from tqdm.auto import tqdm
 
-  from specjax.generate import generate
+  from specjax.decode.generate import generate
 
   path = out / "sequences.json"
   done = json.loads(path.read_text()) if path.exists() else []

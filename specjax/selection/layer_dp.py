@@ -24,7 +24,7 @@ from flax import nnx
 
 from specjax.jit_cache import compiled
 from specjax.kv_cache import KVCache
-from specjax.layer_probe import Window, run_sublayers, window_cosine
+from specjax.selection.layer_probe import Window, run_sublayers, window_cosine
 
 _DEAD = -jnp.inf
 
