@@ -9,11 +9,15 @@ layers mask by distance. Rolling back rejected draft tokens is `with_length`, no
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 
+from specjax.cache_view import LayerView, Segment, after, keep_rows
 from specjax.config import ModelConfig
+from specjax.plan import PlanError
 
 
 class ContextOverflowError(ValueError):
@@ -51,6 +55,58 @@ class KVCache:
     """Roll back (or forward) by length only; entries past it are dead."""
     return self.replace(length=jnp.asarray(length, jnp.int32))
 
+  def view(self, positions: jax.Array, *, write: bool, dense: bool, bits: int = 16,
+           valid: jax.Array | None = None) -> KVCacheView:
+    """The decoder's view of this cache for one forward of tokens at positions[B, T]
+    (`cache_view`): read only, or written at `length`."""
+    if bits < 16:
+      raise PlanError(f"plan.kv_bits={bits} reads a quantised KV cache, but this one is full "
+                      f"precision: decode with a QuantKVCache (kv_cache='quant')")
+    mode = "read" if not write else "append" if dense else "in_place"
+    return KVCacheView(self, positions, mode)
+
+
+@dataclasses.dataclass
+class KVCacheView:
+  """A `KVCache` as the decoder reads and writes it in one forward.
+
+  `read`: the slots before `length`, plus the tokens; their K/V are dropped.
+  `append` (a dense writer): the same reads, then each layer's rows are written at
+  `length` once its attention is done: attending over a freshly written cache without
+  conditionals made XLA:CPU duplicate the write and copy every layer.
+  `in_place` (a writer under a traced plan): the rows are written into the layer inside
+  the sub-layer's first conditional and the second reads the layer itself (the causal
+  mask hides slots past the tokens)."""
+
+  cache: KVCache
+  positions: jax.Array  # [B, T]
+  mode: str
+  rows: list[tuple[jax.Array, jax.Array]] = dataclasses.field(default_factory=list)
+
+  def layer(self, l: int) -> LayerView:
+    k, v, length = self.cache.k[l], self.cache.v[l], self.cache.length
+    if self.mode == "in_place":
+      return LayerView((Segment.slots(k, v),), at=length, in_place=True)
+    B, S = k.shape[0], k.shape[2]
+    valid = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) < length, (B, S))
+    return LayerView.reading((Segment.slots(k, v, valid, filled=length),), self.positions)
+
+  def keep(self, l: int, layer: LayerView, run, x: jax.Array) -> None:
+    if self.mode == "in_place":
+      self.rows.append(layer.target)
+    elif self.mode == "append":  # written once this layer's read of the old cache is done
+      self.rows.append(tuple(after(x, list(layer.target))))
+
+  def result(self) -> KVCache:
+    if self.mode == "read":
+      return self.cache
+    T, length = self.positions.shape[1], self.cache.length
+    ks, vs = (tuple(r) for r in zip(*self.rows))
+    if self.mode == "append":
+      put = lambda c, rows: jax.lax.dynamic_update_slice_in_dim(c, rows, length, axis=2)
+      ks, vs = tuple(map(put, self.cache.k, ks)), tuple(map(put, self.cache.v, vs))
+    return KVCache(k=ks, v=vs, length=length + T)
+
 
 @flax.struct.dataclass
 class DraftBuffer:
@@ -77,6 +133,43 @@ class DraftBuffer:
   @property
   def size(self) -> int:
     return self.k[0].shape[2]
+
+  def view(self, inner, length: jax.Array) -> DraftBufferView:
+    """The decoder's view while drafting: `inner` (a read-only view of the verified
+    cache, whose first `length` tokens precede row 0) plus this buffer's rows; the
+    tokens' K/V are kept in the buffer."""
+    return DraftBufferView(self, inner, length)
+
+
+@dataclasses.dataclass
+class DraftBufferView:
+  """A `DraftBuffer` over a read-only cache view, as the drafting decoder sees it."""
+
+  buffer: DraftBuffer
+  inner: object  # a read-only CacheView of the verified cache
+  length: jax.Array
+  kept: list[tuple[jax.Array, jax.Array]] = dataclasses.field(default_factory=list)
+
+  def layer(self, l: int) -> LayerView:
+    buf = self.buffer
+    B, G = buf.k[l].shape[0], buf.size
+    rows = jnp.arange(G, dtype=jnp.int32)
+    seg = Segment(buf.k[l], buf.v[l], jnp.broadcast_to(self.length + rows, (B, G)),
+                  jnp.broadcast_to(rows < buf.count, (B, G)))
+    view = self.inner.layer(l)
+    return view.replace(segments=view.segments + (seg,))
+
+  def keep(self, l: int, layer: LayerView, run, x: jax.Array) -> None:
+    """Rows of a skipped sub-layer keep what the buffer held."""
+    k, v = layer.target
+    at = self.buffer.count
+    self.kept.append((keep_rows(self.buffer.k[l], k, run, at),
+                      keep_rows(self.buffer.v[l], v, run, at)))
+
+  def result(self) -> DraftBuffer:
+    ks, vs = (tuple(r) for r in zip(*self.kept))
+    T = self.inner.positions.shape[1]
+    return DraftBuffer(k=ks, v=vs, count=self.buffer.count + T)
 
 
 def cache_size_for(num_tokens: int, max_context: int, bucket: int = 256) -> int:

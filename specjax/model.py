@@ -6,10 +6,10 @@ executable. Skip branches are `false_fun` and pass their operands through. A den
 (`DraftPlan.full`: the AR step, prefill, verification) traces no conditional at all: on a
 GPU each one is a host round trip, and on any backend they fence fusion between layers.
 
-A forward that writes the cache writes the tokens' K/V first and then attends over the
-cache, in place (checked on the compiled HLO by the tests). A forward that only reads
-the cache (scoring a plan, or drafting into a `DraftBuffer`) attends over segments: the
-cache slots before `cache.length`, the draft buffer, and the tokens themselves.
+There is one attention sub-layer and one residual rule, for every cache and for the
+layer-selection probes: the cache gives each layer a view (`cache_view`) of the segments
+it reads and of where the tokens' K/V go, so the decoder never asks what kind of cache it
+holds. Every cache write is in place (checked on the compiled HLO by the tests).
 
 Shapes: B batch, T tokens processed now, S cache slots, N query heads, K kv heads,
 G = N / K query heads per kv head, H head dim, D model dim, F MLP width, V vocab.
@@ -25,13 +25,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.cache_view import LayerView, QuantRead, Segment
 from specjax.config import ModelConfig
 from specjax.kv_cache import DraftBuffer, KVCache
 from specjax.plan import DraftPlan, PlanError
 from specjax.quant import DraftWeights, LayerWeights
-from specjax.quant_kv_cache import QuantKVCache
 
-_NEG_INF = -1e30
+_NEG_INF = -1e30  # a masked score: finite, so a fully masked row gives 0, not NaN
 
 
 def _cond(run: jax.Array | bool | None, compute, skip, *operands):
@@ -116,14 +116,14 @@ class Attention(nnx.Module):
     return rope(q), rope(k), v
 
   def attend(self, q: jax.Array, positions: jax.Array, segments: list[Segment],
-             quantised: QuantRead | None = None, weights: LayerWeights | None = None
+             kernel: QuantRead | None = None, weights: LayerWeights | None = None
              ) -> jax.Array:
     """Softmax of q[B, T, N, H] over the keys of every segment, each masked by validity,
     causality (key position <= query position) and the sliding window; returns [B, T, D].
-    With `quantised`, also over a layer of a quantised cache, read by the Pallas kernel;
+    With `kernel`, also over a layer of a quantised cache, read by the Pallas kernel;
     `weights.o`, when set, replaces the output projection."""
-    if quantised is not None:
-      return self._attend_kernel(q, positions, segments, quantised, weights)
+    if kernel is not None:
+      return self._attend_kernel(q, positions, segments, kernel, weights)
     B, T, N, H = q.shape
     rows, row_pos = _to_rows(q, positions, segments[0].k.shape[1])  # [B, K, R, H], [B, R]
     parts = [self._prefix(rows, row_pos, seg) if _prefix_readable(seg) else
@@ -191,11 +191,10 @@ class Attention(nnx.Module):
     fp_v = jnp.concatenate([s.v for s in segments], axis=2)
     fp_pos = jnp.concatenate([s.positions for s in segments], axis=1)
     fp_valid = jnp.concatenate([s.valid for s in segments], axis=1)
-    cache, layer = read.cache, read.layer
     out = quant_attention(
-        rows, row_pos, cache.quantized, cache.k_codes[layer], cache.v_codes[layer],
-        fp_k, fp_v, fp_pos, fp_valid, bits=read.bits, group=cache.group,
-        value_group=cache.value_group, scale=self.config.scale, window=self.window,
+        rows, row_pos, read.quantized, read.k_codes, read.v_codes, fp_k, fp_v, fp_pos,
+        fp_valid, bits=read.bits, group=read.group, value_group=read.value_group,
+        scale=self.config.scale, window=self.window,
         interpret=jax.default_backend() == "cpu")
     return self._project_out(_from_rows(out.astype(q.dtype), T), weights)
 
@@ -257,104 +256,46 @@ class Block(nnx.Module):
       self.post_mlp_norm = RMSNorm(D, eps, dtype)
     self.post_norms = config.post_norms
 
-  def _attention_out(self, x, q, positions, segments, quantised=None, weights=None):
-    out = self.attn.attend(q, positions, segments, quantised, weights)
-    return x + (self.post_attn_norm(out) if self.post_norms else out)
+  def _residual(self, x: jax.Array, out: jax.Array, post_norm: str) -> jax.Array:
+    """The residual rule: x + out, with gemma3's post-norm on the sub-layer's output."""
+    return x + (getattr(self, post_norm)(out) if self.post_norms else out)
 
-  def attn_sublayer(
-      self,
-      run: jax.Array | None,
-      x: jax.Array,
-      positions: jax.Array,
-      cache_k: jax.Array,
-      cache_v: jax.Array,
-      length: jax.Array,
-  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Write the tokens' K/V into the cache at `length`, then attend over the cache.
+  def attn_sublayer(self, run: jax.Array | bool | None, x: jax.Array, positions: jax.Array,
+                    layer: LayerView, weights: LayerWeights | None = None
+                    ) -> tuple[jax.Array, LayerView]:
+    """The attention sub-layer over one layer's cache view: project the tokens and write
+    their K/V where the view keeps them, then attend over everything the view reads.
 
-    Write first, read after: when a conditional read the cache and a later update wrote
-    it, XLA:CPU copied the whole layer (the tests check the compiled HLO). Each half is
-    its own `lax.cond`; a skipped sub-layer passes everything through as `false_fun`.
-    `run` None: the sub-layer always runs, without conditionals.
-    """
+    Each half is its own `lax.cond` (a skipped sub-layer passes its operands through as
+    `false_fun`; `run` None: no conditional). Only the arrays the tokens' K/V go into
+    cross the first; the cache layers a step only reads enter the second as operands.
+    A draft's quantised `weights` replace the projections."""
     B, T, _ = x.shape
     N, H = self.attn.config.num_heads, self.attn.config.head_dim
 
-    def write(x, ck, cv):
-      q, k, v = self.attn.project(self.attn_norm(x), positions)
-      rows = lambda a, c: a.transpose(0, 2, 1, 3).astype(c.dtype)  # [B, K, T, H]
-      ck = jax.lax.dynamic_update_slice_in_dim(ck, rows(k, ck), length, axis=2)
-      cv = jax.lax.dynamic_update_slice_in_dim(cv, rows(v, cv), length, axis=2)
-      return ck, cv, q
-
-    def keep(x, ck, cv):
-      return ck, cv, jnp.zeros((B, T, N, H), x.dtype)
-
-    cache_k, cache_v, q = _cond(run, write, keep, x, cache_k, cache_v)
-
-    def read(x, q, ck, cv):
-      S = ck.shape[2]
-      slots = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-      segment = Segment(ck, cv, slots, jnp.ones((B, S), jnp.bool_))  # causal mask suffices
-      return self._attention_out(x, q, positions, [segment])
-
-    x = _cond(run, read, lambda x, q, ck, cv: x, x, q, cache_k, cache_v)
-    return x, cache_k, cache_v
-
-  def attn_sublayer_reading(
-      self, run: jax.Array | None, x: jax.Array, positions: jax.Array, context: list[Segment],
-      quantised: QuantRead | None = None, weights: LayerWeights | None = None,
-  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Attend over read-only `context` (and a quantised cache layer, read by the kernel)
-    plus the tokens themselves; return the residual and the tokens' K/V rows
-    [B, K, T, H] (zeros when skipped) for the caller to keep. A draft's quantised
-    `weights` replace the projections."""
-    B, T, _ = x.shape
-    K, H = context[0].k.shape[1], context[0].k.shape[3]
-
-    def skip(x, context):
-      zeros = jnp.zeros((B, K, T, H), context[0].k.dtype)
-      return x, zeros, zeros
-
-    def compute(x, context):
+    def project(x, target):
       q, k, v = self.attn.project(self.attn_norm(x), positions, weights)
-      k = k.transpose(0, 2, 1, 3).astype(context[0].k.dtype)
-      v = v.transpose(0, 2, 1, 3).astype(context[0].v.dtype)
-      new = Segment(k, v, positions, jnp.ones(positions.shape, jnp.bool_))
-      return self._attention_out(x, q, positions, context + [new], quantised, weights), k, v
+      return q, layer.write(target, k, v)
 
-    return _cond(run, compute, skip, x, context)
+    def keep(x, target):
+      return jnp.zeros((B, T, N, H), x.dtype), target
 
-  def mlp_sublayer(self, run: jax.Array | None, x: jax.Array,
+    q, target = _cond(run, project, keep, x, layer.target)
+    layer = layer.with_target(target)
+
+    def attend(x, q, layer):
+      out = self.attn.attend(q, positions, layer.read, layer.kernel, weights)
+      return self._residual(x, out, "post_attn_norm")
+
+    return _cond(run, attend, lambda x, q, layer: x, x, q, layer), layer
+
+  def mlp_sublayer(self, run: jax.Array | bool | None, x: jax.Array,
                    weights: LayerWeights | None = None) -> jax.Array:
     """The MLP sub-layer, with the layer's own weights or a draft's quantised ones."""
     def compute(x):
-      out = self.mlp(self.mlp_norm(x), weights)
-      return x + (self.post_mlp_norm(out) if self.post_norms else out)
+      return self._residual(x, self.mlp(self.mlp_norm(x), weights), "post_mlp_norm")
 
     return _cond(run, compute, lambda x: x, x)
-
-
-@flax.struct.dataclass
-class QuantRead:
-  """Layer `layer` of a quantised cache, read at `bits` by the Pallas kernel."""
-
-  cache: QuantKVCache
-  layer: int = flax.struct.field(pytree_node=False)
-  bits: int = flax.struct.field(pytree_node=False)
-
-
-@flax.struct.dataclass
-class Segment:
-  """Keys/values an attention reads, with their absolute positions and validity."""
-
-  k: jax.Array  # [B, K, S, H]
-  v: jax.Array  # [B, K, S, H]
-  positions: jax.Array  # int32[B, S]
-  valid: jax.Array  # bool[B, S]
-  # A cache read from slot 0 whose slots [0, filled) are the valid ones (slot = position):
-  # attention may then read only a prefix that holds them.
-  filled: jax.Array | None = None
 
 
 MIN_SPAN = 256  # the shortest cache prefix attention reads
@@ -461,63 +402,21 @@ class Transformer(nnx.Module):
     prompt's real length) keeps a quantised cache from flushing padding into its codes.
     """
     plan.check(self.config.num_layers)  # shapes are static: this runs once, at trace time
-    B, T = tokens.shape
-    quantized = isinstance(cache, QuantKVCache)
-    if plan.kv_bits < 16 and not quantized:
-      raise PlanError(f"plan.kv_bits={plan.kv_bits} reads a quantised KV cache, but this one "
-                      f"is full precision: decode with a QuantKVCache (kv_cache='quant')")
-    bits = 4 if plan.kv_bits == 4 else 8  # of a quantised cache; the target reads 8
-    writing = quantized and write_cache and buffer is None
-    if writing:  # flush on the committed length's schedule, before anything reads
-      cache = cache.settle()
-    # A dense writer reads the cache as it was plus the tokens themselves, then appends:
-    # without conditionals between them, attending over the freshly written cache made
-    # XLA:CPU duplicate the write and copy every layer.
-    appending = write_cache and buffer is None and not quantized and plan.dense
-    reading = buffer is not None or not write_cache or quantized or appending
-    if reading:
-      S = cache.size
-      slots = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-      cache_valid = slots < (cache.quantized if quantized else cache.length)
-    if quantized:
-      rows = jnp.arange(2 * cache.residual, dtype=jnp.int32)
-      fp_pos = jnp.broadcast_to(cache.quantized + rows, (B, rows.size))
-      fp_valid = jnp.broadcast_to(rows < cache.buffered, (B, rows.size))
-    if buffer is not None:
-      rows = jnp.arange(buffer.size, dtype=jnp.int32)
-      buf_pos = jnp.broadcast_to(cache.length + rows, (B, buffer.size))
-      buf_valid = jnp.broadcast_to(rows < buffer.count, (B, buffer.size))
-    layer_weights = self._draft_weights(plan.weights)
     if plan.weights is not None and write_cache and buffer is None:
       raise PlanError("quantised weights are a draft's: a forward that writes the cache is "
                       "the target's and reads its own")
+    layer_weights = self._draft_weights(plan.weights)
+    writes = write_cache and buffer is None
+    view = cache.view(positions, write=writes, dense=plan.dense, bits=plan.kv_bits,
+                      valid=valid)
+    if buffer is not None:
+      view = buffer.view(view, cache.length)
     x = self.embed(tokens)
-    ks, vs, residuals = [], [], []
+    residuals = []
     for l, block in enumerate(self.blocks):
       run = plan.runs("attn", l)
-      if not reading:
-        x, k, v = block.attn_sublayer(run, x, positions, cache.k[l], cache.v[l], cache.length)
-      else:
-        read = None
-        if quantized and cache.kernel:
-          read = QuantRead(cache, l, bits)
-          context = [Segment(cache.buf_k[l], cache.buf_v[l], fp_pos, fp_valid)]
-        elif quantized:
-          context = [Segment(cache.keys(l, bits), cache.values(l, bits), slots, cache_valid),
-                     Segment(cache.buf_k[l], cache.buf_v[l], fp_pos, fp_valid)]
-        else:
-          context = [Segment(cache.k[l], cache.v[l], slots, cache_valid, filled=cache.length)]
-        if buffer is not None:
-          context.append(Segment(buffer.k[l], buffer.v[l], buf_pos, buf_valid))
-        x, k, v = block.attn_sublayer_reading(run, x, positions, context, read,
-                                              layer_weights[l])
-        if appending:  # written once this layer's read of the old cache is done
-          k, v = _after(x, [k, v])
-        if buffer is not None:
-          k = _keep_rows(buffer.k[l], k, run, buffer.count)
-          v = _keep_rows(buffer.v[l], v, run, buffer.count)
-      ks.append(k)
-      vs.append(v)
+      x, layer = block.attn_sublayer(run, x, positions, view.layer(l), layer_weights[l])
+      view.keep(l, layer, run, x)
       if return_residuals:
         residuals.append(x)
       x = block.mlp_sublayer(plan.runs("mlp", l), x, layer_weights[l])
@@ -538,47 +437,13 @@ class Transformer(nnx.Module):
         hidden=x,
         residuals=jnp.stack(residuals) if return_residuals else None,
     )
-    if buffer is not None:
-      return out, DraftBuffer(k=tuple(ks), v=tuple(vs), count=buffer.count + T)
-    if not reading:
-      cache = KVCache(k=tuple(ks), v=tuple(vs), length=cache.length + T)
-    elif appending:
-      put = lambda c, rows: jax.lax.dynamic_update_slice_in_dim(c, rows, cache.length, axis=2)
-      cache = KVCache(k=tuple(map(put, cache.k, ks)), v=tuple(map(put, cache.v, vs)),
-                      length=cache.length + T)
-    elif writing:  # every layer ran: writers use the full plan
-      cache = cache.append(ks, vs, valid, settled=True)
-    return out, cache
+    return out, view.result()
 
 
 def _shape_of(own: nnx.Param, name: str) -> tuple[int, int]:
   """A parameter's shape as the [In, Out] matrix a draft's quantised copy holds."""
   shape = own.shape
   return (shape[0], math.prod(shape[1:])) if name == "qkv" else (math.prod(shape[:-1]), shape[-1])
-
-
-def _after(dep: jax.Array, arrays: list[jax.Array]) -> list[jax.Array]:
-  """`arrays`, data-dependent on `dep` (their values unchanged when dep is finite).
-
-  XLA writes a donated cache in place only when every read of the old value is ordered
-  before the write by a data dependency; otherwise it copies the layer (an
-  `optimization_barrier` is expanded before copy insertion and does not order them).
-  Each layer's rows depend on that layer's attention output, so its read comes first
-  and its write follows at once: hanging every layer's write on the last layer's
-  output instead cost verification 17 % on SmolLM2 (T = 5, measured)."""
-  zero = 0 * dep.reshape(-1)[0]
-  return [a + zero.astype(a.dtype) for a in arrays]
-
-
-def _keep_rows(store: jax.Array, rows: jax.Array, run: jax.Array | None, at: jax.Array
-               ) -> jax.Array:
-  """Write rows[B, K, T, H] at row `at` if the sub-layer ran; else keep the stored rows."""
-  if run is None:
-    return jax.lax.dynamic_update_slice_in_dim(store, rows, at, axis=2)
-  if run is False:
-    return store
-  held = jax.lax.dynamic_slice_in_dim(store, at, rows.shape[2], axis=2)
-  return jax.lax.dynamic_update_slice_in_dim(store, jnp.where(run, rows, held), at, axis=2)
 
 
 def init_model(config: ModelConfig, seed: int = 0, dtype=jnp.float32) -> Transformer:

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import quant
+from specjax.cache_view import LayerView, QuantRead, Segment
 from specjax.config import ModelConfig
 from specjax.kv_cache import ContextOverflowError, KVCache
 from specjax.quant import Hier, QuantError
@@ -158,6 +159,15 @@ class QuantKVCache:
   def values(self, layer: int, bits: int) -> jax.Array:
     return quant.dequantize(self.v_codes[layer], axis=3, group=self.value_group, bits=bits)
 
+  def view(self, positions: jax.Array, *, write: bool, dense: bool = True, bits: int = 8,
+           valid: jax.Array | None = None) -> QuantCacheView:
+    """The decoder's view of this cache for one forward of tokens at positions[B, T]:
+    read at `bits` (4: the upper nibbles, QuantSpec's draft; 16 reads as stored, 8),
+    and, when writing (the target, every layer), settled first and appended after.
+    `valid` (a padded prompt's real length) keeps padding out of the codes."""
+    return QuantCacheView(self.settle() if write else self, positions, 4 if bits == 4 else 8,
+                          write, valid)
+
   def dense(self, bits: int = 8) -> KVCache:
     """A full-precision `KVCache` holding what a reader at `bits` sees (slots = positions,
     2R spare slots so the buffer always fits): for code written against `KVCache`, such
@@ -239,6 +249,45 @@ class QuantKVCache:
     hk, hv, bk, bv = (tuple(x) for x in zip(*out))
     return self.replace(k_codes=hk, v_codes=hv, buf_k=bk, buf_v=bv,
                         quantized=self.quantized + f, buffered=m - f)
+
+
+@dataclasses.dataclass
+class QuantCacheView:
+  """A `QuantKVCache` as the decoder reads (and the target writes) it in one forward:
+  the quantised slots — dequantised, or by the Pallas kernel — then the full-precision
+  buffer, then the tokens. A writer's rows are appended after the last layer."""
+
+  cache: QuantKVCache
+  positions: jax.Array  # [B, T]
+  bits: int
+  write: bool
+  valid: jax.Array | None
+  rows: list[tuple[jax.Array, jax.Array]] = dataclasses.field(default_factory=list)
+
+  def layer(self, l: int) -> LayerView:
+    c = self.cache
+    B, F = self.positions.shape[0], 2 * c.residual
+    rows = jnp.arange(F, dtype=jnp.int32)
+    fp = Segment(c.buf_k[l], c.buf_v[l], jnp.broadcast_to(c.quantized + rows, (B, F)),
+                 jnp.broadcast_to(rows < c.buffered, (B, F)))
+    if c.kernel:
+      read = QuantRead(c.quantized, c.k_codes[l], c.v_codes[l], self.bits, c.group,
+                       c.value_group)
+      return LayerView.reading((fp,), self.positions, read)
+    S = c.size
+    valid = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) < c.quantized, (B, S))
+    deq = Segment.slots(c.keys(l, self.bits), c.values(l, self.bits), valid)
+    return LayerView.reading((deq, fp), self.positions)
+
+  def keep(self, l: int, layer: LayerView, run, x: jax.Array) -> None:
+    if self.write:  # every layer ran: writers use the full plan
+      self.rows.append(layer.target)
+
+  def result(self) -> QuantKVCache:
+    if not self.write:
+      return self.cache
+    ks, vs = (list(r) for r in zip(*self.rows))
+    return self.cache.append(ks, vs, self.valid, settled=True)
 
 
 def _scatter_rows(dst: Hier, src: Hier, start, count, group: int, *, keys: bool) -> Hier:
