@@ -46,10 +46,10 @@ INT8_FRACTIONS = (0.5, 1.0)  # drafts with 8-bit weights (`quantize_weights_int8
 
 
 def random_plan(L: int, frac: float, rng: np.random.Generator) -> DraftPlan:
-  """Exactly round(frac * 2L) active sub-layers, chosen at random."""
+  """Exactly round(frac * 2L) active sub-layers, chosen at random (plan bits)."""
   on = np.zeros(2 * L, bool)
   on[rng.choice(2 * L, int(round(frac * 2 * L)), replace=False)] = True
-  return DraftPlan.from_masks(on[:L], on[L:])
+  return DraftPlan.from_bits(on)
 
 
 def step_ratios(m, context: int, rounds: int, steps: int, gamma: int = 4) -> dict:

@@ -28,20 +28,15 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
-from specjax.bench import (
-  data,  # noqa: E402
-  harness,
-  metrics,
-  plots,
-)
+from specjax.bench import data, harness, metrics, plots  # noqa: E402
 from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
 from specjax.bench.harness import RunSettings  # noqa: E402
 from specjax.bench.results_store import ResultsStore  # noqa: E402
 from specjax.decode.engine import speculative_generate  # noqa: E402
 from specjax.drafters import StaticDrafter  # noqa: E402
 from specjax.models.loader import load_model  # noqa: E402
-from specjax.selection import profiler
-from specjax.selection.layer_probe import bits_to_plan  # noqa: E402
+from specjax.plan import DraftPlan  # noqa: E402
+from specjax.selection import profiler  # noqa: E402
 
 SPEC_CATEGORIES = ("writing", "qa", "math_reasoning", "translation", "summarization", "rag")
 
@@ -108,7 +103,7 @@ def tpt_correlation(model, ids, sel: dict, args, ar_tps: float) -> dict:
   rows = []
   for i in take:
     c = cands[i]
-    d = FixedDrafter(bits_to_plan(np.asarray(c["bits"], bool)), gamma=c["gamma"])
+    d = FixedDrafter(DraftPlan.from_bits(np.asarray(c["bits"], bool)), gamma=c["gamma"])
     g = speculative_generate(model.graphdef, model.state, model.config, ids, d,
                              max_new_tokens=args.max_new_tokens, gamma=args.gamma)
     rows.append(dict(budget=c["budget"], gamma=c["gamma"], alpha_hat=c["alpha"],

@@ -3,6 +3,11 @@
 A plan is a pytree of traced arrays, not a static argument: changing which layers are
 skipped between rounds never recompiles. Later methods add fields (KV precision, vocab
 shortlist) without changing the forward pass signature.
+
+Plan bits, the one flat form of a plan's masks (searches, DP items, saved records,
+experiments): bool[2L] in sub-layer order attn_0, mlp_0, attn_1, mlp_1, ... — the order
+of the residuals a forward returns — True where the sub-layer runs. Sub-layer i is
+layer i // 2, attention when i is even. `DraftPlan.to_bits` / `from_bits` convert.
 """
 
 from __future__ import annotations
@@ -83,6 +88,21 @@ class DraftPlan:
     if attn_np.shape != mlp_np.shape:
       raise PlanError(f"attn has {attn_np.size} layers but mlp has {mlp_np.size}")
     return cls(attn=jnp.asarray(attn_np), mlp=jnp.asarray(mlp_np))
+
+  @classmethod
+  def from_bits(cls, bits: Sequence[bool]) -> DraftPlan:
+    """The plan of plan bits (module docstring: sub-layer order, True = runs)."""
+    arr = _as_mask(bits, "plan bits")
+    if arr.size % 2:
+      raise PlanError(f"plan bits hold two per layer (attn_0, mlp_0, attn_1, ...), got "
+                      f"{arr.size}")
+    return cls.from_masks(arr[0::2], arr[1::2])
+
+  def to_bits(self) -> np.ndarray:
+    """This plan's masks as plan bits (host-side)."""
+    bits = np.empty(2 * self.num_layers, bool)
+    bits[0::2], bits[1::2] = np.asarray(self.attn), np.asarray(self.mlp)
+    return bits
 
   @classmethod
   def from_skips(

@@ -89,6 +89,22 @@ def test_swift_changes_plan_without_recompiling():
   assert out.tokens == ar_tokens("qwen3")
 
 
+def test_swift_replays_from_its_state():
+  """All of SWIFT's randomness is a jax key in its state: one seed proposes the same plans
+  every time, and a finished generation's state, continued twice as a prior, gives the
+  same run twice (continuing from it never changes it)."""
+  plans = lambda out: [p.to_json() for p in out.plans]
+  drafter = SwiftDrafter(trials=60, bo_every=5, window=16, seed=3)
+  first = ssd("qwen3", drafter, gamma=3, keep_plans=True)
+  assert plans(first) == plans(ssd("qwen3", drafter, gamma=3, keep_plans=True))
+  prior = first.drafter_state
+  runs = [ssd("qwen3", drafter, gamma=3, keep_plans=True, drafter_state=prior) for _ in "ab"]
+  assert plans(runs[0]) == plans(runs[1])
+  assert prior.trials == first.drafter_state.trials and runs[0].drafter_state.trials > prior.trials
+  for bits in prior.xs:  # plan bits: the first and last layers always run
+    assert bits[:2].all() and bits[-2:].all()
+
+
 def test_self_sd_search_finds_a_plan_and_is_lossless(tmp_path):
   config, graphdef, state = target("gemma3")
   res = self_sd.search(graphdef, state, config, [PROMPT, list(range(40, 70))], iterations=12,

@@ -24,9 +24,7 @@ from specjax.sampling import SamplingParams
 from specjax.selection.layer_dp import run_dp, sublayer_items
 from specjax.selection.layer_probe import (
   Window,
-  bits_to_plan,
   full_residuals,
-  plan_to_bits,
   run_sublayers,
 )
 
@@ -67,7 +65,7 @@ def trajectories(arch="llama", layers=3, W=3):
   config, graphdef, state, cache, window = setup(arch, layers, W)
   out = {}
   for bits in itertools.product([False, True], repeat=2 * layers):
-    plan = bits_to_plan(np.asarray(bits))
+    plan = DraftPlan.from_bits(np.asarray(bits))
     rows = [_one_token(state, cache, window.tokens[w], window.positions[w], plan,
                        graphdef=graphdef) for w in range(W)]
     out[bits] = (np.stack([np.asarray(r[0]) for r in rows], 1),
@@ -201,4 +199,4 @@ def test_new_states_weights_and_windows_do_not_recompile():
 
 def test_plan_bits_round_trip():
   plan = DraftPlan.from_skips(4, [1, 3], [0])
-  assert bits_to_plan(plan_to_bits(plan)).to_json() == plan.to_json()
+  assert DraftPlan.from_bits(plan.to_bits()).to_json() == plan.to_json()

@@ -19,7 +19,7 @@ import numpy as np
 from specjax.drafters.base import Drafter
 from specjax.plan import DraftPlan, PlanError
 from specjax.selection.layer_dp import run_dp, sublayer_items
-from specjax.selection.layer_probe import Window, bits_to_plan, prompt_window, push_round
+from specjax.selection.layer_probe import Window, prompt_window, push_round
 
 
 @dataclasses.dataclass
@@ -71,5 +71,5 @@ class ClaspDrafter(Drafter):
                    np.ones(L, np.int32), -1.0, graphdef=session.graphdef,
                    items=sublayer_items(L, coupled=True), slots=skip + 1, agreement=False)
     bits = np.asarray(jax.device_get(cands.bits[skip]))
-    return dataclasses.replace(state, plan=bits_to_plan(bits), rounds=0,
+    return dataclasses.replace(state, plan=DraftPlan.from_bits(bits), rounds=0,
                                plans=state.plans + [bits])

@@ -39,7 +39,7 @@ from specjax.drafters.base import Drafter
 from specjax.jit_cache import compile_seconds
 from specjax.plan import DraftPlan
 from specjax.selection.layer_dp import run_dp, sublayer_items
-from specjax.selection.layer_probe import Window, bits_to_plan, prompt_window, push_round
+from specjax.selection.layer_probe import Window, prompt_window, push_round
 from specjax.selection.profiler import LatencyProfile, ProfileMismatchError
 
 
@@ -212,7 +212,7 @@ class KnapSpecDrafter(Drafter):
     sel = Selection(round=state.total_rounds, context=len(session.context),
                     chosen_bits=chosen, gamma=gamma, predicted_tpt=best_tpt,
                     candidates=records)
-    return dataclasses.replace(state, plan=bits_to_plan(chosen), bits=chosen, gamma=gamma,
+    return dataclasses.replace(state, plan=DraftPlan.from_bits(chosen), bits=chosen, gamma=gamma,
                                rounds=0,
                                selections=state.selections + [sel], dp_seconds=dp_seconds,
                                since_s=0.0)

@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from specjax.drafters.base import Drafter
 from specjax.plan import DraftPlan
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SwiftState:
   best: DraftPlan
   best_score: float
   trials: int
-  xs: list  # candidate bit vectors (for BO)
-  ys: list  # their scores
-  rng: np.random.Generator
+  xs: tuple[np.ndarray, ...]  # candidate plan bits (for BO)
+  ys: tuple[float, ...]  # their scores
+  key: jax.Array  # trial t draws from fold_in(key, t): a state replays exactly
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,28 +39,29 @@ class SwiftDrafter(Drafter):
   seed: int = 0
 
   def _skippable(self, L: int) -> np.ndarray:
-    """Sub-layer indices (attention 0..L-1, MLP L..2L-1) that may be skipped."""
-    idx = np.arange(2 * L)
-    layer = idx % L
-    return idx[(layer != 0) & (layer != L - 1)]
+    """Plan-bit indices (sub-layer order, `plan.py`) that may be skipped: all but the
+    first and the last layer's."""
+    layer = np.arange(2 * L) // 2
+    return np.flatnonzero((layer != 0) & (layer != L - 1))
 
-  def _bits_to_plan(self, bits: np.ndarray) -> DraftPlan:
-    L = bits.size // 2
-    return DraftPlan.from_masks(~bits[:L], ~bits[L:])
+  def _budget(self, L: int) -> int:
+    return int(round(self.skip_ratio * self._skippable(L).size))
 
-  def _random_bits(self, L: int, rng: np.random.Generator) -> np.ndarray:
+  def _random_bits(self, L: int, key: jax.Array) -> np.ndarray:
+    """Plan bits skipping a random `skip_ratio` of the skippable sub-layers."""
     cand = self._skippable(L)
-    bits = np.zeros(2 * L, bool)
-    bits[rng.choice(cand, int(round(self.skip_ratio * cand.size)), replace=False)] = True
+    bits = np.ones(2 * L, bool)
+    bits[np.asarray(jax.random.permutation(key, cand))[: self._budget(L)]] = False
     return bits
 
   def init(self, session, prior: SwiftState | None = None) -> SwiftState:
     if prior is not None:  # keep optimising where the previous prompt stopped
       return dataclasses.replace(prior, best_score=-1.0 if prior.trials < self.trials else
                                  prior.best_score)
-    rng = np.random.default_rng(self.seed)
-    bits = self._random_bits(session.config.num_layers, rng)
-    return SwiftState(self._bits_to_plan(bits), -1.0, 0, [], [], rng)
+    key = jax.random.key(self.seed)
+    start = jax.random.fold_in(key, 1 << 30)  # a stream apart from the trials'
+    bits = self._random_bits(session.config.num_layers, start)
+    return SwiftState(DraftPlan.from_bits(bits), -1.0, 0, (), (), key)
 
   def plan(self, state: SwiftState) -> DraftPlan:
     return state.best
@@ -72,25 +74,26 @@ class SwiftDrafter(Drafter):
       score = session.score(state.best, self.window)
       if score is None:
         return state
-      best_bits = np.concatenate([~np.asarray(state.best.attn), ~np.asarray(state.best.mlp)])
-      state = dataclasses.replace(state, best_score=score, xs=[best_bits], ys=[score])
+      state = dataclasses.replace(state, best_score=score, xs=(state.best.to_bits(),),
+                                  ys=(score,))
+    key = jax.random.fold_in(state.key, state.trials)
     if state.trials > 0 and state.trials % self.bo_every == 0:
-      bits = self._bo_proposal(state, L)
+      bits = self._bo_proposal(state, L, key)
     else:
-      bits = self._random_bits(L, state.rng)
-    cand = self._bits_to_plan(bits)
+      bits = self._random_bits(L, key)
+    cand = DraftPlan.from_bits(bits)
     score = session.score(cand, self.window)
-    xs, ys = state.xs + [bits], state.ys + [score]
     best, best_score = state.best, state.best_score
     if score > best_score:
       best, best_score = cand, score
     return dataclasses.replace(state, best=best, best_score=best_score,
-                               trials=state.trials + 1, xs=xs, ys=ys)
+                               trials=state.trials + 1, xs=state.xs + (bits,),
+                               ys=state.ys + (score,))
 
-  def _bo_proposal(self, state: SwiftState, L: int) -> np.ndarray:
-    """Gaussian-process UCB over the scored skip sets, with the same skip budget."""
+  def _bo_proposal(self, state: SwiftState, L: int, key: jax.Array) -> np.ndarray:
+    """Gaussian-process UCB over the scored plans, with the same skip budget."""
     from specjax.selection.bayes import suggest_bits
 
+    seed = int(jax.random.randint(key, (), 0, 1 << 30))
     return suggest_bits(np.asarray(state.xs), np.asarray(state.ys), self._skippable(L),
-                        int(round(self.skip_ratio * self._skippable(L).size)),
-                        seed=int(state.rng.integers(1 << 31)))
+                        self._budget(L), seed=seed)

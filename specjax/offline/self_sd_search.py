@@ -84,7 +84,7 @@ def search(
     seed: int = 0,
     verbose: bool = True,
 ) -> SearchResult:
-  """BO over the 2L skip bits; random skip sets first, then GP-UCB proposals.
+  """BO over the 2L plan bits (`plan.py`); random skip sets first, then GP-UCB proposals.
 
   Candidates skipping fewer than `min_skip` of the sub-layers are scored for the GP but
   never chosen: with a verification that costs about one full step, the full model
@@ -99,16 +99,16 @@ def search(
   best = SearchResult(DraftPlan.first_layers(L, L // 2), -1.0, 0.0, 1.0, [])
   for it in tqdm(range(iterations), desc="self_sd search", disable=not verbose):
     if it < init_points:
-      bits = rng.random(2 * L) < rng.uniform(0.2, 0.6)
+      bits = rng.random(2 * L) >= rng.uniform(0.2, 0.6)  # runs: skips each with p
     else:
       bits = bo.ask()
-    plan = DraftPlan.from_masks(~bits[:L], ~bits[L:])
+    plan = DraftPlan.from_bits(bits)
     alpha = plan_agreement(graphdef, state, seqs, plan)
     cost = draft_cost(config, plan)
     value = expected_speedup(alpha, gamma, cost)
     bo.tell(bits, value)
     best.history.append({"iteration": it, "alpha": alpha, "cost": cost, "objective": value,
-                         "skipped": int(bits.sum())})
-    if bits.mean() >= min_skip and value > best.objective:
+                         "skipped": int((~bits).sum())})
+    if (~bits).mean() >= min_skip and value > best.objective:
       best = SearchResult(plan, value, alpha, cost, best.history)
   return best

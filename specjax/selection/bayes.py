@@ -1,4 +1,4 @@
-"""Bayesian optimisation over skip bits with the `bayesian-optimization` package (as
+"""Bayesian optimisation over plan bits (`plan.py`) with the `bayesian-optimization` package (as
 Draft&Verify did): each sub-layer gets a coordinate in [0, 1], > 0.5 means skip."""
 
 from __future__ import annotations
@@ -47,26 +47,30 @@ def _suggest(opt) -> np.ndarray:
 
 def suggest_bits(xs: np.ndarray, ys: np.ndarray, skippable: np.ndarray, budget: int,
                  seed: int = 0) -> np.ndarray:
-  """A new skip set of exactly `budget` skippable sub-layers, from a GP fitted to (xs, ys).
+  """Plan bits (`plan.py`) skipping exactly `budget` of the `skippable` sub-layers, from a
+  GP fitted to plan bits xs[n, 2L] and their scores ys[n].
 
-  The GP's suggestion is continuous; the `budget` highest coordinates are skipped, so the
-  proposal has the same cost as the random ones it competes with.
+  The GP's variables are the skippable sub-layers' skip indicators; its suggestion is
+  continuous, and the `budget` highest coordinates are skipped, so the proposal has the
+  same cost as the random ones it competes with.
   """
   opt = _optimizer(skippable.size, seed)
   seen = set()
   for bits, y in zip(xs, ys):
-    if bits[skippable].tobytes() in seen:
+    skips = ~bits[skippable]
+    if skips.tobytes() in seen:
       continue
-    seen.add(bits[skippable].tobytes())
-    opt.register({f"x{i:03d}": float(bits[j]) for i, j in enumerate(skippable)}, float(y))
+    seen.add(skips.tobytes())
+    opt.register({f"x{i:03d}": float(b) for i, b in enumerate(skips)}, float(y))
   x = _suggest(opt)
-  out = np.zeros(xs.shape[1], bool)
-  out[skippable[np.argsort(-x)[:budget]]] = True
+  out = np.ones(xs.shape[1], bool)
+  out[skippable[np.argsort(-x)[:budget]]] = False
   return out
 
 
 class BitSearch:
-  """Ask / tell BO over free skip bits (no fixed budget): > 0.5 skips."""
+  """Ask / tell BO over plan bits with no fixed budget: the GP's variables are skip
+  indicators, and a coordinate above 0.5 skips that sub-layer."""
 
   def __init__(self, dims: int, seed: int = 0):
     self.dims = dims
@@ -74,10 +78,11 @@ class BitSearch:
     self._seen: set[bytes] = set()
 
   def ask(self) -> np.ndarray:
-    return _suggest(self._opt) > 0.5
+    return ~(_suggest(self._opt) > 0.5)
 
   def tell(self, bits: np.ndarray, value: float) -> None:
-    if bits.tobytes() in self._seen:  # the GP gains nothing from a repeated point
+    skips = ~np.asarray(bits, bool)
+    if skips.tobytes() in self._seen:  # the GP gains nothing from a repeated point
       return
-    self._seen.add(bits.tobytes())
-    self._opt.register({f"x{i:03d}": float(b) for i, b in enumerate(bits)}, float(value))
+    self._seen.add(skips.tobytes())
+    self._opt.register({f"x{i:03d}": float(b) for i, b in enumerate(skips)}, float(value))

@@ -8,7 +8,7 @@ sees. The tokens of a window are therefore independent of each other, and a batc
 candidates is a `vmap` over states with the cache shared (read once, never written).
 
 Sub-layer i of a model with L layers: layer i // 2, attention if i is even, MLP if odd —
-the order of the residuals the forward returns ([attn_0, mlp_0, attn_1, ...]).
+the order of the residuals the forward returns and of plan bits (`plan.py`).
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.cache_view import LayerView, Segment
 from specjax.jit_cache import compiled
 from specjax.kv_cache import KVCache
 from specjax.model import Block, Transformer
 from specjax.plan import DraftPlan
-
-_NEG_INF = -1e30
 
 
 @flax.struct.dataclass
@@ -43,33 +42,23 @@ class Window:
 
 def attention_probe(block: Block, x: jax.Array, positions: jax.Array, cache_k: jax.Array,
                     cache_v: jax.Array) -> jax.Array:
-  """x[W, D] -> x + attention(x): token w attends to cache slots < positions[w] and to
-  itself (cache_k/v: [1, K, S, H], the verified cache of this layer)."""
-  attn = block.attn
-  cfg = attn.config
-  W = x.shape[0]
-  N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  q, k, v = attn.project(block.attn_norm(x[None]), positions[None])
-  qg = q[0].reshape(W, K, N // K, H)
-  ck, cv = cache_k[0].astype(x.dtype), cache_v[0].astype(x.dtype)  # [K, S, H]
-  s_ctx = jnp.einsum("wkgh,ksh->wkgs", qg, ck) * cfg.scale
-  s_self = jnp.einsum("wkgh,wkh->wkg", qg, k[0]) * cfg.scale
-  slot = jnp.arange(ck.shape[1], dtype=jnp.int32)
-  ok = slot[None, :] < positions[:, None]  # [W, S]
-  if attn.window is not None:
-    ok &= positions[:, None] - slot[None, :] < attn.window
-  s_ctx = jnp.where(ok[:, None, None], s_ctx.astype(jnp.float32), _NEG_INF)
-  p = jax.nn.softmax(jnp.concatenate([s_ctx, s_self[..., None].astype(jnp.float32)], -1), -1)
-  p = p.astype(x.dtype)
-  out = jnp.einsum("wkgs,ksh->wkgh", p[..., :-1], cv) + p[..., -1:] * v[0][:, :, None, :]
-  out = jnp.einsum("wnh,nhd->wd", out.reshape(W, N, H), attn.o[...])
-  return x + (block.post_attn_norm(out) if block.post_norms else out)
+  """x[W, D] -> the model's own attention sub-layer on each of the W tokens, token w
+  reading the verified cache slots < positions[w] and itself (cache_k/v: [1, K, S, H],
+  one layer of the verified cache): each token a batch of one, vmapped over W."""
+  S = cache_k.shape[2]
+
+  def one(x, p):
+    valid = jnp.arange(S, dtype=jnp.int32)[None] < p
+    layer = LayerView.reading((Segment.slots(cache_k, cache_v, valid),), p[None, None])
+    out, _ = block.attn_sublayer(None, x[None, None], p[None, None], layer)
+    return out[0, 0]
+
+  return jax.vmap(one)(x, positions)
 
 
 def mlp_probe(block: Block, x: jax.Array) -> jax.Array:
-  """x[W, D] -> x + mlp(x)."""
-  out = block.mlp(block.mlp_norm(x))
-  return x + (block.post_mlp_norm(out) if block.post_norms else out)
+  """x[W, D] -> the model's own MLP sub-layer."""
+  return block.mlp_sublayer(None, x)
 
 
 def run_sublayers(model: Transformer, sublayers: tuple[int, ...], x: jax.Array,
@@ -96,18 +85,6 @@ def window_cosine(x: jax.Array, target: jax.Array, valid: jax.Array) -> jax.Arra
   cos = dot / jnp.maximum(norms, 1e-12)
   w = valid.astype(jnp.float32)
   return jnp.sum(cos * w, axis=-1) / jnp.maximum(jnp.sum(w), 1.0)
-
-
-def bits_to_plan(bits: np.ndarray) -> DraftPlan:
-  """bool[2L] in sub-layer order (attn_0, mlp_0, attn_1, ...) -> DraftPlan."""
-  bits = np.asarray(bits, bool)
-  return DraftPlan.from_masks(bits[0::2], bits[1::2])
-
-
-def plan_to_bits(plan: DraftPlan) -> np.ndarray:
-  bits = np.empty(2 * plan.num_layers, bool)
-  bits[0::2], bits[1::2] = np.asarray(plan.attn), np.asarray(plan.mlp)
-  return bits
 
 
 def _residuals_fn(state, cache, tokens, start, *, graphdef):
