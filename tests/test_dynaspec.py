@@ -168,8 +168,10 @@ def test_bad_router_settings_are_clear_errors():
   b, _ = bundle()
   with pytest.raises(ValueError, match="k_max = 9 clusters, but there are only 8"):
     DynaSpecDrafter(RouterBundle(b.model, b.router, b.clusters, 9, 64))
-  with pytest.raises(ValueError, match="needs a trained router"):
+  with pytest.raises(TypeError, match="'bundle'"):  # a required constructor argument
     DynaSpecDrafter()
+  with pytest.raises(ValueError, match="needs a trained router"):
+    DynaSpecDrafter(None)
   other = tiny_config("llama", num_layers=4, vocab_size=120)
   g, s = nnx.split(init_model(other, seed=0))
   with pytest.raises(RouterMismatchError, match="covers 97 tokens"):

@@ -227,8 +227,10 @@ def test_weights_only_in_a_draft_and_only_8_bit_ones_in_the_overlay():
   with pytest.raises(PlanError, match="a forward that writes the cache is the target's"):
     apply(model.state, cache, tokens, positions_for(cache, 3, 1),
           DraftPlan.full(6).replace(weights=w8), graphdef=model.graphdef)
-  with pytest.raises(PlanError, match="Int8WeightsDrafter.for_model"):
+  with pytest.raises(TypeError, match="'weights'"):  # a required constructor argument
     Int8WeightsDrafter()
+  with pytest.raises(PlanError, match="Int8WeightsDrafter.for_model"):
+    Int8WeightsDrafter(None)
   w4 = quant.quantize_mlp_weights(model.state, model.config.num_layers, 32)
   with pytest.raises(PlanError, match="needs 8-bit weights"):
     Int8WeightsDrafter(weights=w4)

@@ -166,8 +166,10 @@ def test_bad_settings_are_clear_errors():
   for tau in (0.0, -0.1, 1.5):
     with pytest.raises(ValueError, match="tau must be in"):
       KnapSpecDrafter(profile=p, tau=tau)
-  with pytest.raises(ValueError, match="needs a latency profile"):
+  with pytest.raises(TypeError, match="'profile'"):  # a required constructor argument
     KnapSpecDrafter()
+  with pytest.raises(ValueError, match="needs a latency profile"):
+    KnapSpecDrafter(profile=None)
   with pytest.raises(ValueError, match="objective"):
     KnapSpecDrafter(profile=p, objective="speed")
   with pytest.raises(ProfileMismatchError, match="8 layers"):

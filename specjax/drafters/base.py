@@ -1,12 +1,18 @@
-"""The drafter protocol: a drafter is hyper-parameters plus pure functions over its state.
+"""The drafter contract: a drafter is hyper-parameters plus pure functions over its state.
 
     state = drafter.init(session, prior)    # once, after prefill
     plan = drafter.plan(state)              # before each round
     state = drafter.update(state, out, session)   # after each round
 
-No hidden state lives in the drafter object, so strategies compose and a run can be
-replayed. `session` gives read-only access to the model, the verified cache and the
-committed tokens, e.g. to score candidate plans by agreement (`session.score`).
+No hidden state lives in the drafter object, and any randomness is a `jax.random` key in
+the state, so strategies compose and a run can be replayed. `session` gives read-only
+access to the model, the verified cache and the committed tokens, e.g. to score
+candidate plans by agreement (`session.score`).
+
+What a drafter needs (a plan, a profile, a library, a shortlist, quantised weights) is a
+constructor argument, or comes from one documented factory (`for_model`). What composes
+— `threshold`, `draft_length` / `own_gamma`, `wants_residuals`, `kv_cache`, `adaptive`, and
+the plan fields an overlay sets — an overlay passes through from its base (`overlay.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from specjax.plan import DraftPlan
 class Drafter(abc.ABC):
   name: ClassVar[str]
   wants_residuals: ClassVar[bool] = False  # ask the engine for verify-pass residuals
-  threshold: ClassVar[float] = 0.8  # draft early stop: top-1 prob below this (Self-SD's)
+  # Its draft early stop: a draft step whose top-1 probability falls below this ends the
+  # round (Self-SD's 0.8). Read it as `threshold`, which overlays take from their base.
+  early_stop: ClassVar[float] = 0.8
   kv_cache: ClassVar = None  # the KV cache it needs: None (full precision) or a QuantKV
   # Its plan or draft length changes between rounds (`update` does work): the engine
   # then runs rounds from the host. A drafter whose plan is fixed once `init` has run
@@ -31,6 +39,11 @@ class Drafter(abc.ABC):
   # It chooses each round's draft length itself (`draft_length`, KnapSpec): callers that
   # pick γ from measured costs (`specjax bench --auto-gamma`) leave it alone.
   own_gamma: ClassVar[bool] = False
+
+  @property
+  def threshold(self) -> float:
+    """The draft early-stop threshold the engine uses unless the caller sets one."""
+    return self.early_stop
 
   @abc.abstractmethod
   def init(self, session, prior: Any = None) -> Any:

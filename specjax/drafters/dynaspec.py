@@ -12,15 +12,16 @@ from __future__ import annotations
 import dataclasses
 
 from specjax.drafters.base import Drafter
-from specjax.drafters.head import HeadDrafter
+from specjax.drafters.overlay import OverlayDrafter
 from specjax.offline.router import RouterBundle, RouterMismatchError
 from specjax.plan import DraftPlan
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class DynaSpecDrafter(HeadDrafter):
+class DynaSpecDrafter(OverlayDrafter):
   name = "dynaspec"
-  bundle: RouterBundle | None = None
+  fields = ("vocab", "router")  # the draft head's (FR-Spec's too: one head at a time)
+  bundle: RouterBundle  # `offline.router.load_bundle`, or `specjax router train`
   base: Drafter | None = None
   positions: int = 8  # draft positions with their own k (later ones reuse the last)
 
@@ -32,7 +33,7 @@ class DynaSpecDrafter(HeadDrafter):
     if not 1 <= self.bundle.k_max <= M:
       raise ValueError(f"k_max = {self.bundle.k_max} clusters, but there are only {M}")
 
-  def head_plan(self, session) -> DraftPlan:
+  def overlay_plan(self, session) -> DraftPlan:
     cfg, c = session.config, self.bundle.clusters
     if c.assignment.size != cfg.vocab_size or c.centroids.shape[1] != cfg.embed_dim:
       raise RouterMismatchError(

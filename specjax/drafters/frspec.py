@@ -16,23 +16,24 @@ import dataclasses
 import numpy as np
 
 from specjax.drafters.base import Drafter
-from specjax.drafters.head import HeadDrafter
+from specjax.drafters.overlay import OverlayDrafter
 from specjax.plan import DraftPlan
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class FRSpecDrafter(HeadDrafter):
+class FRSpecDrafter(OverlayDrafter):
   """A static shortlist on the base drafter's plan (the full model when `base` is None)."""
 
   name = "frspec"
-  shortlist: np.ndarray | None = None  # vocabulary ids
+  fields = ("vocab", "router")  # the draft head's (DynaSpec's too: one head at a time)
+  shortlist: np.ndarray  # vocabulary ids: `offline.token_counts.frequent_shortlist`
   base: Drafter | None = None
 
   def __post_init__(self):
     if self.shortlist is None:
       raise ValueError("frspec needs a shortlist (see offline.token_counts.frequent_shortlist)")
 
-  def head_plan(self, session) -> DraftPlan:
+  def overlay_plan(self, session) -> DraftPlan:
     cfg = session.config
     return DraftPlan.full(cfg.num_layers).with_shortlist(self.shortlist, cfg.vocab_size,
                                                          cfg.eos_ids)

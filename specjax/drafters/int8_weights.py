@@ -28,8 +28,8 @@ class Int8WeightsDrafter(OverlayDrafter):
   name = "8bit"
   fields = ("weights",)
   # Alone, its drafts agree with the target on nearly every token: draft a fixed γ.
-  own_threshold: ClassVar[float] = 0.0
-  weights: DraftWeights | None = None  # from `for_model`
+  early_stop: ClassVar[float] = 0.0
+  weights: DraftWeights  # 8-bit copies of the target's matrices: `for_model`
   base: Drafter | None = None
 
   def __post_init__(self):

@@ -90,9 +90,9 @@ def slots_for(weights: np.ndarray, bucket: int = 16) -> int:
 class KnapSpecDrafter(Drafter):
   name = "knapspec"
   wants_residuals: ClassVar[bool] = True
-  threshold: ClassVar[float] = 0.7  # KnapSpec's draft early exit
+  early_stop: ClassVar[float] = 0.7  # KnapSpec's draft early exit
   own_gamma: ClassVar[bool] = True  # picks (plan, γ) by predicted tokens per second
-  profile: LatencyProfile | None = None
+  profile: LatencyProfile  # `profiler.load_profile`, or `specjax profile`
   # Verified tokens scored, the newest (the paper: those of the last m = 5 rounds). The
   # DP runs (budgets × window) token-states through the model: cheap on a GPU, but
   # compute-bound on a CPU, where it sets the selection cost (see BENCHMARKS.md).

@@ -28,7 +28,7 @@ class KNNState:
 class KNNDrafter(Drafter):
   name = "knn"
   adaptive = False
-  library: SkipLibrary = None  # type: ignore[assignment]
+  library: SkipLibrary  # `knn_library.load_library`, or `specjax knn build`
 
   def __post_init__(self):
     if self.library is None:

@@ -1,10 +1,13 @@
 """Drafters that set some fields of the plan on top of any layer drafter.
 
 An overlay contributes fields of the plan (a shortlist, a router, a KV precision,
-quantised weights) and leaves the layers, the draft length, the KV cache it needs and the
-per-round updates to its `base` drafter (the full model when there is none). So KnapSpec × DynaSpec is
-`DynaSpecDrafter(bundle, KnapSpecDrafter(...))`, and KnapSpec × QuantSpec
-`QuantSpecDrafter.for_model(model, base=KnapSpecDrafter(...))`.
+quantised weights) and passes everything else through from its `base` drafter (the full
+model when there is none): the layers, the draft length, the early-stop threshold, the
+residuals it asks for, the KV cache it needs and the per-round updates. So KnapSpec ×
+DynaSpec is `DynaSpecDrafter(bundle, KnapSpecDrafter(...))`, and KnapSpec × QuantSpec
+`QuantSpecDrafter.for_model(model, base=KnapSpecDrafter(...))`. Over another overlay that
+sets the same field, the outer one's value is the draft's (8-bit weights over QuantSpec:
+its cache, 8-bit matmuls); the drafter factory refuses such names as ambiguous.
 """
 
 from __future__ import annotations
@@ -53,10 +56,9 @@ class OverlayDrafter(Drafter):
     return self.base.kv_cache if self.base else None
 
   @property
-  def threshold(self) -> float:  # type: ignore[override]
-    return self.base.threshold if self.base else type(self).own_threshold
-
-  own_threshold: ClassVar[float] = Drafter.threshold  # without a base
+  def threshold(self) -> float:
+    """The base's; this overlay's own `early_stop` only when it drafts alone."""
+    return self.base.threshold if self.base else self.early_stop
 
   def init(self, session, prior=None) -> OverlayState:
     plan = self.overlay_plan(session)

@@ -35,7 +35,7 @@ def default_weight_bits() -> int:
 class QuantSpecDrafter(OverlayDrafter):
   name = "quantspec"
   fields = ("kv_bits", "weights")
-  own_threshold: ClassVar[float] = 0.0  # QuantSpec drafts a fixed γ: its drafts are close
+  early_stop: ClassVar[float] = 0.0  # QuantSpec drafts a fixed γ: its drafts are close
   weights: DraftWeights | None = None  # 4- or 8-bit (`for_model`); None: the target's
   base: Drafter | None = None
   kv_cache: QuantKV = QuantKV()

@@ -14,7 +14,7 @@ from specjax.plan import DraftPlan, PlanError
 class StaticDrafter(Drafter):
   name = "static"
   adaptive = False
-  fixed: DraftPlan = None  # type: ignore[assignment]
+  fixed: DraftPlan
 
   def init(self, session, prior=None) -> DraftPlan:
     return self.fixed.check(session.config.num_layers)
