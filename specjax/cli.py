@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from specjax.models.registry import DEFAULT_MODEL, MODELS, MissingWeightsError, UnknownModelError
+from specjax.errors import ConfigError, SpecjaxError
+from specjax.models.registry import DEFAULT_MODEL, MODELS
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -33,7 +34,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
   sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
   if not args.prompt.strip():
-    raise ValueError("the prompt is empty")
+    raise ConfigError("the prompt is empty")
   options = _options(args.option)
   if args.drafter:
     from specjax.bench import drafter_factory
@@ -124,7 +125,7 @@ def _options(pairs: list[str] | None) -> dict[str, dict]:
     key, sep, value = pair.partition("=")
     part, dot, name = key.partition(".")
     if not sep or not dot or not part or not name:
-      raise ValueError(f"--option {pair!r}: expected DRAFTER.OPTION=VALUE (knapspec.tau=0.3)")
+      raise ConfigError(f"--option {pair!r}: expected DRAFTER.OPTION=VALUE (knapspec.tau=0.3)")
     try:
       parsed = json.loads(value)
     except ValueError:
@@ -175,7 +176,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
   lengths = tuple(int(n) for n in args.lengths.split(",") if n)
   if not lengths or min(lengths) < args.gamma + 8:
-    raise ValueError(f"--lengths must be cache sizes above {args.gamma + 8}, got {args.lengths}")
+    raise ConfigError(f"--lengths must be cache sizes above {args.gamma + 8}, got {args.lengths}")
   model = load_model(args.model, dtype=args.dtype)
   prof = profiler.measure(model, lengths=lengths, gamma=args.gamma, repeats=args.repeats)
   path = profiler.save_profile(prof, args.out)
@@ -196,7 +197,7 @@ def _cmd_router_train(args: argparse.Namespace) -> int:
   from specjax.offline import shortlists
 
   if not 1 <= args.k_max <= args.clusters:
-    raise ValueError(f"--k-max must be in 1..--clusters ({args.clusters}), got {args.k_max}")
+    raise ConfigError(f"--k-max must be in 1..--clusters ({args.clusters}), got {args.k_max}")
   model = load_model(args.model)
   out = Path(args.out or cache_root() / "shortlists" / model.name)
   counts, bundle, curves = shortlists.build(
@@ -389,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   try:
     return args.func(args)
-  except (UnknownModelError, MissingWeightsError, ValueError, FileNotFoundError, KeyError) as err:
+  except SpecjaxError as err:  # the user's to fix: the message says how; anything else is a bug
     print(f"specjax: error: {err}", file=sys.stderr)
     return 2
 

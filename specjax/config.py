@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from specjax.errors import ConfigError
+
 Arch = Literal["llama", "qwen2", "qwen3", "gemma3"]
 
 
@@ -44,11 +46,11 @@ class ModelConfig:
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(
+      raise ConfigError(
           f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
       )
     if self.head_dim % 2:
-      raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+      raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
 
   @property
   def num_sublayers(self) -> int:
@@ -106,4 +108,4 @@ def tiny_config(arch: Arch, *, num_layers: int = 4, vocab_size: int = 97) -> Mod
         sliding_window=8,
         global_every=2,
     )
-  raise ValueError(f"unknown architecture {arch!r}; expected llama, qwen2, qwen3 or gemma3")
+  raise ConfigError(f"unknown architecture {arch!r}; expected llama, qwen2, qwen3 or gemma3")

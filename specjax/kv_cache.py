@@ -17,10 +17,11 @@ import jax.numpy as jnp
 
 from specjax.cache_view import LayerView, Segment, after, keep_rows
 from specjax.config import ModelConfig
+from specjax.errors import SpecjaxError
 from specjax.plan import PlanError
 
 
-class ContextOverflowError(ValueError):
+class ContextOverflowError(SpecjaxError, ValueError):
   """More tokens than the cache (or the model) can hold."""
 
 

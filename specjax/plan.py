@@ -20,8 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.errors import SpecjaxError
 
-class PlanError(ValueError):
+
+class PlanError(SpecjaxError, ValueError):
   """A malformed draft plan (wrong length, wrong dtype, not boolean)."""
 
 

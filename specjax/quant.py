@@ -36,9 +36,10 @@ import jax
 import jax.numpy as jnp
 
 from specjax.cpu_kernels import int8_matmul
+from specjax.errors import SpecjaxError
 
 
-class QuantError(ValueError):
+class QuantError(SpecjaxError, ValueError):
   """Shapes that do not split into groups, or values that cannot be quantised."""
 
 

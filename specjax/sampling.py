@@ -8,6 +8,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax.errors import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -18,9 +20,9 @@ class SamplingParams:
 
   def __post_init__(self):
     if self.temperature < 0:
-      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+      raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
     if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+      raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
 
   @property
   def greedy(self) -> bool:

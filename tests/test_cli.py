@@ -28,6 +28,24 @@ def test_bad_input_exits_2_with_a_message(capsys):
   assert "exceeds the model's context" in capsys.readouterr().err
 
 
+def test_a_bug_keeps_its_traceback(monkeypatch):
+  """Only the project's own errors become one-line messages: a ValueError or KeyError
+  from a bug propagates, traceback and all."""
+  import pytest
+
+  from specjax import cli
+
+  def broken(args):
+    return {}["missing"]
+
+  monkeypatch.setattr(cli, "_cmd_models", broken)
+  with pytest.raises(KeyError, match="missing"):
+    main(["models"])
+  monkeypatch.setattr(cli, "_cmd_models", lambda args: int("not a number"))
+  with pytest.raises(ValueError, match="invalid literal"):
+    main(["models"])
+
+
 def test_generate_with_a_drafter_streams_and_reports_the_speedup(capsys):
   argv = ["generate", "--model", "tiny-llama", "--prompt", "the cat sat on", "--no-chat",
           "--max-new-tokens", "16", "--drafter", "early_exit+8bit", "--json"]

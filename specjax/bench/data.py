@@ -15,6 +15,8 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from specjax.errors import ConfigError, SpecjaxError
+
 SPEC_BENCH_CATEGORIES = (
     "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
     "translation", "summarization", "qa", "math_reasoning", "rag",
@@ -26,7 +28,7 @@ SPEC_BENCH_URL = (
 )
 
 
-class DataNotFoundError(FileNotFoundError):
+class DataNotFoundError(SpecjaxError, FileNotFoundError):
   """A prompt set is not where it was looked for; the message says how to get it."""
 
 
@@ -68,7 +70,7 @@ def load_spec_bench(
   wanted = tuple(categories or SPEC_BENCH_CATEGORIES)
   unknown = set(wanted) - set(SPEC_BENCH_CATEGORIES)
   if unknown:
-    raise ValueError(f"unknown Spec-Bench categories {sorted(unknown)}; "
+    raise ConfigError(f"unknown Spec-Bench categories {sorted(unknown)}; "
                      f"known: {', '.join(SPEC_BENCH_CATEGORIES)}")
   taken: dict[str, int] = {}
   prompts = []
@@ -143,10 +145,10 @@ def task_stream(
   prompts are drawn without replacement (reshuffled when exhausted).
   """
   if not 0.0 <= mix_ratio <= 1.0:
-    raise ValueError(f"mix ratio must be in [0, 1], got {mix_ratio}")
+    raise ConfigError(f"mix ratio must be in [0, 1], got {mix_ratio}")
   names = [d for d, ps in domains.items() if ps]
   if not names:
-    raise ValueError("task_stream needs at least one non-empty domain")
+    raise ConfigError("task_stream needs at least one non-empty domain")
   rng = random.Random(seed)
   pools: dict[str, list[Prompt]] = {}
   current = rng.choice(names)
@@ -208,7 +210,7 @@ def long_context_prompts(tokenizer, target_tokens: int, count: int = 1,
       parts, ids, question = trial, trial_ids, q
       i += 1
       if i - k * 7 > len(order):
-        raise ValueError(f"not enough documents for {target_tokens} tokens")
+        raise ConfigError(f"not enough documents for {target_tokens} tokens")
     # Fill the rest with the beginning of the next document, cut to fit.
     body, q = docs[order[i % len(order)]]
     words = body.split()
@@ -227,7 +229,7 @@ def long_context_prompts(tokenizer, target_tokens: int, count: int = 1,
       text = "\n\n".join(parts) + f"\n\nQuestion about document {len(parts)}: {q}"
       ids = _encode_user(tokenizer, text)
     if not ids:
-      raise ValueError(f"target of {target_tokens} tokens is too short for one document")
+      raise ConfigError(f"target of {target_tokens} tokens is too short for one document")
     out.append(LongPrompt(f"long/{target_tokens}/{k}", tuple(ids), len(parts), question))
   return out
 

@@ -42,6 +42,7 @@ from specjax.drafters import (
   SwiftDrafter,
   drafter_class,
 )
+from specjax.errors import ConfigError, SpecjaxError
 
 BASES = ("static", "early_exit", "self_sd", "swift", "clasp", "knapspec", "knn")
 OVERLAYS = ("8bit", "quantspec", "frspec", "dynaspec")
@@ -64,7 +65,7 @@ ARTEFACTS = ("profile", "library", "counts", "bundle", "self_sd_plan", "int8_wei
 _FILLED = {"fixed", "profile", "library", "weights", "base", "kv_cache", "shortlist", "bundle"}
 
 
-class DrafterNameError(ValueError):
+class DrafterNameError(SpecjaxError, ValueError):
   """A drafter name the factory cannot build (the message lists what it can)."""
 
 
@@ -124,7 +125,7 @@ class DrafterFactory:
   def __post_init__(self):
     unknown = set(self.artefacts) - set(ARTEFACTS)
     if unknown:
-      raise ValueError(f"unknown artefact {sorted(unknown)[0]!r}; known: {', '.join(ARTEFACTS)}")
+      raise ConfigError(f"unknown artefact {sorted(unknown)[0]!r}; known: {', '.join(ARTEFACTS)}")
     check_options(self.options)
 
   # -- public ------------------------------------------------------------------------
@@ -231,7 +232,7 @@ class DrafterFactory:
     prompts = list(self.search_prompts if self.search_prompts is not None
                    else default_search_prompts(self.data_dir))
     if not prompts:
-      raise ValueError("self_sd needs search prompts (none given and no Spec-Bench data)")
+      raise ConfigError("self_sd needs search prompts (none given and no Spec-Bench data)")
     ids = [prompt_ids(self.model.tokenizer, list(p.turns[:1])) for p in prompts]
     key = hashlib.sha256(json.dumps([iterations, self.gamma, self.seed, ids]).encode()
                          ).hexdigest()[:10]
@@ -260,7 +261,7 @@ class DrafterFactory:
 
       plan = self._opts("static")["plan"]
       if plan is None:
-        raise ValueError("the static drafter needs a plan file (option plan, or --plan FILE)")
+        raise ConfigError("the static drafter needs a plan file (option plan, or --plan FILE)")
       return StaticDrafter(load_plan(plan, model=self.model.name), **kw)
     if name == "early_exit":
       return EarlyExitDrafter(**{"k": L // 2, **kw})
@@ -296,13 +297,13 @@ class DrafterFactory:
 
       counts, _ = self.shortlists
       if counts is None:
-        raise ValueError("frspec needs token counts (artefact 'counts')")
+        raise ConfigError("frspec needs token counts (artefact 'counts')")
       size = min(self._opts("frspec")["size"], cfg.vocab_size)
       return FRSpecDrafter(frequent_shortlist(counts, size, cfg.eos_ids), base, **kw)
     if name == "dynaspec":
       _, bundle = self.shortlists
       if bundle is None:
-        raise ValueError("dynaspec needs a router bundle (artefact 'bundle')")
+        raise ConfigError("dynaspec needs a router bundle (artefact 'bundle')")
       return DynaSpecDrafter(bundle, base, **kw)
     raise DrafterNameError(f"{name!r} is not an overlay")  # parse() prevents this
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from specjax.bench import metrics
+from specjax.errors import ConfigError
 from specjax.sampling import SamplingParams
 
 # What an SSD generation reports, summed over a prompt's turns (metrics.summarize reads them).
@@ -56,9 +57,9 @@ class RunSettings:
 
   def __post_init__(self):
     if self.gamma < 1:
-      raise ValueError(f"gamma must be >= 1, got {self.gamma}")
+      raise ConfigError(f"gamma must be >= 1, got {self.gamma}")
     if self.max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+      raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
   @property
   def sampling(self) -> SamplingParams:
@@ -160,7 +161,7 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
     else:
       ref = by_cache.get(kv)
       if ref is None:
-        raise ValueError(f"{name} reads a {kv} cache: give a Reference with that kv_cache "
+        raise ConfigError(f"{name} reads a {kv} cache: give a Reference with that kv_cache "
                          f"to compare it with")
       # sampled runs are not compared token for token (None, not a silent 0)
       rec["matches_ar"] = rec["tokens"] == tokens_of[ref] if sampling.greedy else None

@@ -1,8 +1,14 @@
-"""One definition of every figure (DESIGN.md "Metrics"), computed from per-run records.
+"""One definition of every figure, computed from per-run records.
 
 A record is one (prompt, method) generation: new tokens, decode seconds, rounds, drafted,
 accepted, committed and the time split. Aggregates are ratios of sums (not means of
-ratios), so long and short prompts weigh by their tokens.
+ratios), so long and short prompts weigh by their tokens:
+
+  tokens/s   new tokens / decode seconds (prefill and compilation excluded)
+  M          committed tokens per verification round (the mean acceptance length)
+  α          accepted drafts / drafted tokens
+  speedup    a method's tokens/s / AR's, measured in the same process
+  shares     draft / verify / device-round / selection / other seconds over decode seconds
 """
 
 from __future__ import annotations
@@ -10,10 +16,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 
+from specjax.errors import SpecjaxError
+
 AR = "ar"
 
 
-class MissingComparisonError(ValueError):
+class MissingComparisonError(SpecjaxError, ValueError):
   """A method's record says nothing about its agreement with AR."""
 
 

@@ -19,11 +19,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from specjax.errors import SpecjaxError
+
 RESULTS = "results.jsonl"
 SETTINGS = "settings.json"
 
 
-class ResumeError(ValueError):
+class ResumeError(SpecjaxError, ValueError):
   """A run would overwrite results, or continue results made with other settings."""
 
 

@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 from specjax.bench import data, docs, metrics, plots
 from specjax.bench import runner as bench
 from specjax.bench.results_store import ResultsStore
+from specjax.errors import SpecjaxError
 
 METRICS = ("speedup", "tokens_per_s", "M", "alpha")
 _WORKLOAD = ("context", "mix_ratio", "stream_length")
@@ -55,7 +56,7 @@ _DEFAULTS = dict(drafters=bench.DEFAULT_DRAFTERS, per_category=1,
                  plan_file=None)
 
 
-class SweepFileError(ValueError):
+class SweepFileError(SpecjaxError, ValueError):
   """A sweep file that cannot be run as written (the message says where)."""
 
 

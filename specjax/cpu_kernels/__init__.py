@@ -28,6 +28,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from specjax.errors import SpecjaxError
+
 _SOURCE = Path(__file__).with_name("int8_matmul.cc")
 _TARGET = "specjax_int8_matmul"
 # Let the vectoriser reorder the dot's sums (2.5x faster than without), but not -ffast-math:
@@ -36,7 +38,7 @@ _TARGET = "specjax_int8_matmul"
 _REASSOCIATE = ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
 
 
-class KernelBuildError(RuntimeError):
+class KernelBuildError(SpecjaxError, RuntimeError):
   """The C++ compiler failed on a kernel's source."""
 
 

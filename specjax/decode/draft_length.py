@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.errors import ConfigError
 from specjax.kv_cache import KVCache
 from specjax.plan import DraftPlan
 from specjax.sampling import SamplingParams
@@ -72,7 +73,7 @@ def tokens_per_time(alpha: float, gamma: int, costs: StepCosts) -> float:
 def best_gamma(alpha: float, costs: StepCosts, gamma_max: int) -> int:
   """The γ in 1..gamma_max of highest predicted TPT (the shortest among equals)."""
   if gamma_max < 1:
-    raise ValueError(f"gamma_max must be >= 1, got {gamma_max}")
+    raise ConfigError(f"gamma_max must be >= 1, got {gamma_max}")
   return max(range(1, gamma_max + 1), key=lambda g: (tokens_per_time(alpha, g, costs), -g))
 
 

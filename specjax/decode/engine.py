@@ -27,6 +27,7 @@ from flax import nnx
 
 from specjax.config import ModelConfig
 from specjax.decode.generate import Prefilled, check_prompt, positions_for, start_decoding
+from specjax.errors import ConfigError
 from specjax.jit_cache import compile_seconds, compiled
 from specjax.kv_cache import DraftBuffer, KVCache
 from specjax.model import apply
@@ -102,8 +103,6 @@ def _routed_choice(state, graphdef, plan, token, h, h_prev, i, key, vocab, sampl
   """DynaSpec: the router picks k(i) clusters from [embedding(token), h_prev]; the head
   scores their tokens only. One `lax.switch` branch per distinct k, so each draft
   position gathers a shortlist of its own static size."""
-  from flax import nnx
-
   model = nnx.merge(graphdef, state)
   router = plan.router
   emb = model.embed(token[None])[0]
@@ -400,17 +399,17 @@ def speculative_generate(
   threshold = drafter.threshold if threshold is None else threshold
   kv_cache = drafter.kv_cache if kv_cache is None else kv_cache
   if gamma < 1:
-    raise ValueError(f"gamma (draft length) must be >= 1, got {gamma}")
+    raise ConfigError(f"gamma (draft length) must be >= 1, got {gamma}")
   if not 0.0 <= threshold <= 1.0:
-    raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+    raise ConfigError(f"threshold must be in [0, 1], got {threshold}")
   if loop not in ("auto", "host", "device"):
-    raise ValueError(f"loop must be 'auto', 'host' or 'device', got {loop!r}")
+    raise ConfigError(f"loop must be 'auto', 'host' or 'device', got {loop!r}")
   if loop == "device" and drafter.adaptive:
-    raise ValueError(f"the {drafter.name} drafter changes its plan between rounds on the host: "
+    raise ConfigError(f"the {drafter.name} drafter changes its plan between rounds on the host: "
                      f"it runs with loop='host' (or 'auto')")
   size = check_prompt(prompt_tokens, max_new_tokens + gamma + 1, config.max_context)
   if kv_cache is not None and kv_cache.max_step < gamma + 1:
-    raise ValueError(f"a round appends gamma + 1 = {gamma + 1} tokens to the quantised cache, "
+    raise ConfigError(f"a round appends gamma + 1 = {gamma + 1} tokens to the quantised cache, "
                      f"which keeps room for {kv_cache.max_step}: raise QuantKV.headroom "
                      f"(<= R = {kv_cache.residual}) or lower gamma")
   pre, first, cache = start_decoding(prefilled, graphdef, state, config, prompt_tokens,

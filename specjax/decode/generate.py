@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.errors import ConfigError
 from specjax.jit_cache import compiled
 from specjax.kv_cache import ContextOverflowError, KVCache, cache_size_for
 from specjax.model import apply
@@ -98,7 +99,7 @@ class Prefill:
             return_hidden: bool = False, chunk: int | None = None) -> Prefill:
     chunk = chunk or PREFILL_CHUNK
     if chunk % PROMPT_BUCKET:
-      raise ValueError(f"the prefill chunk must be a multiple of {PROMPT_BUCKET}, got {chunk}")
+      raise ConfigError(f"the prefill chunk must be a multiple of {PROMPT_BUCKET}, got {chunk}")
     ids, size, calls = list(prompt_tokens), cache.size, []
     for start in range(0, len(ids), chunk):
       piece = ids[start : start + chunk]
@@ -155,9 +156,9 @@ class Prefilled:
                 seed=self.seed)
     for name in wanted:
       if wanted[name] != have[name]:
-        raise ValueError(f"the prefilled prompt was made with another {name} than this run's")
+        raise ConfigError(f"the prefilled prompt was made with another {name} than this run's")
     if self.cache.size < size:
-      raise ValueError(f"the prefilled cache holds {self.cache.size} tokens; this run needs "
+      raise ConfigError(f"the prefilled cache holds {self.cache.size} tokens; this run needs "
                        f"{size}: prefill with a larger max_new_tokens")
 
 
@@ -301,9 +302,9 @@ def check_prompt(prompt_tokens: Sequence[int], max_new_tokens: int, max_context:
   """Validate the request; return the cache size to allocate (room for the padded
   prompt included)."""
   if len(prompt_tokens) == 0:
-    raise ValueError("the prompt is empty: give at least one token")
+    raise ConfigError("the prompt is empty: give at least one token")
   if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   needed = len(prompt_tokens) + max_new_tokens
   if needed > max_context:
     raise ContextOverflowError(
@@ -340,7 +341,7 @@ def generate(
   # A chunk size that does not follow max_new_tokens exactly: budgets share a compile.
   chunk = chunk or (16 if on_token else min(256, -(-max(max_new_tokens - 1, 1) // 64) * 64))
   if chunk < 1:
-    raise ValueError(f"chunk must be >= 1, got {chunk}")
+    raise ConfigError(f"chunk must be >= 1, got {chunk}")
   tokens: list[int] = []
 
   def emit(tok: int) -> bool:

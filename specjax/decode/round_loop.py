@@ -21,6 +21,7 @@ from flax import nnx
 
 from specjax.decode.engine import SSDGeneration, draft_fn, verify_fn
 from specjax.decode.generate import eos_array
+from specjax.errors import ConfigError
 from specjax.jit_cache import compiled
 from specjax.kv_cache import KVCache
 from specjax.plan import DraftPlan
@@ -115,7 +116,7 @@ def device_rounds(run, keep_plans: bool, rounds_per_call: int | None, static_pla
   # Static sizes that do not follow the budget, so every max_new_tokens shares one compile.
   per_call = rounds_per_call or (4 if run.on_token else ALL_ROUNDS)
   if per_call < 1:
-    raise ValueError(f"rounds_per_call must be >= 1, got {per_call}")
+    raise ConfigError(f"rounds_per_call must be >= 1, got {per_call}")
   capacity = -(-(budget + run.gamma + 1) // TOKEN_BUCKET) * TOKEN_BUCKET
   carry = Decoding.start(run.cache, jnp.asarray([run.first], jnp.int32), run.key, run.h_prev,
                          capacity=capacity)

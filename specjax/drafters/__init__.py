@@ -14,6 +14,7 @@ from specjax.drafters.quantspec import QuantSpecDrafter
 from specjax.drafters.self_sd import SelfSDDrafter
 from specjax.drafters.static import StaticDrafter
 from specjax.drafters.swift import SwiftDrafter
+from specjax.errors import SpecjaxError
 
 DRAFTERS: dict[str, type[Drafter]] = {
     d.name: d for d in (StaticDrafter, EarlyExitDrafter, SelfSDDrafter, SwiftDrafter,
@@ -22,7 +23,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
 }
 
 
-class UnknownDrafterError(KeyError):
+class UnknownDrafterError(SpecjaxError, KeyError):
   def __str__(self) -> str:
     return self.args[0]
 

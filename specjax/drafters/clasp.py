@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from specjax.drafters.base import Drafter
+from specjax.errors import ConfigError
 from specjax.plan import DraftPlan, PlanError
 from specjax.selection.layer_dp import run_dp, sublayer_items
 from specjax.selection.layer_probe import Window, prompt_window, push_round
@@ -42,7 +43,7 @@ class ClaspDrafter(Drafter):
     if self.skip is not None and self.skip < 0:
       raise PlanError(f"clasp: cannot skip {self.skip} layers")
     if self.window < 1 or self.interval < 1:
-      raise ValueError("window and interval must be >= 1")
+      raise ConfigError("window and interval must be >= 1")
 
   def skip_for(self, num_layers: int) -> int:
     skip = num_layers // 2 if self.skip is None else self.skip

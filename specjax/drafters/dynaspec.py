@@ -13,6 +13,7 @@ import dataclasses
 
 from specjax.drafters.base import Drafter
 from specjax.drafters.overlay import OverlayDrafter
+from specjax.errors import ConfigError
 from specjax.offline.router import RouterBundle, RouterMismatchError
 from specjax.plan import DraftPlan
 
@@ -27,11 +28,11 @@ class DynaSpecDrafter(OverlayDrafter):
 
   def __post_init__(self):
     if self.bundle is None:
-      raise ValueError("dynaspec needs a trained router: `specjax router train`, then "
+      raise ConfigError("dynaspec needs a trained router: `specjax router train`, then "
                        "specjax.offline.router.load_bundle")
     M = self.bundle.clusters.num_clusters
     if not 1 <= self.bundle.k_max <= M:
-      raise ValueError(f"k_max = {self.bundle.k_max} clusters, but there are only {M}")
+      raise ConfigError(f"k_max = {self.bundle.k_max} clusters, but there are only {M}")
 
   def overlay_plan(self, session) -> DraftPlan:
     cfg, c = session.config, self.bundle.clusters

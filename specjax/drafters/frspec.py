@@ -17,6 +17,7 @@ import numpy as np
 
 from specjax.drafters.base import Drafter
 from specjax.drafters.overlay import OverlayDrafter
+from specjax.errors import ConfigError
 from specjax.plan import DraftPlan
 
 
@@ -31,7 +32,7 @@ class FRSpecDrafter(OverlayDrafter):
 
   def __post_init__(self):
     if self.shortlist is None:
-      raise ValueError("frspec needs a shortlist (see offline.token_counts.frequent_shortlist)")
+      raise ConfigError("frspec needs a shortlist (see offline.token_counts.frequent_shortlist)")
 
   def overlay_plan(self, session) -> DraftPlan:
     cfg = session.config

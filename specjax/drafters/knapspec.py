@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from specjax.drafters.base import Drafter
+from specjax.errors import ConfigError
 from specjax.jit_cache import compile_seconds
 from specjax.plan import DraftPlan
 from specjax.selection.layer_dp import run_dp, sublayer_items
@@ -109,17 +110,17 @@ class KnapSpecDrafter(Drafter):
 
   def __post_init__(self):
     if self.profile is None:
-      raise ValueError("knapspec needs a latency profile: load one with "
+      raise ConfigError("knapspec needs a latency profile: load one with "
                        "specjax.selection.profiler.load_profile or run `specjax profile`")
     if not 0.0 < self.tau <= 1.0:
-      raise ValueError(f"tau must be in (0, 1], got {self.tau}")
+      raise ConfigError(f"tau must be in (0, 1], got {self.tau}")
     if self.objective not in ("tpt", "cosine"):
-      raise ValueError(f"objective must be 'tpt' or 'cosine', got {self.objective!r}")
+      raise ConfigError(f"objective must be 'tpt' or 'cosine', got {self.objective!r}")
     if self.selection_budget is not None and not 0.0 < self.selection_budget < 1.0:
-      raise ValueError(f"selection_budget must be in (0, 1) or None, got "
+      raise ConfigError(f"selection_budget must be in (0, 1) or None, got "
                        f"{self.selection_budget}")
     if self.window < 1 or self.interval < 1 or self.max_gamma < 1 or self.cap < 1:
-      raise ValueError("window, interval, max_gamma and cap must be >= 1")
+      raise ConfigError("window, interval, max_gamma and cap must be >= 1")
 
   # --- protocol -------------------------------------------------------------------------
   def init(self, session, prior=None) -> KnapSpecState:

@@ -13,6 +13,7 @@ import flax.struct
 import numpy as np
 
 from specjax.drafters.base import Drafter
+from specjax.errors import ConfigError
 from specjax.offline.knn_library import SkipLibrary
 from specjax.plan import DraftPlan
 
@@ -32,12 +33,12 @@ class KNNDrafter(Drafter):
 
   def __post_init__(self):
     if self.library is None:
-      raise ValueError("the knn drafter needs a skip library: knn_library.load_library(...) "
+      raise ConfigError("the knn drafter needs a skip library: knn_library.load_library(...) "
                        "or `specjax knn build`")
 
   def init(self, session, prior=None) -> KNNState:
     if session.prompt_embedding is None:
-      raise ValueError("the knn drafter needs the session's prompt embedding (set by "
+      raise ConfigError("the knn drafter needs the session's prompt embedding (set by "
                        "speculative_generate's prefill)")
     self.library.check(session.config.num_layers, session.config.embed_dim)
     match = self.library.nearest(np.asarray(session.prompt_embedding))

@@ -16,8 +16,10 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from specjax.errors import SpecjaxError
 
-class CheckpointError(RuntimeError):
+
+class CheckpointError(SpecjaxError, RuntimeError):
   """A checkpoint is missing, corrupt or belongs to something else."""
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from specjax.config import ModelConfig
+from specjax.errors import SpecjaxError
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
@@ -21,7 +22,7 @@ SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 _END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|endoftext|>", "<|eot_id|>")
 
 
-class GGUFFormatError(ValueError):
+class GGUFFormatError(SpecjaxError, ValueError):
   """The file is not a GGUF model specjax can load."""
 
 

@@ -13,6 +13,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from specjax.config import ModelConfig
+from specjax.errors import ConfigError
 from specjax.model import Transformer
 from specjax.models import checkpoint
 from specjax.models import gguf as gguf_weights
@@ -54,7 +55,7 @@ def resolve_dtype(name: str | None):
   if name in (None, "auto"):
     return default_dtype()
   if name not in DTYPES:
-    raise ValueError(f"unknown dtype {name!r}: choose auto, {', '.join(DTYPES)}")
+    raise ConfigError(f"unknown dtype {name!r}: choose auto, {', '.join(DTYPES)}")
   return DTYPES[name]
 
 

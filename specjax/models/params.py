@@ -15,10 +15,11 @@ import numpy as np
 from flax import nnx
 
 from specjax.config import ModelConfig
+from specjax.errors import SpecjaxError
 from specjax.model import Transformer
 
 
-class ParamsError(ValueError):
+class ParamsError(SpecjaxError, ValueError):
   """Missing, unexpected or mis-shaped weights."""
 
 

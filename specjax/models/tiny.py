@@ -33,6 +33,7 @@ from filelock import FileLock
 from flax import nnx
 
 from specjax.config import Arch, ModelConfig, tiny_config
+from specjax.errors import ConfigError
 from specjax.kv_cache import KVCache
 from specjax.model import apply, init_model
 from specjax.models import checkpoint
@@ -68,7 +69,7 @@ class WordLanguage:
       sep = ord(" ") + _BYTE_OFFSET
     else:
       if vocab_size < 8:
-        raise ValueError(f"a word language needs vocab_size >= 8, got {vocab_size}")
+        raise ConfigError(f"a word language needs vocab_size >= 8, got {vocab_size}")
       symbols = np.arange(4, vocab_size)
       count = int(np.clip(len(symbols) // 2, 4, 24))
       found: set[tuple[int, ...]] = set()

@@ -16,6 +16,7 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from specjax.errors import ConfigError
 from specjax.models.gguf import GGUFFormatError, _field
 
 # GGUF token types (llama.cpp): 3 = control, 4 = user-defined, 6 = byte.
@@ -66,7 +67,7 @@ class TextTokenizer:
   def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
     """Apply the model's own chat template (as HF does: sandboxed Jinja, trimmed blocks)."""
     if self.chat_template is None:
-      raise ValueError("this model has no chat template (a base model): pass raw text")
+      raise ConfigError("this model has no chat template (a base model): pass raw text")
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
     def raise_exception(message):

@@ -21,6 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from specjax.bench import data, harness
+from specjax.errors import ConfigError
 from specjax.offline import self_sd_search as self_sd
 from specjax.offline.knn_library import (
   LibraryError,
@@ -51,7 +52,7 @@ def domain_prompts(data_dir=None, domains: Sequence[str] = DEFAULT_DOMAINS,
   for domain in domains:
     cats = data.MT_BENCH_CATEGORIES if domain == "mt_bench" else (domain,)
     if any(c not in by_cat for c in cats):
-      raise ValueError(f"unknown domain {domain!r}; known: mt_bench, gsm8k and the "
+      raise ConfigError(f"unknown domain {domain!r}; known: mt_bench, gsm8k and the "
                        f"Spec-Bench categories {', '.join(data.SPEC_BENCH_CATEGORIES)}")
     for c in cats:
       k = math.ceil(HELD_OUT_SHARE * len(by_cat[c]))

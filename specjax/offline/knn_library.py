@@ -24,11 +24,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from specjax.errors import SpecjaxError
 from specjax.models import checkpoint
 from specjax.plan import DraftPlan
 
 
-class LibraryError(ValueError):
+class LibraryError(SpecjaxError, ValueError):
   """A skip library that cannot be used: another model's, empty, or corrupt."""
 
 

@@ -15,7 +15,6 @@ the draft forward (the DynaSpec paper computes it on a parallel stream).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import flax.struct
@@ -25,11 +24,12 @@ import numpy as np
 import optax
 from flax import nnx
 
+from specjax.errors import SpecjaxError
 from specjax.models import checkpoint
 from specjax.offline.vocab_clusters import VocabClusters
 
 
-class RouterMismatchError(ValueError):
+class RouterMismatchError(SpecjaxError, ValueError):
   pass
 
 
@@ -253,8 +253,3 @@ def load_bundle(directory: str | Path, *, model: str) -> RouterBundle:
   clusters = VocabClusters(np.asarray(tree["centroids"]), np.asarray(tree["assignment"]),
                            np.asarray(tree["table"]), tuple(meta.get("objective", ())))
   return RouterBundle(model, router, clusters, meta["k_max"], meta["hidden"])
-
-
-def describe(result: TrainResult) -> str:
-  return json.dumps({"train_loss": result.train_loss, "val_loss": result.val_loss,
-                     "val_recall": result.val_recall})

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from specjax.decode.engine import agreement
 from specjax.decode.generate import generate, pad_prompt, positions_for
+from specjax.errors import ConfigError
 from specjax.jit_cache import compiled
 from specjax.kv_cache import KVCache, cache_size_for
 from specjax.model import apply
@@ -91,7 +92,7 @@ def search(
   scores as well as any draft and the search would return a draft that saves nothing.
   """
   if not prompts:
-    raise ValueError("self_sd search needs at least one search prompt")
+    raise ConfigError("self_sd search needs at least one search prompt")
   L = config.num_layers
   seqs = _reference_sequences(graphdef, state, config, prompts, new_tokens)
   bo = BitSearch(2 * L, seed)

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
+from specjax.errors import ConfigError, SpecjaxError
 
-class CountsMismatchError(ValueError):
+
+class CountsMismatchError(SpecjaxError, ValueError):
   pass
 
 
@@ -52,7 +54,7 @@ def frequent_shortlist(counts: np.ndarray, size: int, eos_ids: Sequence[int] = (
                        ) -> np.ndarray:
   """The `size` most frequent ids (ties by id), EOS ids always in."""
   if not 0 < size <= counts.size:
-    raise ValueError(f"shortlist size must be in 1..{counts.size}, got {size}")
+    raise ConfigError(f"shortlist size must be in 1..{counts.size}, got {size}")
   eos = [int(e) for e in eos_ids]
   order = np.lexsort((np.arange(counts.size), -counts))
   rest = order[~np.isin(order, eos)][: max(size - len(eos), 0)]

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.errors import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class VocabClusters:
@@ -64,7 +66,7 @@ def spherical_kmeans(rows, num_clusters: int, iterations: int = 20, seed: int = 
 
   V = rows.shape[0]
   if not 1 <= num_clusters <= V:
-    raise ValueError(f"num_clusters must be in 1..{V}, got {num_clusters}")
+    raise ConfigError(f"num_clusters must be in 1..{V}, got {num_clusters}")
   x = _normalise(jnp.asarray(rows, jnp.float32))
   centroids = _plus_plus(x, num_clusters, np.random.default_rng(seed))
   history = []
@@ -113,7 +115,7 @@ def balanced_assignment(x, centroids, capacity: int, candidates: int = 8) -> np.
   no centroid above `capacity`; rows left over go to the emptiest clusters."""
   V, M = x.shape[0], centroids.shape[0]
   if capacity * M < V:
-    raise ValueError(f"capacity {capacity} x {M} clusters cannot hold {V} rows")
+    raise ConfigError(f"capacity {capacity} x {M} clusters cannot hold {V} rows")
   k = min(candidates, M)
   top_sim, top_idx = [], []
   for i in range(0, V, 16384):

@@ -29,15 +29,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.errors import SpecjaxError
 from specjax.plan import DraftPlan
 
 
-class MissingProfileError(FileNotFoundError):
+class MissingProfileError(SpecjaxError, FileNotFoundError):
   def __str__(self) -> str:
     return self.args[0]
 
 
-class ProfileMismatchError(ValueError):
+class ProfileMismatchError(SpecjaxError, ValueError):
   pass
 
 
