@@ -1,7 +1,10 @@
 """Ahead-of-time compiled steps, cached by argument shapes.
 
 Timed loops call a `Compiled` executable directly: compilation happens (once per shape
-signature) before the clock starts, and a call can never silently recompile.
+signature) before the clock starts, and a call can never silently recompile. What
+compiling cost is booked by the code that owns the executables, on its own
+`CompileClock` (a generation's, a drafter's DP): no module-level counters, so a compile
+is never booked to whoever happens to be timing at that moment.
 
 The cache is bounded (least recently used out): every CPU executable holds its own
 memory mappings of JIT-compiled code, and a process that keeps thousands of them (a long
@@ -11,6 +14,7 @@ which point XLA's next compile segfaults instead of raising.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import OrderedDict
 from typing import Any
@@ -19,8 +23,15 @@ import jax
 
 MAX_EXECUTABLES = 64  # a real model's step holds ~400 mappings on CPU
 _CACHE: OrderedDict[tuple, Any] = OrderedDict()
-_COMPILES = [0]  # executables compiled so far (evicted ones included)
-_SECONDS = [0.0]  # total time spent compiling through `compiled`
+
+
+@dataclasses.dataclass
+class CompileClock:
+  """Compilation booked to one owner: the compiles made through `compiled(..., clock=)`
+  and the seconds they took (a cache hit books nothing)."""
+
+  seconds: float = 0.0
+  count: int = 0
 
 
 def _signature(args: tuple) -> tuple:
@@ -30,16 +41,18 @@ def _signature(args: tuple) -> tuple:
   )
 
 
-def compiled(fn, *args, **static) -> Any:
-  """`fn.lower(*args, **static).compile()`, memoised; call the result with `*args` only."""
+def compiled(fn, *args, clock: CompileClock | None = None, **static) -> Any:
+  """`fn.lower(*args, **static).compile()`, memoised; call the result with `*args` only.
+  A compile (not a hit) is booked on `clock`."""
   key = (fn, tuple(sorted(static.items())), _signature(args))
   if key in _CACHE:
     _CACHE.move_to_end(key)
     return _CACHE[key]
   t = time.perf_counter()
   exe = fn.lower(*args, **static).compile()
-  _SECONDS[0] += time.perf_counter() - t
-  _COMPILES[0] += 1
+  if clock is not None:
+    clock.seconds += time.perf_counter() - t
+    clock.count += 1
   _CACHE[key] = exe
   while len(_CACHE) > MAX_EXECUTABLES:
     _CACHE.popitem(last=False)
@@ -50,14 +63,3 @@ def clear() -> None:
   """Drop every cached executable, ours and jax's own (their code mappings go with them)."""
   _CACHE.clear()
   jax.clear_caches()
-
-
-def compile_seconds() -> float:
-  """Seconds spent compiling so far: timed loops subtract what a call spent compiling
-  (a drafter's first DP, say) so that it is reported as compilation, not decoding."""
-  return _SECONDS[0]
-
-
-def compiled_count() -> int:
-  """How many executables have been compiled (tests count recompilations with this)."""
-  return _COMPILES[0]

@@ -171,8 +171,9 @@ class QuantKVCache:
   def dense(self, bits: int = 8) -> KVCache:
     """A full-precision `KVCache` holding what a reader at `bits` sees (slots = positions,
     2R spare slots so the buffer always fits): for code written against `KVCache`, such
-    as the layer-selection probes. A copy — never on the per-round path."""
-    return _dense(self, bits)
+    as the layer-selection probes. A copy — never on the per-round path. (A generation
+    compiles it on its own clock: `engine.Session.dense_cache`.)"""
+    return dense_view(self, bits)
 
   def check_finite(self) -> None:
     """Raise (on the host) if NaN/inf K/V ever reached the cache: their codes are garbage
@@ -307,7 +308,8 @@ def _scatter_rows(dst: Hier, src: Hier, start, count, group: int, *, keys: bool)
 
 
 @jax.jit(static_argnames=("bits",))
-def _dense(cache: QuantKVCache, bits: int) -> KVCache:
+def dense_view(cache: QuantKVCache, bits: int) -> KVCache:
+  """`QuantKVCache.dense`, as a jitted function for `jit_cache.compiled`."""
   pad = 2 * cache.residual
 
   def layer(deq, buf):

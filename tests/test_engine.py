@@ -77,13 +77,10 @@ def test_every_drafter_is_lossless(arch, drafter, threshold):
 
 
 def test_swift_changes_plan_without_recompiling():
-  from specjax import jit_cache
-
   ssd("qwen3", SwiftDrafter(trials=4, window=16), gamma=3)  # compiles what it needs
-  before = jit_cache.compiled_count()
   out = ssd("qwen3", SwiftDrafter(trials=20, bo_every=6, window=16, seed=5), gamma=3,
             keep_plans=True)
-  assert jit_cache.compiled_count() == before
+  assert out.compiles == 0
   distinct = {json.dumps(p.to_json()) for p in out.plans}
   assert len(distinct) > 1  # it did switch plans mid-generation
   assert out.tokens == ar_tokens("qwen3")

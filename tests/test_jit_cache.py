@@ -21,19 +21,21 @@ def _step(x, scale):
   return jnp.tanh(x @ x.T) * scale + jnp.sum(x)
 
 
-def test_cache_is_lru_bounded_and_counts_every_compile(monkeypatch):
+def test_cache_is_lru_bounded_and_books_every_compile_on_its_clock(monkeypatch):
   monkeypatch.setattr(jit_cache, "MAX_EXECUTABLES", 4)
   jit_cache.clear()
   fn = jax.jit(_step)
-  before = jit_cache.compiled_count()
-  exes = [jit_cache.compiled(fn, jnp.ones((8 + i, 4)), jnp.float32(1)) for i in range(6)]
-  assert jit_cache.compiled_count() == before + 6
+  clock, other = jit_cache.CompileClock(), jit_cache.CompileClock()
+  exes = [jit_cache.compiled(fn, jnp.ones((8 + i, 4)), jnp.float32(1), clock=clock)
+          for i in range(6)]
+  assert clock.count == 6 and clock.seconds > 0
   assert len(jit_cache._CACHE) == 4
-  # The newest shapes are hits (same object); the oldest was evicted and compiles again.
-  assert jit_cache.compiled(fn, jnp.ones((13, 4)), jnp.float32(2)) is exes[5]
-  assert jit_cache.compiled_count() == before + 6
-  jit_cache.compiled(fn, jnp.ones((8, 4)), jnp.float32(1))
-  assert jit_cache.compiled_count() == before + 7
+  # The newest shapes are hits (same object, nothing booked); the oldest was evicted and
+  # compiles again, booked on the clock of whoever asked this time.
+  assert jit_cache.compiled(fn, jnp.ones((13, 4)), jnp.float32(2), clock=clock) is exes[5]
+  assert clock.count == 6
+  jit_cache.compiled(fn, jnp.ones((8, 4)), jnp.float32(1), clock=other)
+  assert clock.count == 6 and other.count == 1
   x = jnp.arange(12.0).reshape(3, 4)
   assert jnp.allclose(jit_cache.compiled(fn, x, jnp.float32(2))(x, jnp.float32(2)),
                       _step(x, 2.0))
@@ -51,3 +53,20 @@ def test_clear_gives_back_code_mappings():
   gc.collect()
   assert grown > 30  # each CPU executable maps its own code
   assert _maps() - base < grown / 4
+
+
+def test_a_generation_books_the_dense_view_of_a_quantised_cache_as_compilation():
+  """The probes' full-precision view of a quantised cache is compiled through the
+  generation's clock (it used to be a plain jax.jit, booked as selection time)."""
+  from specjax.config import tiny_config
+  from specjax.decode.engine import Session
+  from specjax.quant_kv_cache import QuantKV
+
+  config = tiny_config("llama")
+  cache = QuantKV(group=8, residual=16).create(config, 1, 72)
+  jit_cache.clear()
+  session = Session(None, None, config, cache, [1])
+  dense = session.dense_cache()
+  assert session.clock.count == 1 and dense.size == cache.size + 32
+  session.dense_cache()
+  assert session.clock.count == 1  # compiled once per shape

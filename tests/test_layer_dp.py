@@ -16,7 +16,7 @@ from flax import nnx
 
 from specjax.config import tiny_config
 from specjax.decode.generate import prefill_step
-from specjax.jit_cache import compiled_count
+from specjax.jit_cache import CompileClock
 from specjax.kv_cache import KVCache
 from specjax.model import apply, init_model
 from specjax.plan import DraftPlan
@@ -184,17 +184,15 @@ def test_batched_budgets_equal_each_budget_alone():
 def test_new_states_weights_and_windows_do_not_recompile():
   config, graphdef, state, cache, window = setup()
   items = sublayer_items(config.num_layers, coupled=False)
-  before = None
+  clocks = [CompileClock() for _ in range(4)]
   rng = np.random.default_rng(1)
-  for k in range(4):
+  for k, clock in enumerate(clocks):
     cost = rng.integers(1, 4, 6).astype(np.int32)
     win = window.replace(residuals=window.residuals * (1 + k),
                          positions=window.positions - k)
     run_dp(state, cache.with_length(len(PROMPT) - k), win, cost, np.zeros_like(cost), 0.5,
-           graphdef=graphdef, items=items, slots=16, agreement=True)
-    if before is None:
-      before = compiled_count()
-  assert compiled_count() == before
+           graphdef=graphdef, items=items, slots=16, agreement=True, clock=clock)
+  assert [c.count for c in clocks[1:]] == [0, 0, 0]
 
 
 def test_plan_bits_round_trip():

@@ -28,7 +28,7 @@ from flax import nnx
 from specjax.config import ModelConfig
 from specjax.decode.generate import Prefilled, check_prompt, positions_for, start_decoding
 from specjax.errors import ConfigError
-from specjax.jit_cache import compile_seconds, compiled
+from specjax.jit_cache import CompileClock, compiled
 from specjax.kv_cache import DraftBuffer, KVCache
 from specjax.model import apply
 from specjax.plan import DraftPlan
@@ -262,12 +262,19 @@ class Session:
   cache: KVCache  # the verified cache; context[-1] is not in it yet
   context: list[int]  # prompt + committed tokens
   prompt_embedding: jax.Array | None = None  # float32[D], `generate.pooled_prompt`
+  # The generation's compilations: drafters compile through `compiled(..., clock=` this)
+  # so that the engine books the time as compilation, not selection or decoding.
+  clock: CompileClock = dataclasses.field(default_factory=CompileClock)
   _scorers: dict = dataclasses.field(default_factory=dict, repr=False)
 
   def dense_cache(self) -> KVCache:
     """The verified cache as a full-precision `KVCache` (itself, or an 8-bit view of a
     quantised one) for code that indexes slots by position, like the layer probes."""
-    return self.cache if isinstance(self.cache, KVCache) else self.cache.dense(8)
+    if isinstance(self.cache, KVCache):
+      return self.cache
+    from specjax.quant_kv_cache import dense_view
+
+    return compiled(dense_view, self.cache, bits=8, clock=self.clock)(self.cache)
 
   def score(self, plan: DraftPlan, window: int = 32) -> float | None:
     """Top-1 agreement of `plan` over the last `window` committed tokens (None if fewer)."""
@@ -280,7 +287,8 @@ class Session:
     sig = (window, jax.tree.structure(plan), tuple(x.shape for x in jax.tree.leaves(plan)))
     if sig not in self._scorers:  # `compiled`'s own lookup walks every parameter
       self._scorers[sig] = compiled(agreement, self.state, self.cache, toks, targets,
-                                    jnp.int32(start), plan, graphdef=self.graphdef)
+                                    jnp.int32(start), plan, graphdef=self.graphdef,
+                                    clock=self.clock)
     return float(self._scorers[sig](self.state, self.cache, toks, targets, jnp.int32(start),
                                     plan))
 
@@ -306,6 +314,7 @@ class SSDGeneration:
   round_drafted: list[int] = dataclasses.field(default_factory=list)  # per round
   round_accepted: list[int] = dataclasses.field(default_factory=list)  # per round
   drafter_state: object = None  # final state: the `prior` of the next generation
+  compiles: int = 0  # executables compiled for this run (prefill included): 0 when cached
 
   @property
   def decode_s(self) -> float:
@@ -419,9 +428,10 @@ def speculative_generate(
     on_token(first)
   t1 = time.perf_counter()
   session = Session(graphdef, state, config, cache, list(prompt_tokens) + [first], pre.pooled)
-  c0 = compile_seconds()
+  clock = session.clock
+  c0 = clock.seconds
   dstate = drafter.init(session, drafter_state)
-  init_compile_s = compile_seconds() - c0  # a drafter's first DP compiles here
+  init_compile_s = clock.seconds - c0  # a drafter's first DP compiles here
   init_s = time.perf_counter() - t1 - init_compile_s
   run = _Run(graphdef, state, config, list(prompt_tokens), drafter, dstate, session, cache,
              first, pre.key, pre.h_last, max_new_tokens, gamma, threshold, sampling,
@@ -435,6 +445,7 @@ def speculative_generate(
       static_plan = jax.default_backend() != "cpu"
     gen = device_rounds(run, keep_plans, rounds_per_call, static_plan)
   gen.compile_s += pre.compile_s + init_compile_s
+  gen.compiles = pre.compiles + clock.count
   gen.prefill_s = pre.prefill_s
   gen.selection_s += init_s
   return gen
@@ -446,6 +457,7 @@ def _host_rounds(run: _Run, keep_plans: bool) -> SSDGeneration:
   graphdef, state, config, drafter, gamma = (run.graphdef, run.state, run.config, run.drafter,
                                              run.gamma)
   cache, key, h_prev, dstate, session = run.cache, run.key, run.h_prev, run.dstate, run.session
+  clock = session.clock
   full = DraftPlan.full(config.num_layers)
   d_static = run.draft_static
   v_static = dict(graphdef=graphdef, sampling=run.sampling, residuals=drafter.wants_residuals)
@@ -460,7 +472,7 @@ def _host_rounds(run: _Run, keep_plans: bool) -> SSDGeneration:
     sig = (jax.tree.structure(plan), tuple(x.shape for x in jax.tree.leaves(plan)))
     if sig not in draft_exes:
       draft_exes[sig] = compiled(draft_step, state, cache, last0, plan, key, jnp.int32(gamma),
-                                 h0_proto, **d_static)
+                                 h0_proto, clock=clock, **d_static)
     return draft_exes[sig]
 
   # The Draft's shapes, for compiling the verifier before the first draft exists.
@@ -474,7 +486,8 @@ def _host_rounds(run: _Run, keep_plans: bool) -> SSDGeneration:
     here, since `compiled`'s lookup hashes the graphdef and walks every parameter)."""
     if length not in verifiers:
       verifiers[length] = compiled(verify_step, state, cache, last0, proto, full, key,
-                                   length=None if length >= gamma else length, **v_static)
+                                   length=None if length >= gamma else length, clock=clock,
+                                   **v_static)
     return verifiers[length]
 
   verifier(gamma)
@@ -487,14 +500,14 @@ def _host_rounds(run: _Run, keep_plans: bool) -> SSDGeneration:
   done = tokens[0] in run.eos or len(tokens) >= run.max_new_tokens
   while not done:
     t_a = time.perf_counter()
-    c0 = compile_seconds()
+    c0 = clock.seconds
     plan = drafter.plan(dstate)
     length = min(max(drafter.draft_length(dstate) or gamma, 1), gamma)
     if keep_plans:
       plans.append(plan)
     key, k_draft, k_accept = jax.random.split(key, 3)
     last = jnp.asarray(tokens[-1], jnp.int32)
-    t_b, c1 = time.perf_counter(), compile_seconds()
+    t_b, c1 = time.perf_counter(), clock.seconds
     draft_exe = drafter_exe(plan)  # compiled here (timed apart) when a structure first shows
     verify = verifier(length)  # a dict lookup, or a compile the first time (not timed)
     t_c = time.perf_counter()
@@ -523,10 +536,10 @@ def _host_rounds(run: _Run, keep_plans: bool) -> SSDGeneration:
         done = True
         break
     session.cache, session.context = cache, run.prompt_tokens + tokens
-    t_e, c3 = time.perf_counter(), compile_seconds()
+    t_e, c3 = time.perf_counter(), clock.seconds
     if not done:
       dstate = drafter.update(dstate, out, session)
-    t_f, c4 = time.perf_counter(), compile_seconds()
+    t_f, c4 = time.perf_counter(), clock.seconds
     # Compilation (a new draft length's verifier, a drafter's new shapes) is not decoding.
     late_compile_s += (c1 - c0) + (c3 - c1) + (c4 - c3)
     draft_s += t_v - t_c

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.errors import ConfigError
-from specjax.jit_cache import compiled
+from specjax.jit_cache import CompileClock, compiled
 from specjax.kv_cache import ContextOverflowError, KVCache, cache_size_for
 from specjax.model import apply
 from specjax.plan import DraftPlan
@@ -96,7 +96,8 @@ class Prefill:
   @classmethod
   def build(cls, state: nnx.State, cache, prompt_tokens: Sequence[int], plan: DraftPlan,
             key: jax.Array, *, graphdef: nnx.GraphDef, sampling: SamplingParams,
-            return_hidden: bool = False, chunk: int | None = None) -> Prefill:
+            return_hidden: bool = False, chunk: int | None = None,
+            clock: CompileClock | None = None) -> Prefill:
     chunk = chunk or PREFILL_CHUNK
     if chunk % PROMPT_BUCKET:
       raise ConfigError(f"the prefill chunk must be a multiple of {PROMPT_BUCKET}, got {chunk}")
@@ -105,7 +106,7 @@ class Prefill:
       piece = ids[start : start + chunk]
       tokens, n = pad_prompt(piece, size - start), jnp.int32(len(piece))
       exe = compiled(prefill_step, state, cache, tokens, n, plan, key, graphdef=graphdef,
-                     sampling=sampling, return_hidden=return_hidden)
+                     sampling=sampling, return_hidden=return_hidden, clock=clock)
       calls.append((exe, tokens, n))
     return cls(tuple(calls), return_hidden, len(ids))
 
@@ -144,6 +145,7 @@ class Prefilled:
   seed: int
   compile_s: float
   prefill_s: float
+  compiles: int = 0  # executables compiled for it (0 when all were cached)
 
   def start(self):
     """(first token, a copy of the cache to decode on)."""
@@ -175,9 +177,9 @@ def prefill_prompt(graphdef: nnx.GraphDef, state: nnx.State, config, prompt_toke
   cache = create_cache(config, size, kv_cache, cache_dtype or weight_dtype(state))
   full = DraftPlan.full(config.num_layers)
   key = jax.random.key(seed)
-  t0 = time.perf_counter()
+  t0, clock = time.perf_counter(), CompileClock()
   prefill = Prefill.build(state, cache, prompt_tokens, full, key, graphdef=graphdef,
-                          sampling=sampling, return_hidden=True)
+                          sampling=sampling, return_hidden=True, clock=clock)
   t1 = time.perf_counter()
   key, sub = jax.random.split(key)
   first, cache, h_last, pooled = prefill(state, cache, full, sub)
@@ -186,7 +188,7 @@ def prefill_prompt(graphdef: nnx.GraphDef, state: nnx.State, config, prompt_toke
     cache.check_finite()
   t2 = time.perf_counter()
   return Prefilled(tuple(prompt_tokens), first, cache, h_last, pooled, key, kv_cache, sampling,
-                   seed, compile_s=t1 - t0, prefill_s=t2 - t1)
+                   seed, compile_s=t1 - t0, prefill_s=t2 - t1, compiles=clock.count)
 
 
 def start_decoding(prefilled: Prefilled | None, graphdef, state, config, prompt_tokens, *,
@@ -290,6 +292,7 @@ class Generation:
   prefill_s: float
   decode_s: float
   stopped_on_eos: bool
+  compiles: int = 0  # executables compiled for this run (prefill included): 0 when cached
 
   @property
   def decode_tokens_per_s(self) -> float:
@@ -354,10 +357,10 @@ def generate(
                                      size=size, kv_cache=kv_cache, sampling=sampling, seed=seed,
                                      cache_dtype=cache_dtype)
   key, eos_ids = pre.key, eos_array(eos)
-  t_compile = time.perf_counter()
+  t_compile, clock = time.perf_counter(), CompileClock()
   # Compiled before the loop, so that the timing below measures decoding only.
   run = compiled(decode_chunk, state, cache, token, key, jnp.int32(0), eos_ids,
-                 graphdef=graphdef, sampling=sampling, chunk=chunk)
+                 graphdef=graphdef, sampling=sampling, chunk=chunk, clock=clock)
   done = emit(int(token[0]))
   t1 = time.perf_counter()
   while not done:
@@ -376,6 +379,7 @@ def generate(
       prefill_s=pre.prefill_s,
       decode_s=t2 - t1,
       stopped_on_eos=bool(tokens) and tokens[-1] in eos,
+      compiles=pre.compiles + clock.count,
   )
 
 

@@ -123,7 +123,8 @@ def device_rounds(run, keep_plans: bool, rounds_per_call: int | None, static_pla
   eos = eos_array(run.eos)
   args = (run.state, carry, plan, jnp.int32(budget), eos)
   t_compile = time.perf_counter()
-  exe = compiled(decode_rounds, *args, rounds_per_call=per_call, **run.draft_static)
+  exe = compiled(decode_rounds, *args, rounds_per_call=per_call, clock=run.session.clock,
+                 **run.draft_static)
   compile_s = time.perf_counter() - t_compile
   tokens = [run.first]
   done = run.first in run.eos or budget <= 1

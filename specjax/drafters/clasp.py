@@ -70,7 +70,8 @@ class ClaspDrafter(Drafter):
     skip = self.skip_for(L)
     cands = run_dp(session.state, session.dense_cache(), state.window, np.zeros(L, np.int32),
                    np.ones(L, np.int32), -1.0, graphdef=session.graphdef,
-                   items=sublayer_items(L, coupled=True), slots=skip + 1, agreement=False)
+                   items=sublayer_items(L, coupled=True), slots=skip + 1, agreement=False,
+                   clock=session.clock)
     bits = np.asarray(jax.device_get(cands.bits[skip]))
     return dataclasses.replace(state, plan=DraftPlan.from_bits(bits), rounds=0,
                                plans=state.plans + [bits])

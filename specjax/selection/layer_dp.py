@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.jit_cache import compiled
+from specjax.jit_cache import CompileClock, compiled
 from specjax.kv_cache import KVCache
 from specjax.selection.layer_probe import Window, run_sublayers, window_cosine
 
@@ -102,10 +102,10 @@ def sublayer_items(num_layers: int, coupled: bool) -> tuple[tuple[int, ...], ...
 
 def run_dp(state: nnx.State, cache: KVCache, window: Window, run_cost, skip_cost,
            tau: float, *, graphdef: nnx.GraphDef, items, slots: int,
-           agreement: bool) -> Candidates:
+           agreement: bool, clock: CompileClock | None = None) -> Candidates:
   """`layer_dp` with host-side costs converted to device arrays, compiled ahead of time
-  (so callers' timers can tell compilation from work: `jit_cache.compile_seconds`)."""
+  (a compile is booked on `clock`, so callers' timers can tell compilation from work)."""
   args = (state, cache, window, jnp.asarray(run_cost, jnp.int32),
           jnp.asarray(skip_cost, jnp.int32), jnp.float32(tau))
   return compiled(layer_dp, *args, graphdef=graphdef, items=items, slots=slots,
-                  agreement=agreement)(*args)
+                  agreement=agreement, clock=clock)(*args)

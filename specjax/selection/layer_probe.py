@@ -112,7 +112,7 @@ def prompt_window(session, size: int) -> Window:
   start = end - n
   span = jnp.asarray(ctx[start:end] + [0] * (size - n), jnp.int32)  # padding after: causal
   args = (session.state, session.dense_cache(), span, jnp.int32(start))
-  res = compiled(full_residuals, *args, graphdef=session.graphdef)(*args)
+  res = compiled(full_residuals, *args, graphdef=session.graphdef, clock=session.clock)(*args)
   pad = size - n  # valid rows go last, as push_round expects
   positions = np.concatenate([np.full(pad, start, np.int32),
                               np.arange(start, end, dtype=np.int32)])
@@ -130,7 +130,7 @@ def push_round(window: Window, out, session) -> Window:
   start = len(session.context) - 1 - n_commit  # position of the round's first input
   args = (window, out.residuals, jnp.int32(session.context[start]), out.tokens,
           jnp.int32(start), jnp.int32(n_commit))
-  return compiled(push_step, *args)(*args)
+  return compiled(push_step, *args, clock=session.clock)(*args)
 
 
 @jax.jit
