@@ -236,3 +236,37 @@ def test_weights_only_in_a_draft_and_only_8_bit_ones_in_the_overlay():
     Int8WeightsDrafter(weights=w4)
   with pytest.raises(PlanError, match="4, 8 or 16 bits, got 5"):
     QuantSpecDrafter.for_model(model, weight_bits=5)
+
+
+def test_draft_cost_counts_the_bytes_an_8bit_draft_reads():
+  """`cost.draft_cost` prices a plan by the bytes of weights it reads: an 8-bit draft reads
+  about a quarter of an fp32 target's (half of a bf16 one's), and skipping sub-layers
+  saves the same share at either precision."""
+  from specjax.selection.cost import draft_cost
+
+  model = as_model("qwen2")
+  cfg, L = model.config, model.config.num_layers
+  w8 = quant.quantize_weights_int8(model.state, L)
+  full = DraftPlan.from_skips(L)
+  assert draft_cost(cfg, full) == pytest.approx(1.0)
+  c8 = draft_cost(cfg, full.replace(weights=w8))
+  assert 0.25 <= c8 < 0.35  # int8 codes plus one fp32 scale per output channel
+  assert draft_cost(cfg, full.replace(weights=w8), target_bits=16) == pytest.approx(2 * c8)
+  skip = DraftPlan.from_skips(L, [1, 2], [2, 3])
+  saved = 1 - draft_cost(cfg, skip)
+  saved8 = c8 - draft_cost(cfg, skip.replace(weights=w8))
+  assert saved8 == pytest.approx(saved * c8, rel=0.15)
+
+
+def test_self_sd_search_for_an_8bit_draft_scores_and_costs_it_at_8_bits():
+  from specjax.offline import self_sd_search
+
+  model = as_model("qwen2")
+  w8 = quant.quantize_weights_int8(model.state, model.config.num_layers)
+  args = (model.graphdef, model.state, model.config, [PROMPT])
+  kw = dict(iterations=4, init_points=4, new_tokens=8, verbose=False)
+  plain = self_sd_search.search(*args, **kw)
+  int8 = self_sd_search.search(*args, weights=w8, **kw)
+  for a, b in zip(plain.history, int8.history):  # the same candidates (one seed)
+    assert a["skipped"] == b["skipped"] and b["cost"] < 0.35 * a["cost"] + 0.01
+  assert int8.plan.weights is None  # the skip set alone: the overlay adds the weights

@@ -132,7 +132,7 @@ class DrafterFactory:
 
   def make(self, name: str) -> Drafter:
     base_name, overlays = parse(name)
-    drafter = None if base_name is None else self._base(base_name)
+    drafter = None if base_name is None else self._base(base_name, overlays)
     for part in overlays:
       drafter = self._overlay(part, drafter)
     return drafter
@@ -218,9 +218,10 @@ class DrafterFactory:
                            anchors=anchors, iterations=self.search_iterations,
                            gamma=self.gamma, seed=self.seed, verbose=self.verbose)
 
-  def self_sd_plan(self):
+  def self_sd_plan(self, int8: bool = False):
     """A Self-SD skip set searched on `search_prompts`, kept in `work_dir` under a name
-    that says what it was searched with (a resumed run reuses it)."""
+    that says what it was searched with (a resumed run reuses it). `int8`: searched for
+    a draft that reads the 8-bit weights (scored with them, costed in their bytes)."""
     from specjax.bench.harness import prompt_ids
     from specjax.drafters.static import load_plan, save_plan
     from specjax.models.registry import cache_root
@@ -228,6 +229,8 @@ class DrafterFactory:
 
     if "self_sd_plan" in self.artefacts:
       return self.artefacts["self_sd_plan"]
+    from specjax.decode.generate import weight_dtype
+
     iterations = self._opts("self_sd")["iterations"] or self.search_iterations
     prompts = list(self.search_prompts if self.search_prompts is not None
                    else default_search_prompts(self.data_dir))
@@ -235,14 +238,16 @@ class DrafterFactory:
       raise ConfigError("self_sd needs search prompts (none given and no Spec-Bench data)")
     ids = [prompt_ids(self.model.tokenizer, list(p.turns[:1])) for p in prompts]
     key = hashlib.sha256(json.dumps([iterations, self.gamma, self.seed, ids]).encode()
-                         ).hexdigest()[:10]
+                         ).hexdigest()[:10] + ("-8bit" if int8 else "")
     folder = Path(self.work_dir) if self.work_dir else cache_root() / "searches" / self.model.name
     path = folder / f"self_sd_plan-{key}.json"
     if path.exists():
       return load_plan(path, model=self.model.name)
     m = self.model
     res = self_sd.search(m.graphdef, m.state, m.config, ids, iterations=iterations,
-                         gamma=self.gamma, seed=self.seed)
+                         gamma=self.gamma, seed=self.seed,
+                         weights=self.int8_weights if int8 else None,
+                         target_bits=8 * weight_dtype(m.state).itemsize)
     folder.mkdir(parents=True, exist_ok=True)
     save_plan(path, res.plan, model=m.name, objective=res.objective, alpha=res.alpha,
               cost=res.cost, search_prompts=[p.id for p in prompts], iterations=iterations)
@@ -253,7 +258,9 @@ class DrafterFactory:
 
   # -- construction ------------------------------------------------------------------
 
-  def _base(self, name: str) -> Drafter:
+  def _base(self, name: str, overlays: Sequence[str] = ()) -> Drafter:
+    """The layer drafter; a search-based one is searched for the draft the overlays make
+    of it (Self-SD under `8bit` costs and scores its candidates at 8 bits)."""
     kw = self._kwargs(name)
     L = self.model.config.num_layers
     if name == "static":
@@ -268,7 +275,7 @@ class DrafterFactory:
     if name == "swift":
       return SwiftDrafter(**{"seed": self.seed, **kw})
     if name == "self_sd":
-      return SelfSDDrafter(self.self_sd_plan(), **kw)
+      return SelfSDDrafter(self.self_sd_plan(int8="8bit" in overlays), **kw)
     if name == "clasp":
       return ClaspDrafter(**kw)
     if name == "knapspec":

@@ -83,6 +83,8 @@ def search(
     new_tokens: int = 48,
     min_skip: float = 0.2,
     seed: int = 0,
+    weights=None,
+    target_bits: int = 32,
     verbose: bool = True,
 ) -> SearchResult:
   """BO over the 2L plan bits (`plan.py`); random skip sets first, then GP-UCB proposals.
@@ -90,6 +92,11 @@ def search(
   Candidates skipping fewer than `min_skip` of the sub-layers are scored for the GP but
   never chosen: with a verification that costs about one full step, the full model
   scores as well as any draft and the search would return a draft that saves nothing.
+
+  With `weights` (a draft's quantised matrices, `quant.DraftWeights`: the 8-bit overlay's)
+  every candidate is scored as the draft it will be: its agreement with those weights and
+  its cost in their bytes (`cost.draft_cost`), so the search picks the skip set for the
+  quantised draft, which can afford more layers.
   """
   if not prompts:
     raise ConfigError("self_sd search needs at least one search prompt")
@@ -104,8 +111,9 @@ def search(
     else:
       bits = bo.ask()
     plan = DraftPlan.from_bits(bits)
-    alpha = plan_agreement(graphdef, state, seqs, plan)
-    cost = draft_cost(config, plan)
+    draft = plan if weights is None else plan.replace(weights=weights)
+    alpha = plan_agreement(graphdef, state, seqs, draft)
+    cost = draft_cost(config, draft, target_bits)
     value = expected_speedup(alpha, gamma, cost)
     bo.tell(bits, value)
     best.history.append({"iteration": it, "alpha": alpha, "cost": cost, "objective": value,

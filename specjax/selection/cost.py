@@ -1,8 +1,10 @@
 """Relative cost of a draft step under a plan, before any profiling.
 
 Decoding small models is memory-bound, so a sub-layer's cost is taken proportional to
-the bytes of weights it reads; the LM head and embedding always run. The latency
-profiler (measured per device and context length) supersedes this where available.
+the bytes of weights it reads — its own parameters at the target's precision, or a
+draft's quantised copies (`plan.weights`: 8-bit matrices read a quarter of fp32's bytes)
+— and the LM head always runs. The latency profiler (measured per device and context
+length) supersedes this where available.
 """
 
 from __future__ import annotations
@@ -22,11 +24,27 @@ def sublayer_weights(config: ModelConfig) -> tuple[float, float, float]:
   return float(attn), float(mlp), float(config.vocab_size * D)
 
 
-def draft_cost(config: ModelConfig, plan: DraftPlan) -> float:
-  """Cost of one draft step relative to one full-model step (1.0 = full model)."""
-  attn, mlp, head = sublayer_weights(config)
+def draft_cost(config: ModelConfig, plan: DraftPlan, target_bits: int = 32) -> float:
+  """Cost of one draft step relative to one full-model step (1.0 = full model), in bytes
+  of weights read; the target's weights are `target_bits` wide (32: fp32, 16: bf16)."""
+  attn, mlp, head = (n * target_bits / 8 for n in sublayer_weights(config))
   full = config.num_layers * (attn + mlp) + head
-  used = float(np.sum(plan.attn)) * attn + float(np.sum(plan.mlp)) * mlp + head
+  weights = plan.weights
+  if weights is None:
+    used = float(np.sum(plan.attn)) * attn + float(np.sum(plan.mlp)) * mlp + head
+    return used / full
+  own = {"qkv": attn, "o": attn, "gate_up": mlp, "down": mlp}  # split below by shape
+  D, N, K, H, F = (config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim,
+                   config.hidden_dim)
+  share = {"qkv": (N + 2 * K) / (2 * N + 2 * K), "o": N / (2 * N + 2 * K),
+           "gate_up": 2 / 3, "down": 1 / 3}
+  runs = {"qkv": plan.attn, "o": plan.attn, "gate_up": plan.mlp, "down": plan.mlp}
+  used = float(weights.head.nbytes) if weights.head is not None else head
+  for l, layer in enumerate(weights.layers):
+    for name in own:
+      if bool(np.asarray(runs[name])[l]):
+        mat = getattr(layer, name)
+        used += float(mat.nbytes) if mat is not None else own[name] * share[name]
   return used / full
 
 
