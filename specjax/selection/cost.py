@@ -33,9 +33,9 @@ def draft_cost(config: ModelConfig, plan: DraftPlan, target_bits: int = 32) -> f
   if weights is None:
     used = float(np.sum(plan.attn)) * attn + float(np.sum(plan.mlp)) * mlp + head
     return used / full
-  own = {"qkv": attn, "o": attn, "gate_up": mlp, "down": mlp}  # split below by shape
-  D, N, K, H, F = (config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim,
-                   config.hidden_dim)
+  # A sub-layer's own bytes, split between its matrices by their sizes.
+  own = {"qkv": attn, "o": attn, "gate_up": mlp, "down": mlp}
+  N, K = config.num_heads, config.num_kv_heads
   share = {"qkv": (N + 2 * K) / (2 * N + 2 * K), "o": N / (2 * N + 2 * K),
            "gate_up": 2 / 3, "down": 1 / 3}
   runs = {"qkv": plan.attn, "o": plan.attn, "gate_up": plan.mlp, "down": plan.mlp}
