@@ -102,6 +102,19 @@ def test_swift_replays_from_its_state():
     assert bits[:2].all() and bits[-2:].all()
 
 
+def test_self_sd_objective_ranks_an_agreeing_plan_above_a_cheap_useless_one():
+  """SmolLM2's figures: a plan of agreement 0.39 at cost 0.81 against one of 0.02 at 0.35.
+  At a fixed γ = 4 the useless one scored higher (and decoded at 0.55× with α = 0.01);
+  at each plan's best γ the agreeing one does."""
+  from specjax.selection.cost import expected_speedup
+
+  agreeing, useless = (0.39, 0.81), (0.02, 0.35)
+  assert expected_speedup(*useless[:1], 4, useless[1]) > expected_speedup(*agreeing[:1], 4,
+                                                                          agreeing[1])
+  assert self_sd.objective(*agreeing, 4)[0] > self_sd.objective(*useless, 4)[0]
+  assert self_sd.objective(0.95, 0.3, 8)[1] == 8  # a cheap, agreeable draft wants a long γ
+
+
 def test_self_sd_search_finds_a_plan_and_is_lossless(tmp_path):
   config, graphdef, state = target("gemma3")
   res = self_sd.search(graphdef, state, config, [PROMPT, list(range(40, 70))], iterations=12,

@@ -237,7 +237,8 @@ class DrafterFactory:
     if not prompts:
       raise ConfigError("self_sd needs search prompts (none given and no Spec-Bench data)")
     ids = [prompt_ids(self.model.tokenizer, list(p.turns[:1])) for p in prompts]
-    key = hashlib.sha256(json.dumps([iterations, self.gamma, self.seed, ids]).encode()
+    # "v2": the search objective changed (best γ per candidate); older plans are not reused
+    key = hashlib.sha256(json.dumps(["v2", iterations, self.gamma, self.seed, ids]).encode()
                          ).hexdigest()[:10] + ("-8bit" if int8 else "")
     folder = Path(self.work_dir) if self.work_dir else cache_root() / "searches" / self.model.name
     path = folder / f"self_sd_plan-{key}.json"
