@@ -27,7 +27,9 @@ def test_bench_end_to_end_then_resume(tmp_path, capsys):
   assert figures["prompts"] == 3
   for f in ("results.jsonl", "settings.json", "summary.md", "speedup.png"):
     assert (out / f).exists()
-  assert len(list(out.glob("self_sd_plan-*.json"))) == 1  # the search, kept for a resume
+  # The searches, kept for a resume: self_sd's, and self_sd+8bit's, made at 8 bits.
+  plans = sorted(p.name.endswith("-8bit.json") for p in out.glob("self_sd_plan-*.json"))
+  assert plans == [False, True]
   lines = (out / "results.jsonl").read_text().splitlines()
   assert len(lines) == 3  # one line per prompt, all its methods in it
   assert {r["method"] for r in json.loads(lines[0])["records"]} == methods
