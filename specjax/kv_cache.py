@@ -15,7 +15,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax.cache_view import LayerView, Segment, after, keep_rows
+from specjax.cache_view import CacheView, LayerView, Segment, after, keep_rows
 from specjax.config import ModelConfig
 from specjax.errors import SpecjaxError
 from specjax.plan import PlanError
@@ -147,7 +147,7 @@ class DraftBufferView:
   """A `DraftBuffer` over a read-only cache view, as the drafting decoder sees it."""
 
   buffer: DraftBuffer
-  inner: object  # a read-only CacheView of the verified cache
+  inner: CacheView  # read-only, of the verified cache
   length: jax.Array
   kept: list[tuple[jax.Array, jax.Array]] = dataclasses.field(default_factory=list)
 

@@ -68,3 +68,13 @@ def test_freeze_makes_the_masks_static_and_is_checked():
   stale = plan.replace(attn=jnp.ones(4, jnp.bool_))  # arrays changed, static masks not
   with pytest.raises(PlanError, match="freeze"):
     stale.check(4)
+
+
+def test_plan_bits_are_sub_layer_order_true_runs_and_bad_bits_are_refused():
+  plan = DraftPlan.from_bits([True, False, False, True])  # attn_0, mlp_0, attn_1, mlp_1
+  assert plan.to_json() == {"attn": [True, False], "mlp": [False, True]}
+  assert plan.to_bits().tolist() == [True, False, False, True]
+  with pytest.raises(PlanError, match="two per layer"):
+    DraftPlan.from_bits([True, False, True])
+  with pytest.raises(PlanError, match="booleans"):
+    DraftPlan.from_bits([0, 2])
