@@ -127,3 +127,7 @@ def test_default_references_cover_every_cache_a_drafter_reads(plan_file):
   s = metrics.summarize(recs)
   assert s["ar_int8kv"]["mismatches"] is None and "M" not in s["ar_int8kv"]
   assert s["quantspec"]["mismatches"] == 0 and s["8bit"]["mismatches"] == 0
+  # one prefill per cache type, shared by the runs that read it
+  prefill = {r["method"]: r["prefill_s"] for r in recs}
+  assert prefill["8bit"] == prefill["ar"] and prefill["quantspec"] == prefill["ar_int8kv"]
+  assert prefill["ar"] != prefill["ar_int8kv"]

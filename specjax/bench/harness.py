@@ -96,7 +96,8 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
   prompt (SWIFT and budgeted KnapSpec learn across prompts); updated in place. A drafter is
   compared with the reference that reads the same KV cache (its tokens must equal that
   AR's); with sampling, `matches_ar` is None. `references` default to `references_for`
-  the drafters. Runs reading the same quantised cache share one prefill of it.
+  the drafters. Runs reading the same kind of cache share one prefill of the prompt (it is
+  not timed, and at 4k tokens on a CPU it costs more than the decoding).
   `extra(name, generation)` adds fields to a drafter's record.
   """
   from specjax.decode.engine import speculative_generate
@@ -112,16 +113,16 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
   sampling = settings.sampling
   g, s, c = model.graphdef, model.state, model.config
   by_cache = {ref.kv_cache: ref.name for ref in references}
-  prefills: dict = {}  # (turn, QuantKV) -> Prefilled: one prefill per quantised cache
+  prefills: dict = {}  # (turn, QuantKV | None) -> Prefilled: one prefill per cache type
+  room = settings.max_new_tokens + max([settings.gamma, *(gammas or {}).values()]) + 1
   tokens_of: dict[str, list[list[int]]] = {}
   # The first turn's ids are every method's (later turns carry each method's own answers).
   first = turns[0] if isinstance(turns[0], list) else prompt_ids(model.tokenizer, turns[:1])
 
   def prefill(t: int, ids: list[int], kv) -> Any:
-    if kv is None or len(turns) > 1:  # later turns' histories differ per method
+    if len(turns) > 1:  # later turns' histories differ per method
       return None
     if (t, kv) not in prefills:
-      room = settings.max_new_tokens + settings.gamma + 1
       prefills[(t, kv)] = prefill_prompt(g, s, c, ids, max_new_tokens=room, kv_cache=kv,
                                          sampling=sampling, seed=settings.seed + t)
     return prefills[(t, kv)]
