@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
-from specjax.bench import data, harness, metrics, plots  # noqa: E402
+from specjax.bench import claims, data, harness, metrics, plots  # noqa: E402
 from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
 from specjax.bench.harness import RunSettings  # noqa: E402
 from specjax.bench.results_store import ResultsStore  # noqa: E402
@@ -162,6 +162,8 @@ def finish(model, lib, args, out_dir: Path, records: list[dict]) -> dict:
       "ood_routed_to": ood_domains,
       "mismatches": sum(metrics.total_mismatches(g) for g in summary.values()),
   }
+  verdict = claims.knn_stable_and_ahead(summary)
+  figures["verdicts"] = [verdict.to_json()]
   if args.write_docs:
     image = report.copy_image(plot, f"knn_streams_{model.name}.png")
     report.write_section(f"knn-streams-{model.name}", "\n".join([
@@ -183,7 +185,8 @@ def finish(model, lib, args, out_dir: Path, records: list[dict]) -> dict:
         f"cosine {sim_ood:.3f} to their nearest anchor, against {sim_in:.3f} for held-out "
         f"in-domain prompts; they were routed to "
         f"{', '.join(f'{d} ({n})' for d, n in ood_domains.items() if n)}. The `ood` rows "
-        f"above are KNN-SSD and SSD-M on {args.ood} of them.", "", image]))
+        f"above are KNN-SSD and SSD-M on {args.ood} of them.", "", image, "",
+        claims.section([verdict])]))
   return figures
 
 

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
-from specjax.bench import data, harness, metrics, plots  # noqa: E402
+from specjax.bench import claims, data, harness, metrics, plots  # noqa: E402
 from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
 from specjax.bench.harness import RunSettings  # noqa: E402
 from specjax.bench.results_store import ResultsStore  # noqa: E402
@@ -182,6 +182,8 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
                 f"{max(x['predicted'] for x in c['rows']):.1f}"] for c in corr]
   corr_table = report.markdown_table(
       ["workload", "candidates", "Pearson r", "measured tok/s", "predicted TPT"], corr_rows)
+  found = verdicts(args.drafters, summary, ctx_len, {c["workload"]: c["pearson"] for c in corr},
+                   metrics.summarize(runs))
   masks_png = plot_masks(runs, order, out_dir / "knapspec_masks.png")
   print(f"\n{table}\n\nKnapSpec predicted TPT vs measured throughput\n{corr_table}\n")
   figures = {
@@ -193,6 +195,7 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
       "knapspec_predicted_tpt": tpt,
       "tpt_pearson": {c["workload"]: c["pearson"] for c in corr},
       "mismatches": sum(metrics.total_mismatches(summary[w]) for w in order),
+      "verdicts": [v.to_json() for v in found],
   }
   if args.write_docs:
     image = report.copy_image(masks_png, f"knapspec_masks_{model.name}.png")
@@ -213,9 +216,28 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
         "off the critical path or on a device where the batched DP is nearly free.", "",
         "KnapSpec: predicted tokens-per-time vs measured throughput across the candidates "
         "of one selection (each decoded as a fixed plan with its own γ):", "", corr_table,
-        "", image])
+        "", image, "", claims.section(found)])
     report.write_section(f"long-context-{model.name}", body)
   return figures
+
+
+def verdicts(drafters: list[str], summary: dict, ctx_len: dict, pearson: dict,
+             overall: dict) -> list[claims.Verdict]:
+  """Each layer drafter against AR on every workload; KnapSpec against its rivals over
+  context and its TPT prediction; each composition against its parts over all workloads."""
+  out = []
+  for m in drafters:
+    if "+" in m:
+      out.append(claims.composition_beats_parts(
+          m, {k: r["speedup"] for k, r in overall.items()}))
+    else:
+      out.append(claims.faster_than_ar(m, {w: s.get(m) for w, s in summary.items()}))
+  ks = next((m for m in drafters if m.startswith("knapspec") and "+" not in m), None)
+  if ks:
+    contexts = {w: n for w, n in ctx_len.items() if w.startswith("ctx-")}
+    out.append(claims.beats_rivals_as_context_grows(summary, contexts, method=ks))
+    out.append(claims.predicted_tpt_tracks(pearson))
+  return out
 
 
 def plot_masks(runs: list[dict], order: list[str], path: Path) -> Path | None:

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
-from specjax.bench import data, harness, metrics  # noqa: E402
+from specjax.bench import claims, data, harness, metrics  # noqa: E402
 from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
 from specjax.bench.harness import RunSettings  # noqa: E402
 from specjax.bench.results_store import ResultsStore  # noqa: E402
@@ -57,6 +57,22 @@ METHODS = {
     "dynaspec+knapspec": ("knapspec+dynaspec", lambda L: {}),
     "frspec-32k+knapspec": ("knapspec+frspec", lambda L: {"frspec": {"size": 32768}}),
 }
+
+
+def verdicts(methods: list[str], summary: dict, mean_short: float) -> list[claims.Verdict]:
+  """Each shortlist against the full head; DynaSpec's M against the full head's and
+  FR-Spec's; each composition against its parts."""
+  out = [claims.shortlist_pays(m, summary) for m in methods
+         if m.startswith(("frspec", "dynaspec")) and "+" not in m]
+  if "dynaspec" in summary and "full-vocab" in summary:
+    fr = {int(m.split("-")[1][:-1]) * 1024: summary[m]["M"] for m in methods
+          if m.startswith("frspec") and "+" not in m}
+    out.append(claims.shortlist_keeps_m(
+        summary["full-vocab"]["M"], {"M": summary["dynaspec"]["M"], "shortlist": mean_short},
+        fr))
+  speedups = {m: r["speedup"] for m, r in summary.items()}
+  out += [claims.composition_beats_parts(m, speedups) for m in methods if "+" in m]
+  return out
 
 
 def draft_step_times(model, plans: dict, gamma: int, repeats: int) -> dict[str, float]:
@@ -175,13 +191,15 @@ def main(argv=None) -> None:
       ["k clusters", "padded shortlist", "mean real shortlist", "recall of next token"],
       [[k, k * bundle.clusters.capacity, f"{real[k]:.0f}", f"{recall[k]:.3f}"] for k in ks])
   print(f"\n{step_table}\n\n{e2e_table}\n\n{rec_table}\n")
+  found = verdicts(methods, summary, mean_short)
   figures = dict(model=model.name, draft_step_ms={k: round(v * 1e3, 3) for k, v in steps.items()},
                  methods={m: {k: (round(v, 4) if isinstance(v, float) else v)
                               for k, v in s.items()} for m, s in summary.items()},
                  m_kept={m: kept(m) for m in methods}, router_recall=recall,
                  dynaspec_mean_shortlist=mean_short, k_schedule=list(sched),
                  router_val_loss=curves.get("val_loss"),
-                 mismatches=metrics.total_mismatches(summary))
+                 mismatches=metrics.total_mismatches(summary),
+                 verdicts=[v.to_json() for v in found])
   if args.write_docs:
     image = report.copy_image(cache_root() / "shortlists" / model.name / "curves.png",
                               f"router_curves_{model.name}.png")
@@ -200,7 +218,7 @@ def main(argv=None) -> None:
         "End to end (M kept: DynaSpec/FR-Spec vs the all-layer full-head draft; "
         "`+knapspec` vs KnapSpec with the full head):", "", e2e_table, "",
         "Router on the evaluation prompts' AR outputs (held out):", "", rec_table, "",
-        image])
+        image, "", claims.section(found)])
     report.write_section(f"vocab-{model.name}", body)
   report.print_json(figures)
 

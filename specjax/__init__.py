@@ -18,7 +18,8 @@ The package, by what each part is for:
     specjax/selection/  layer probes, the sub-layer DP, latency profiles, cost, BO
     specjax/offline/    artefacts built before decoding: Self-SD search, FR-Spec counts,
                         DynaSpec clusters and router, the KNN-SSD library
-    specjax/bench/      data, drafter factory, harness, results store, metrics, bench, sweep
+    specjax/bench/      data, drafter factory, harness, results store, metrics, claims, bench,
+                        sweep
 """
 
 from __future__ import annotations

@@ -23,3 +23,36 @@ def test_quantspec_prose_quotes_the_measured_int8_ar_speed():
   figures = {"1024": {"int8kv_ar_vs_fp_ar": 0.61}, "4096": {"int8kv_ar_vs_fp_ar": 1.12}}
   assert bench_quantspec.int8_vs_fp(figures) == "0.61–1.12×"
   assert bench_quantspec.int8_vs_fp({"1024": {"int8kv_ar_vs_fp_ar": 0.5}}) == "0.50×"
+
+
+def test_quantspec_memory_prices_a_separate_draft_cache():
+  from specjax.config import tiny_config
+
+  c = tiny_config("llama")
+  (r,) = bench_quantspec.memory_rows(c, lengths=(4096,))
+  # Bytes per layer from the format: nibble planes of K and V, float32 (min, scale) per key
+  # group of G = 128 tokens and per value group of min(G, H) channels, a 2R bf16 buffer.
+  K, H, S = c.num_kv_heads, c.head_dim, 4096
+  plane = K * S * H // 2
+  stats = 2 * 4 * K * (S // 128 * H + S * H // min(128, H))
+  shared = 4 * plane + stats + 2 * K * 256 * H * 2
+  separate = shared + 2 * plane + stats  # a second, 4-bit cache: one plane per K and V
+  assert abs(r["separate_draft_saving"] - separate / shared) < 1e-4  # + 3 scalar counters
+
+
+def test_long_context_verdicts():
+  import bench_long_context
+  from specjax.bench import claims
+
+  r = lambda s: {"speedup": s, "M": 2.0, "alpha": 0.5}
+  summary = {w: {"ar": {"speedup": 1.0}, "self_sd": r(0.8), "clasp": r(0.9), "knapspec": r(k),
+                 "8bit": r(1.6), "knapspec+8bit": r(1.2)}
+             for w, k in (("spec-bench", 1.0), ("ctx-1024", 1.0), ("ctx-4096", 1.1))}
+  ctx = {"spec-bench": 270, "ctx-1024": 1024, "ctx-4096": 4096}
+  found = bench_long_context.verdicts(["self_sd", "clasp", "knapspec", "8bit", "knapspec+8bit"],
+                                      summary, ctx, {"ctx-1024": 0.9}, summary["ctx-4096"])
+  by = {v.subject: v.outcome for v in found}
+  assert by["knapspec+8bit"] == claims.NOT_REPRODUCED  # 1.2× < 8bit's 1.6×
+  assert by[claims.PAPERS["clasp"][0]] == claims.NOT_REPRODUCED
+  knap = [v for v in found if v.subject == claims.PAPERS["knapspec"][0]]
+  assert [v.outcome for v in knap] == [claims.PARTLY, claims.REPRODUCED, claims.REPRODUCED]

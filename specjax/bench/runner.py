@@ -17,7 +17,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from specjax.bench import data, docs, drafter_factory, harness, metrics, plots
+from specjax.bench import claims, data, docs, drafter_factory, harness, metrics, plots
 from specjax.bench.harness import RunSettings
 from specjax.bench.results_store import ResultsStore
 from specjax.decode.engine import speculative_generate
@@ -188,6 +188,7 @@ def finish(cfg: BenchConfig, out_dir: Path, records: list[dict], verbose: bool,
       "prompts": overall.get(metrics.AR, {}).get("prompts", 0),
       "methods": {m: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
                   for m, r in overall.items()},
+      "verdicts": [v.to_json() for v in claims.for_run(overall)],
   }
   return figures
 
@@ -267,7 +268,8 @@ def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict,
       f"{'greedy' if cfg.temperature == 0 else f'T={cfg.temperature}'}; AR and every drafter "
       f"in the same process. Machine: {docs.machine()}.", "",
       table, "", "Speedup vs AR by category:", "", cat_table,
-  ] + (["", "Draft lengths (`--auto-gamma`):", "", lengths] if lengths else []))
+  ] + (["", "Draft lengths (`--auto-gamma`):", "", lengths] if lengths else [])
+    + ["", claims.section(claims.for_run(overall))])
   docs.write_section(section or f"bench-{cfg.model}", body, _command(cfg, section))
 
 

@@ -1,0 +1,233 @@
+"""The seed papers' claims, each put to the figures of one run.
+
+Every seed section of docs/BENCHMARKS.md ends with verdict lines written by these
+functions: the claim (as its paper reports it), whether the run reproduces it, and the
+numbers that decide. They are pure functions of a run's summary rows (`metrics.summarize`
+output or the figures an experiment prints), so a verdict is recomputed, never typed.
+
+A claim has four outcomes: `reproduced`, `partly reproduced` (some of its parts hold),
+`not reproduced`, and `undecided` (the run lacks what the claim needs, e.g. a rival method
+was not run). The papers' figures quoted here are from their abstracts; our models are
+0.1–1.5B parameters against their 7B–70B, which is the first thing to weigh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+REPRODUCED, PARTLY, NOT_REPRODUCED, UNDECIDED = (
+    "reproduced", "partly reproduced", "not reproduced", "undecided")
+
+# method -> (paper, what it reports); the layer drafters' claims are speedups over AR.
+PAPERS: dict[str, tuple[str, str]] = {
+    "self_sd": ("Self-SD (Draft & Verify, Zhang et al. 2024)",
+                "skipping searched layers of the target drafts losslessly at up to 1.99× AR "
+                "(LLaMA-2)"),
+    "swift": ("SWIFT (Xia et al. 2025)",
+              "on-the-fly layer skipping decodes at 1.3–1.6× AR"),
+    "clasp": ("CLaSp (Chen et al. 2025)",
+              "per-round DP over layers to skip decodes at 1.3–1.7× AR (LLaMA-3)"),
+    "knapspec": ("KnapSpec", "a knapsack over attention and MLP sub-layers, priced by "
+                 "their latency, decodes faster than AR"),
+    "knn": ("KNN-SSD", "per-domain skip sets picked by nearest neighbour decode at "
+            "1.3–1.6× AR"),
+    "quantspec": ("QuantSpec (Tiwari et al. 2025)",
+                  "a 4-bit hierarchical KV cache draft decodes at up to ~2.5× AR at long "
+                  "context"),
+    "frspec": ("FR-Spec (Zhao et al. 2025)",
+               "a frequency-ranked vocabulary shortlist makes the draft cheaper and "
+               "decoding faster"),
+    "dynaspec": ("DynaSpec", "a routed, context-dependent shortlist makes the draft "
+                 "cheaper and decoding faster"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+  """One claim against one run."""
+
+  subject: str  # who claims it (a paper, or a composition of methods)
+  claim: str
+  outcome: str  # REPRODUCED | PARTLY | NOT_REPRODUCED | UNDECIDED
+  evidence: str  # the numbers that decide, and why
+
+  def line(self) -> str:
+    return (f"- **{self.subject}** claims {self.claim}. **{self.outcome.capitalize()}** "
+            f"here: {self.evidence}.")
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def _outcome(parts: Sequence[bool]) -> str:
+  if not parts:
+    return UNDECIDED
+  return REPRODUCED if all(parts) else PARTLY if any(parts) else NOT_REPRODUCED
+
+
+def _x(v: float) -> str:
+  return f"{v:.2f}×"
+
+
+def faster_than_ar(method: str, rows: Mapping[str, Mapping]) -> Verdict:
+  """Does `method` beat AR on every workload? `rows`: workload -> the method's summary row
+  (speedup, M). The why is the round's price: speedup = M · t_AR / t_round, so a round
+  cost M / speedup AR steps for its M tokens."""
+  paper, claim = PAPERS.get(method.split("-")[0], (method, "it decodes faster than AR"))
+  rows = {w: r for w, r in rows.items() if r and r.get("speedup") is not None}
+  if not rows:
+    return Verdict(paper, claim, UNDECIDED, f"{method} was not run")
+  parts = [f"{_x(r['speedup'])} on {w} (M {r['M']:.2f}; a round cost "
+           f"{r['M'] / r['speedup']:.2f} AR steps)" for w, r in rows.items()]
+  wins = [r["speedup"] > 1 for r in rows.values()]
+  return Verdict(paper, claim, _outcome(wins), f"{method} ran at " + ", ".join(parts))
+
+
+def beats_rivals_as_context_grows(summaries: Mapping[str, Mapping[str, Mapping]],
+                                  contexts: Mapping[str, int], method: str = "knapspec",
+                                  rivals: Sequence[str] = ("clasp", "self_sd")) -> Verdict:
+  """KnapSpec's own claim: it beats CLaSp and Self-SD, by more as the context grows
+  (attention's share of a step grows with context, and only KnapSpec prices it apart).
+  Parts: ahead of the best rival at the longest context; the lead not shrinking from the
+  shortest context to the longest. `contexts`: workload -> prompt tokens."""
+  claim = (f"it beats {' and '.join(rivals)}, by more as the context grows (attention's "
+           "latency grows with context and only KnapSpec prices it)")
+  lead = {}
+  for w, n in sorted(contexts.items(), key=lambda kv: kv[1]):
+    s = summaries.get(w, {})
+    have = [s[r]["speedup"] for r in rivals if r in s]
+    if method in s and len(have) == len(rivals):
+      lead[n] = s[method]["speedup"] - max(have)
+  if len(lead) < 2:
+    return Verdict(PAPERS["knapspec"][0], claim, UNDECIDED,
+                   "the run needs KnapSpec and its rivals at two context lengths or more")
+  ns = sorted(lead)
+  parts = [lead[ns[-1]] > 0, lead[ns[-1]] >= lead[ns[0]]]
+  text = ", ".join(f"{lead[n]:+.2f} at {n} tokens" for n in ns)
+  return Verdict(PAPERS["knapspec"][0], claim, _outcome(parts),
+                 f"its speedup minus the best rival's is {text}")
+
+
+def predicted_tpt_tracks(pearson: Mapping[str, float | None], bar: float = 0.8) -> Verdict:
+  """KnapSpec picks the plan with the best predicted tokens-per-time, so its prediction
+  must rank plans as their measured throughput does: Pearson r ≥ `bar` over candidates."""
+  claim = (f"its predicted tokens-per-time tracks measured throughput (the issue's bar: "
+           f"Pearson r ≥ {bar} over one selection's candidates)")
+  rs = {w: r for w, r in pearson.items() if r is not None}
+  if not rs:
+    return Verdict(PAPERS["knapspec"][0], claim, UNDECIDED, "no selection had 3 candidates")
+  text = ", ".join(f"r = {r:.2f} on {w}" for w, r in rs.items())
+  return Verdict(PAPERS["knapspec"][0], claim, _outcome([r >= bar for r in rs.values()]), text)
+
+
+def knn_stable_and_ahead(streams: Mapping[str, Mapping[str, Mapping]],
+                         spread: float = 0.1) -> Verdict:
+  """KNN-SSD: its speedup is stable across the stream mix ratio r (max − min within
+  `spread` of the mean) and above SSD-F's and SSD-M's at every r."""
+  claim = ("its speedup stays stable as task streams mix domains (r from 0 to 1) and beats "
+           "one searched skip set (SSD-F) and one mixture skip set (SSD-M)")
+  s = {r: rows for r, rows in streams.items() if r != "ood" and "knn" in rows}
+  if not s:
+    return Verdict(PAPERS["knn"][0], claim, UNDECIDED, "no stream ran KNN-SSD")
+  knn = {r: rows["knn"]["speedup"] for r, rows in s.items()}
+  ahead = [knn[r] > rows[m]["speedup"] for r, rows in s.items() for m in ("ssd_f", "ssd_m")
+           if m in rows]
+  mean = sum(knn.values()) / len(knn)
+  stable = max(knn.values()) - min(knn.values()) <= spread * mean
+  rivals = "; ".join(f"r = {r}: KNN {_x(knn[r])}, SSD-F {_x(rows['ssd_f']['speedup'])}, "
+                     f"SSD-M {_x(rows['ssd_m']['speedup'])}" for r, rows in s.items()
+                     if "ssd_f" in rows and "ssd_m" in rows)
+  return Verdict(PAPERS["knn"][0], claim, _outcome([stable, bool(ahead) and all(ahead)]),
+                 f"{rivals}; KNN-SSD spans {min(knn.values()):.2f}–{max(knn.values()):.2f}× "
+                 f"({'within' if stable else 'beyond'} ±{spread:.0%} of its mean)")
+
+
+def quantspec_long_context(contexts: Mapping[int, Mapping], memory_saving: float,
+                           method: str = "quantspec") -> Verdict:
+  """QuantSpec: acceptance above 0.9, speedup growing with context, and ≈1.3× less KV
+  memory than a target cache beside a separate 4-bit draft cache. `contexts`: context ->
+  the method's {alpha, speedup}; `memory_saving`: that separate pair's bytes over the
+  hierarchical cache's."""
+  claim = ("its 4-bit draft keeps α > 0.9, its speedup grows with context, and sharing one "
+           "hierarchical cache needs ≈1.3× less KV memory than a separate draft cache")
+  cs = sorted(n for n, r in contexts.items() if r)
+  if not cs:
+    return Verdict(PAPERS["quantspec"][0], claim, UNDECIDED, f"{method} was not run")
+  alphas = [contexts[n]["alpha"] for n in cs]
+  speed = [contexts[n]["speedup"] for n in cs]
+  parts = [min(alphas) > 0.9, len(cs) > 1 and speed[-1] > speed[0], memory_saving >= 1.25]
+  return Verdict(
+      PAPERS["quantspec"][0], claim, _outcome(parts),
+      f"{method}'s α is {min(alphas):.2f}–{max(alphas):.2f}; its speedup goes "
+      + " → ".join(f"{_x(v)} ({n})" for n, v in zip(cs, speed))
+      + f"; the shared cache saves {memory_saving:.2f}× against a separate one")
+
+
+def shortlist_keeps_m(full_m: float, dynaspec: Mapping, frspec: Mapping[int, float],
+                      keep: float = 0.95, frspec_size: int = 32768) -> Verdict:
+  """DynaSpec vs the full-vocabulary draft and FR-Spec: its M is at least `keep` of the
+  full head's with a shortlist under FR-Spec's `frspec_size`, and above FR-Spec's M at
+  the nearest FR-Spec size. `dynaspec`: {M, shortlist (mean size)}; `frspec`: size -> M."""
+  claim = (f"its shortlist, smaller than FR-Spec's {frspec_size // 1024}k, keeps ≥ "
+           f"{keep:.0%} of the full-vocabulary draft's M and beats FR-Spec's M at equal size")
+  if not dynaspec or not full_m:
+    return Verdict(PAPERS["dynaspec"][0], claim, UNDECIDED, "DynaSpec was not run")
+  kept = dynaspec["M"] / full_m
+  parts = [kept >= keep and dynaspec["shortlist"] < frspec_size]
+  text = f"DynaSpec keeps {kept:.1%} of M with {dynaspec['shortlist']:.0f} tokens on average"
+  if frspec:
+    import math
+
+    size = min(frspec, key=lambda k: abs(math.log(k / dynaspec["shortlist"])))
+    parts.append(dynaspec["M"] > frspec[size])
+    text += f"; M {dynaspec['M']:.2f} against FR-Spec {size}'s {frspec[size]:.2f}"
+  return Verdict(PAPERS["dynaspec"][0], claim, _outcome(parts), text)
+
+
+def shortlist_pays(method: str, summary: Mapping[str, Mapping],
+                   full: str = "full-vocab") -> Verdict:
+  """FR-Spec / DynaSpec: the same draft with a shortlisted head decodes faster than with
+  the full head (`full`), the shortlist's saving outweighing the M it loses."""
+  paper, claim = PAPERS[method.split("-")[0]]
+  if method not in summary or full not in summary:
+    return Verdict(paper, claim, UNDECIDED, f"{method} or {full} was not run")
+  s, f = summary[method], summary[full]
+  return Verdict(paper, claim, REPRODUCED if s["speedup"] > f["speedup"] else NOT_REPRODUCED,
+                 f"{method} {_x(s['speedup'])} (M {s['M']:.2f}) against the full head's "
+                 f"{_x(f['speedup'])} (M {f['M']:.2f}), both over AR")
+
+
+def composition_beats_parts(name: str, speedups: Mapping[str, float]) -> Verdict:
+  """A composition (`a+b+…`, the factory's names) against each of its parts alone."""
+  parts = name.split("+")
+  claim = f"composing {' × '.join(parts)} beats each part alone"
+  missing = [p for p in [name, *parts] if p not in speedups]
+  if missing:
+    return Verdict(name, claim, UNDECIDED, f"{', '.join(missing)} not in this run")
+  best = max(parts, key=lambda p: speedups[p])
+  text = f"{name} {_x(speedups[name])} against " + ", ".join(
+      f"{p} {_x(speedups[p])}" for p in parts)
+  return Verdict(name, claim, REPRODUCED if speedups[name] > speedups[best] else
+                 NOT_REPRODUCED, text)
+
+
+def for_run(summary: Mapping[str, Mapping], workload: str = "Spec-Bench") -> list[Verdict]:
+  """The verdicts one summary (method -> row) can decide: each seed method against AR and
+  each composition whose parts ran too. Methods without a paper (8bit) get none alone."""
+  out = []
+  for m, row in summary.items():
+    if "+" in m:
+      out.append(composition_beats_parts(m, {k: r["speedup"] for k, r in summary.items()}))
+    elif m in PAPERS and row.get("M") is not None:
+      out.append(faster_than_ar(m, {workload: row}))
+  return out
+
+
+def section(verdicts: Sequence[Verdict], note: str = "") -> str:
+  """The closing lines of a section: one per claim."""
+  if not verdicts:
+    return ""
+  head = "Verdicts (claims from the papers' abstracts; this run's numbers"
+  return "\n".join([f"{head}{'; ' + note if note else ''}):", "",
+                    *(v.line() for v in verdicts)])
