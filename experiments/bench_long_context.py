@@ -88,10 +88,13 @@ def knapspec_fields(name: str, g) -> dict:
   """KnapSpec's selections: round, context, γ, the chosen masks and its candidates."""
   if not name.startswith("knapspec"):
     return {}
+  state = g.drafter_state
+  while not hasattr(state, "selections"):  # an overlay's state wraps its base's
+    state = state.base
   return {"selections": [dict(round=s.round, context=s.context, gamma=s.gamma,
                               bits=np.asarray(s.chosen_bits).astype(int).tolist(),
                               predicted_tpt=s.predicted_tpt, candidates=s.candidates)
-                         for s in g.drafter_state.selections]}
+                         for s in state.selections]}
 
 
 def tpt_correlation(model, ids, sel: dict, args, ar_tps: float) -> dict:

@@ -306,8 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--max-turns", type=int, default=1, help="MT-bench prompts have 2 turns")
   p.add_argument("--gamma", type=int, default=4, help="maximum draft length")
   p.add_argument("--auto-gamma", action="store_true",
-                 help="per drafter, the γ <= --gamma of highest predicted tokens per time, from "
-                 "its acceptance on a pilot prompt and its draft/verify costs measured here")
+                 help="per drafter, the γ <= --gamma and early-stop threshold (unless --threshold "
+                 "is given) of highest tokens per time, replaying its rounds on a pilot prompt "
+                 "with its draft/verify costs measured here")
   p.add_argument("--threshold", type=float, default=None,
                  help="draft early-stop top-1 prob (default: each drafter's, 0.8 / KnapSpec 0.7)")
   p.add_argument("--temperature", type=float, default=0.0)

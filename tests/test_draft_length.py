@@ -14,7 +14,16 @@ from test_data import write_spec_bench
 
 from specjax.cli import main
 from specjax.decode import draft_length
-from specjax.decode.draft_length import StepCosts, acceptance, best_gamma, tokens_per_time
+from specjax.decode.draft_length import (
+    PilotRound,
+    StepCosts,
+    acceptance,
+    best_gamma,
+    best_length_and_threshold,
+    drafted_under,
+    replay_tpt,
+    tokens_per_time,
+)
 from specjax.plan import DraftPlan
 
 
@@ -59,6 +68,72 @@ def test_extremes_pick_the_ends():
     best_gamma(0.5, cheap_and_agreeable, 0)
 
 
+def test_a_round_under_a_threshold_stops_after_its_first_unsure_draft():
+  assert drafted_under((0.9, 0.3, 0.9, 0.9), 4, 0.5) == 2  # the unsure draft is kept
+  assert drafted_under((0.9, 0.3, 0.9, 0.9), 4, 0.0) == 4
+  assert drafted_under((0.9, 0.9, 0.9, 0.9), 2, 0.95) == 1
+  assert drafted_under((0.9, 0.9), 4, 0.5) == 2  # the pilot drafted fewer (end of text)
+
+
+def test_replay_prices_rounds_at_the_executables_gamma():
+  c = StepCosts(draft=0.5, verify={1: 1.0, 4: 2.0})
+  rounds = [PilotRound((0.9, 0.2, 0.9, 0.9), accepted=1), PilotRound((0.9,) * 4, accepted=4)]
+  # τ = 0: 4 drafts per round, commits 2 and 5, each costing 4·0.5 + v(4) = 4
+  assert replay_tpt(rounds, 4, 0.0, c) == pytest.approx(7 / 8)
+  # τ = 0.5 cuts the first round after 2 drafts: commits min(1, 2) + 1 at 2·0.5 + v(4) = 3
+  assert replay_tpt(rounds, 4, 0.5, c) == pytest.approx(7 / 7)
+
+
+def _rounds(unsure_accepted: bool, n: int = 20) -> list[PilotRound]:
+  """Rounds of 4 drafts: half sure throughout and accepted, half unsure (p = 0.3) at once
+  and then accepted or not."""
+  sure, unsure = (0.95,) * 4, (0.3, 0.95, 0.95, 0.95)
+  return [PilotRound(sure, 4), PilotRound(unsure, 4 if unsure_accepted else 0)] * n
+
+
+def test_threshold_follows_what_unsure_drafts_do():
+  c = StepCosts(draft=0.4, verify={1: 1.1, 4: 1.3})
+  # A near-exact draft (8-bit weights): unsure yet accepted, so no early stop pays.
+  assert best_length_and_threshold(_rounds(True), c, 4) == (4, 0.0)
+  # A draft whose unsure tokens are rejected: stop right after them (the lowest τ above
+  # 0.3), keeping the long rounds the sure ones earn; no shorter γ does as well.
+  assert best_length_and_threshold(_rounds(False), c, 4) == (4, 0.4)
+  assert replay_tpt(_rounds(False), 4, 0.4, c) > replay_tpt(_rounds(False), 4, 0.0, c)
+  with pytest.raises(ValueError, match="no rounds"):
+    best_length_and_threshold([], c, 4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rounds=st.lists(st.tuples(st.lists(st.floats(0, 1), min_size=4, max_size=4),
+                                 st.integers(0, 4)), min_size=1, max_size=12),
+       draft=st.floats(0.05, 1.0))
+def test_the_fit_is_the_best_of_its_grid(rounds, draft):
+  c = StepCosts(draft=draft, verify={1: 1.1, 4: 1.4})
+  rs = [PilotRound(tuple(p), a) for p, a in rounds]
+  g, tau = best_length_and_threshold(rs, c, 4)
+  best = replay_tpt(rs, g, tau, c)
+  assert all(best >= replay_tpt(rs, h, t, c) - 1e-12
+             for h in range(1, 5) for t in draft_length.THRESHOLDS)
+
+
+def test_pilot_rounds_record_each_drafts_probability():
+  from specjax.decode.engine import speculative_generate
+  from specjax.drafters import StaticDrafter
+
+  config, graphdef, state = target("llama")
+  d = StaticDrafter(DraftPlan.first_layers(config.num_layers, 2))
+  g = speculative_generate(graphdef, state, config, [1, 2, 3, 4], d, max_new_tokens=16,
+                           gamma=3, threshold=0.6, keep_plans=True, loop="host", eos_ids=())
+  rounds = draft_length.pilot_rounds(g)
+  assert len(rounds) == g.rounds and [len(r.confidence) for r in rounds] == g.round_drafted
+  for r in rounds:
+    assert all(0 < p <= 1 for p in r.confidence)
+    assert all(p >= 0.6 for p in r.confidence[:-1])  # early stop: only the last is unsure
+  with pytest.raises(ValueError, match="keep_plans"):
+    draft_length.pilot_rounds(speculative_generate(graphdef, state, config, [1, 2, 3, 4], d,
+                                                   max_new_tokens=8, gamma=3, eos_ids=()))
+
+
 def test_step_costs_measured_on_a_model_are_ratios_to_the_ar_step():
   config, graphdef, state = target("llama")
   plan = DraftPlan.first_layers(config.num_layers, 3)
@@ -76,12 +151,14 @@ def test_bench_auto_gamma_records_and_reuses_the_chosen_lengths(tmp_path, capsys
   assert main(argv) == 0
   saved = json.loads((out / "draft_lengths.json").read_text())
   assert set(saved) == {"early_exit", "8bit"}
+  assert all(v["threshold"] in draft_length.THRESHOLDS for v in saved.values())
   records = [r for line in (out / "results.jsonl").read_text().splitlines()
              for r in json.loads(line)["records"]]
   assert records
   for r in records:
     if r["method"] != "ar":
       assert r["gamma"] == saved[r["method"]]["gamma"] and 1 <= r["gamma"] <= 3
+      assert r["threshold"] == saved[r["method"]]["threshold"]
   figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert all(m["mismatches"] in (0, None) for m in figures["methods"].values())
   (out / "draft_lengths.json").write_text(json.dumps(

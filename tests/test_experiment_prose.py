@@ -42,6 +42,7 @@ def test_quantspec_memory_prices_a_separate_draft_cache():
 
 def test_long_context_verdicts():
   import bench_long_context
+
   from specjax.bench import claims
 
   r = lambda s: {"speedup": s, "M": 2.0, "alpha": 0.5}
@@ -56,3 +57,16 @@ def test_long_context_verdicts():
   assert by[claims.PAPERS["clasp"][0]] == claims.NOT_REPRODUCED
   knap = [v for v in found if v.subject == claims.PAPERS["knapspec"][0]]
   assert [v.outcome for v in knap] == [claims.PARTLY, claims.REPRODUCED, claims.REPRODUCED]
+
+
+def test_knapspec_fields_read_through_overlays():
+  import types
+
+  import bench_long_context
+
+  sel = types.SimpleNamespace(round=0, context=10, gamma=3, chosen_bits=[True, False],
+                              predicted_tpt=1.0, candidates=[])
+  wrapped = types.SimpleNamespace(base=types.SimpleNamespace(selections=[sel]))  # knapspec+8bit
+  g = types.SimpleNamespace(drafter_state=wrapped)
+  assert bench_long_context.knapspec_fields("knapspec+8bit", g)["selections"][0]["bits"] == [1, 0]
+  assert bench_long_context.knapspec_fields("self_sd", g) == {}

@@ -85,14 +85,15 @@ def references_for(drafters: Mapping[str, Any]) -> tuple[Reference, ...]:
 
 def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[str, Any],
                settings: RunSettings, *, gammas: Mapping[str, int] | None = None,
-               carried: dict | None = None, tags: Mapping[str, Any] | None = None,
+               thresholds: Mapping[str, float] | None = None, carried: dict | None = None, tags: Mapping[str, Any] | None = None,
                references: Sequence[Reference] | None = None,
                extra: Callable[[str, Any], dict] | None = None) -> list[dict]:
   """One record per method: the references (AR) first, then every drafter.
 
   `prompt`: user turns (strings; the first `settings.max_turns` are decoded, each method
-  answering with its own history) or ready token ids (one turn). `gammas`: per-drafter
-  draft lengths (default settings.gamma). `carried`: drafter states handed from prompt to
+  answering with its own history) or ready token ids (one turn). `gammas` and
+  `thresholds`: per-drafter draft lengths and early-stop thresholds (default
+  settings.gamma and settings.threshold). `carried`: drafter states handed from prompt to
   prompt (SWIFT and budgeted KnapSpec learn across prompts); updated in place. A drafter is
   compared with the reference that reads the same KV cache (its tokens must equal that
   AR's); with sampling, `matches_ar` is None. `references` default to `references_for`
@@ -143,8 +144,9 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
         rec["verify_s"] += out.decode_s  # an AR step is a one-token verification
       else:
         rec["gamma"] = (gammas or {}).get(name, settings.gamma)
+        rec["threshold"] = (thresholds or {}).get(name, settings.threshold)
         out = speculative_generate(g, s, c, ids, drafter, gamma=rec["gamma"],
-                                   threshold=settings.threshold,
+                                   threshold=rec["threshold"],
                                    drafter_state=carried.get(name), **kw)
         carried[name] = out.drafter_state
         for k in COUNTERS:
@@ -174,8 +176,9 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
 
 
 def warm_up(model, drafters: Mapping[str, Any], settings: RunSettings,
-            gammas: Mapping[str, int] | None = None) -> None:
+            gammas: Mapping[str, int] | None = None,
+            thresholds: Mapping[str, float] | None = None) -> None:
   """Compile every executable a timed `run_prompt` uses, on a short prompt (the shape
   buckets are those of real prompts), so no timed run compiles."""
   run_prompt(model, model.tokenizer.encode_prompt("Warm up."), drafters, settings,
-             gammas=gammas)
+             gammas=gammas, thresholds=thresholds)

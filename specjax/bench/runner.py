@@ -114,48 +114,57 @@ def run_units(cfg: BenchConfig, model, units, store: ResultsStore, *, work_dir: 
   drafters = {n: factory.make(n) for n in cfg.drafters}
   settings = run_settings(cfg)
   gammas = {n: cfg.gamma for n in drafters}
+  thresholds: dict[str, float] = {}
   if cfg.auto_gamma:
-    gammas |= draft_lengths(model, drafters, cfg, pilot_prompts, work_dir, verbose)
-  harness.warm_up(model, drafters, settings, gammas)
+    fitted = draft_lengths(model, drafters, cfg, pilot_prompts, work_dir, verbose)
+    gammas |= {n: f["gamma"] for n, f in fitted.items()}
+    thresholds = {n: f["threshold"] for n, f in fitted.items() if "threshold" in f}
+  harness.warm_up(model, drafters, settings, gammas, thresholds)
   carried: dict[str, object] = {}  # drafter states handed from prompt to prompt
   for unit, category, prompt in units:
     store.add(unit, harness.run_prompt(model, prompt, drafters, settings, gammas=gammas,
-                                       carried=carried,
+                                       thresholds=thresholds, carried=carried,
                                        tags=dict(prompt_id=unit, category=category)),
               settings_key=settings_key)
     progress()
 
 
 def draft_lengths(model, drafters: dict, cfg: BenchConfig, pilot_prompts, out_dir: Path,
-                  verbose: bool = True) -> dict[str, int]:
-  """Per drafter, the γ ≤ cfg.gamma of highest predicted tokens per time: α from a pilot
-  generation at γ = cfg.gamma on a prompt outside the evaluation set, step costs measured
-  under the pilot's plan. Kept in `draft_lengths.json`, so a resumed run reuses them.
-  Drafters that choose their draft length themselves, or draft from a quantised cache
-  (whose step costs this measurement does not cover), keep cfg.gamma."""
+                  verbose: bool = True) -> dict[str, dict]:
+  """Per drafter, the draft length γ ≤ cfg.gamma and early-stop threshold τ of highest
+  tokens per time (`draft_length.best_length_and_threshold`): a pilot generation at
+  γ = cfg.gamma without early stop, on a prompt outside the evaluation set, replayed under
+  each (γ, τ) with the step costs measured under the pilot's plan. τ stays cfg.threshold
+  when one was given. Kept in `draft_lengths.json`, so a resumed run reuses them. Drafters
+  that choose their draft length themselves, or draft from a quantised cache (whose step
+  costs this measurement does not cover), keep cfg.gamma and their threshold."""
   from specjax.decode import draft_length
 
   path = out_dir / "draft_lengths.json"
   saved = json.loads(path.read_text()) if path.exists() else {}
   ids = harness.prompt_ids(model.tokenizer, pilot_prompts[0].turns[:1])
+  thresholds = draft_length.THRESHOLDS if cfg.threshold is None else (cfg.threshold,)
   for name, d in drafters.items():
     if name in saved or d.own_gamma or d.kv_cache is not None:
       continue
     pilot = speculative_generate(model.graphdef, model.state, model.config, ids, d,
                                  max_new_tokens=cfg.max_new_tokens, gamma=cfg.gamma,
-                                 threshold=cfg.threshold, keep_plans=True, eos_ids=())
+                                 threshold=0.0, keep_plans=True, loop="host", eos_ids=())
+    rounds = draft_length.pilot_rounds(pilot)
     alpha = draft_length.acceptance(pilot.round_drafted, pilot.round_accepted)
     costs = draft_length.measure_step_costs(model.graphdef, model.state, model.config,
                                             pilot.plans[0],
                                             gammas=sorted({1, max(1, cfg.gamma // 2), cfg.gamma}))
-    gamma = draft_length.best_gamma(alpha, costs, cfg.gamma)
-    saved[name] = {"gamma": gamma, "alpha": round(alpha, 4), "draft_cost": round(costs.draft, 4),
+    gamma, tau = draft_length.best_length_and_threshold(rounds, costs, cfg.gamma, thresholds)
+    tpt = draft_length.replay_tpt(rounds, gamma, tau, costs)
+    saved[name] = {"gamma": gamma, "threshold": tau, "replayed_tpt": round(tpt, 4),
+                   "alpha": round(alpha, 4), "draft_cost": round(costs.draft, 4),
                    "verify_cost": {str(g): round(v, 4) for g, v in costs.verify.items()}}
     path.write_text(json.dumps(saved, indent=1, sort_keys=True))
     if verbose:
-      print(f"{name}: α {alpha:.3f}, draft step {costs.draft:.3f} AR steps -> γ = {gamma}",
-            file=sys.stderr)
-  return {name: saved[name]["gamma"] for name in drafters if name in saved}
+      print(f"{name}: α {alpha:.3f}, draft step {costs.draft:.3f} AR steps -> γ = {gamma}, "
+            f"τ = {tau} (replayed {tpt:.2f} tokens per AR step)", file=sys.stderr)
+  return {name: saved[name] for name in drafters if name in saved}
 
 
 def _postfix(records: list[dict]) -> str:
@@ -240,13 +249,13 @@ def _plot(cats: dict, drafters: list[str], path: Path) -> None:
 
 def _lengths_table(saved: dict) -> str:
   """The chosen draft lengths and the measurements behind them, as a markdown table."""
-  lines = ["| method | pilot α | draft step ÷ AR step | verify(γ) ÷ AR step | γ chosen |",
-           "|" + " --- |" * 5]
+  lines = ["| method | pilot α | draft step ÷ AR step | verify(γ) ÷ AR step | γ chosen "
+           "| τ chosen | replayed tokens per AR step |", "|" + " --- |" * 7]
   for name, r in sorted(saved.items()):
     verify = ", ".join(f"γ={g}: {v:.2f}" for g, v in
                        sorted(r["verify_cost"].items(), key=lambda kv: int(kv[0])))
     lines.append(f"| {name} | {r['alpha']:.3f} | {r['draft_cost']:.3f} | {verify} | "
-                 f"{r['gamma']} |")
+                 f"{r['gamma']} | {r.get('threshold', '–')} | {r.get('replayed_tpt', '–')} |")
   return "\n".join(lines)
 
 
@@ -257,8 +266,9 @@ def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict,
   n = overall.get(metrics.AR, {}).get("prompts", 0)
   threshold = ("per drafter (0.8; KnapSpec 0.7; 8bit and QuantSpec 0)" if cfg.threshold is None
                else cfg.threshold)
-  gamma = (f"γ per drafter (≤ {cfg.gamma}) of highest predicted tokens per time, from its "
-           f"acceptance on a pilot prompt and its step costs measured here (table below)"
+  gamma = (f"γ and early-stop threshold per drafter (γ ≤ {cfg.gamma}) of highest tokens per "
+           f"time, replaying its rounds on a pilot prompt with its step costs measured here "
+           f"(table below)"
            if cfg.auto_gamma else f"γ ≤ {cfg.gamma}")
   body = "\n".join([
       f"## SSD vs AR on Spec-Bench ({cfg.model}"

@@ -11,11 +11,17 @@ and the best γ maximises it: a cheap, agreeable draft wants a long γ (8-bit dr
 this device, in one process, as ratios to the AR step; α is measured from a pilot
 generation.
 
-The early-stop threshold is not derived here. The rule it suggests (draft one more token
-of top-1 probability p while p > d·TPT(γ)) takes p for the chance that the token is
-accepted, which holds for a layer-skipping draft but not for a near-exact one: an 8-bit
-draft whose top-1 probability is 0.5 still names the target's argmax almost every time,
-and that rule would stop it early at a loss.
+The early-stop threshold τ (stop after a draft of top-1 probability below τ) is not priced
+by a formula: the rule TPT suggests (draft one more token of top-1 probability p while
+p > d·TPT(γ)) takes p for the chance that the token is accepted, which holds for a
+layer-skipping draft but not for a near-exact one: an 8-bit draft whose top-1 probability
+is 0.5 still names the target's argmax almost every time, and that rule would stop it early
+at a loss. So (γ, τ) are chosen together by replaying a pilot run's rounds (drafted at the
+largest γ, no early stop, each draft's probability and acceptance recorded): under (γ, τ) a
+round drafts n tokens, up to the first below τ, commits min(accepted, n) + 1 and costs
+n·d + v(γ) (verification runs at the executable's γ, whatever early stop cut). The replay
+reuses the pilot's positions, not the ones a shorter round would reach: an estimate from
+the measured probabilities and acceptances, not a model of them.
 """
 
 from __future__ import annotations
@@ -77,6 +83,59 @@ def best_gamma(alpha: float, costs: StepCosts, gamma_max: int) -> int:
   return max(range(1, gamma_max + 1), key=lambda g: (tokens_per_time(alpha, g, costs), -g))
 
 
+# Early-stop thresholds a fit considers (0: never stop early).
+THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+@dataclasses.dataclass(frozen=True)
+class PilotRound:
+  """One round of a pilot run: each draft's top-1 probability, and how many of the drafts
+  (a prefix) the target accepted."""
+
+  confidence: tuple[float, ...]
+  accepted: int
+
+
+def pilot_rounds(generation) -> list[PilotRound]:
+  """The rounds of an `SSDGeneration` run with `keep_plans=True` on the host loop."""
+  if len(generation.round_confidence) != generation.rounds:
+    raise ConfigError("the pilot kept no draft probabilities: run it with keep_plans=True "
+                      "and loop='host'")
+  return [PilotRound(tuple(c), a) for c, a in zip(generation.round_confidence,
+                                                   generation.round_accepted)]
+
+
+def drafted_under(confidence: Sequence[float], gamma: int, threshold: float) -> int:
+  """Drafts a round makes under (γ, τ): up to γ, stopping after the first below τ."""
+  for i, p in enumerate(confidence[:gamma]):
+    if p < threshold:
+      return i + 1
+  return min(gamma, len(confidence))
+
+
+def replay_tpt(rounds: Sequence[PilotRound], gamma: int, threshold: float,
+               costs: StepCosts) -> float:
+  """Committed tokens per AR step of time had the pilot's rounds run under (γ, τ)."""
+  committed = spent = 0.0
+  for r in rounds:
+    n = drafted_under(r.confidence, gamma, threshold)
+    committed += min(r.accepted, n) + 1
+    spent += n * costs.draft + costs.verify_at(gamma)
+  return committed / spent if spent else 0.0
+
+
+def best_length_and_threshold(rounds: Sequence[PilotRound], costs: StepCosts, gamma_max: int,
+                              thresholds: Sequence[float] = THRESHOLDS) -> tuple[int, float]:
+  """(γ ≤ gamma_max, τ in `thresholds`) of highest replayed TPT; among equals the shorter γ
+  and the lower τ."""
+  if gamma_max < 1:
+    raise ConfigError(f"gamma_max must be >= 1, got {gamma_max}")
+  if not rounds:
+    raise ConfigError("the pilot run has no rounds to replay")
+  grid = [(g, t) for g in range(1, gamma_max + 1) for t in thresholds]
+  return max(grid, key=lambda gt: (replay_tpt(rounds, *gt, costs), -gt[0], -gt[1]))
+
+
 @dataclasses.dataclass(frozen=True)
 class StepTimes:
   """Median seconds: the AR step, verification of γ + 1 tokens per γ, and one draft step
@@ -101,7 +160,8 @@ def step_times(graphdef, state, config, plans: dict, *, gammas: Sequence[int] = 
   cache = KVCache.create(config, 1, context + max(gammas) + 2).with_length(context)
   tok, last, key, one = jnp.ones((1,), jnp.int32), jnp.int32(1), jax.random.key(0), jnp.int32(1)
   step = compiled(decode_step, state, cache, tok, full, key, graphdef=graphdef, sampling=greedy)
-  protos = {g: Draft(n=jnp.int32(g), tokens=jnp.ones((g,), jnp.int32), q_rows=None)
+  protos = {g: Draft(n=jnp.int32(g), tokens=jnp.ones((g,), jnp.int32),
+                   confidence=jnp.ones((g,), jnp.float32), q_rows=None)
             for g in gammas}
   verifiers = {g: compiled(verify_step, state, cache, last, protos[g], full, key,
                            graphdef=graphdef, sampling=greedy) for g in gammas}

@@ -55,6 +55,7 @@ def _draft(state, cache, last, plan, key, limit, h_prev, *, graphdef, vocab, gam
   < threshold. The cache is only read; the drafted tokens' K/V live in a `DraftBuffer`.
   `h_prev` is the hidden state before `last` (the router's input, DynaSpec)."""
   drafts = jnp.zeros((gamma,), jnp.int32)
+  conf = jnp.zeros((gamma,), jnp.float32)
   q_rows = None if sampling.greedy else jnp.zeros((gamma + 1, vocab), jnp.float32)
 
   def cond(carry):
@@ -62,7 +63,7 @@ def _draft(state, cache, last, plan, key, limit, h_prev, *, graphdef, vocab, gam
     return (i < jnp.minimum(gamma, limit)) & go
 
   def body(carry):
-    i, buffer, token, drafts, q_rows, h_prev, _, key = carry
+    i, buffer, token, drafts, conf, q_rows, h_prev, _, key = carry
     pos = jnp.reshape(cache.length + i, (1, 1))
     routed = plan.router is not None
     out, buffer = apply(state, cache, token[None, None], pos, plan, graphdef=graphdef,
@@ -77,12 +78,13 @@ def _draft(state, cache, last, plan, key, limit, h_prev, *, graphdef, vocab, gam
     if q is not None:
       q_rows = q_rows.at[i].set(q)
     drafts = drafts.at[i].set(nxt)
-    return i + 1, buffer, nxt, drafts, q_rows, h, confidence >= threshold, key
+    conf = conf.at[i].set(confidence.astype(jnp.float32))
+    return i + 1, buffer, nxt, drafts, conf, q_rows, h, confidence >= threshold, key
 
-  init = (jnp.int32(0), DraftBuffer.like(cache, gamma), last, drafts, q_rows,
+  init = (jnp.int32(0), DraftBuffer.like(cache, gamma), last, drafts, conf, q_rows,
           h_prev.astype(jnp.float32), jnp.bool_(True), key)
-  n, _, _, drafts, q_rows, _, _, _ = jax.lax.while_loop(cond, body, init)
-  return n, drafts, q_rows
+  n, _, _, drafts, conf, q_rows, _, _, _ = jax.lax.while_loop(cond, body, init)
+  return n, drafts, conf, q_rows
 
 
 def _choose(logits, ids, key, vocab, sampling):
@@ -161,6 +163,7 @@ def _accept_sampling(drafts, n, logits, q_rows, key, sampling):
 class Draft:
   n: jax.Array  # int32: tokens drafted (1..γ)
   tokens: jax.Array  # int32[γ]
+  confidence: jax.Array  # float32[γ]: each draft's top-1 probability (what early stop reads)
   q_rows: jax.Array | None  # [γ+1, V] the draft's distributions (sampling only)
 
 
@@ -172,9 +175,10 @@ def draft_fn(state, cache, last, plan, key, limit=None, h_prev=None, *, graphdef
   limit = jnp.int32(gamma) if limit is None else limit
   if h_prev is None:
     h_prev = jnp.zeros((nnx.merge(graphdef, state).config.embed_dim,), jnp.float32)
-  n, drafts, q_rows = _draft(state, cache, last, plan, key, limit, h_prev, graphdef=graphdef,
-                             vocab=vocab, gamma=gamma, threshold=threshold, sampling=sampling)
-  return Draft(n, drafts, q_rows)
+  n, drafts, conf, q_rows = _draft(state, cache, last, plan, key, limit, h_prev,
+                                   graphdef=graphdef, vocab=vocab, gamma=gamma,
+                                   threshold=threshold, sampling=sampling)
+  return Draft(n, drafts, conf, q_rows)
 
 
 def verify_fn(state, cache, last, draft: Draft, full: DraftPlan, key, *, graphdef, sampling,
@@ -189,7 +193,8 @@ def verify_fn(state, cache, last, draft: Draft, full: DraftPlan, key, *, graphde
   L0 = cache.length
   if length is not None and length < draft.tokens.shape[0]:
     q_rows = None if draft.q_rows is None else draft.q_rows[: length + 1]
-    draft = Draft(jnp.minimum(draft.n, length), draft.tokens[:length], q_rows)
+    draft = Draft(jnp.minimum(draft.n, length), draft.tokens[:length],
+                  draft.confidence[:length], q_rows)
   gamma = draft.tokens.shape[0]
   seq = jnp.concatenate([last[None], draft.tokens])[None]  # [1, γ+1]
   out, cache = apply(state, cache, seq, positions_for(cache, gamma + 1, 1), full,
@@ -313,6 +318,8 @@ class SSDGeneration:
   plans: list[DraftPlan] = dataclasses.field(default_factory=list)
   round_drafted: list[int] = dataclasses.field(default_factory=list)  # per round
   round_accepted: list[int] = dataclasses.field(default_factory=list)  # per round
+  # per round, each draft's top-1 probability (host loop with keep_plans: draft-length fits)
+  round_confidence: list[list[float]] = dataclasses.field(default_factory=list)
   drafter_state: object = None  # final state: the `prior` of the next generation
   compiles: int = 0  # executables compiled for this run (prefill included): 0 when cached
 
@@ -496,7 +503,7 @@ def _host_rounds(run: _Run, keep_plans: bool) -> SSDGeneration:
   t1 = time.perf_counter()
   stats = dict(rounds=0, drafted=0, accepted=0, committed=0)
   draft_s = verify_s = selection_s = late_compile_s = 0.0
-  plans, round_drafted, round_accepted = [], [], []
+  plans, round_drafted, round_accepted, round_confidence = [], [], [], []
   done = tokens[0] in run.eos or len(tokens) >= run.max_new_tokens
   while not done:
     t_a = time.perf_counter()
@@ -524,6 +531,8 @@ def _host_rounds(run: _Run, keep_plans: bool) -> SSDGeneration:
     committed = round_tokens[:n_commit].tolist()
     round_drafted.append(n_drafted)
     round_accepted.append(n_commit - 1)
+    if keep_plans:  # a diagnostic read, off the timed path's usual work
+      round_confidence.append(jax.device_get(draft.confidence)[:n_drafted].tolist())
     stats["rounds"] += 1
     stats["drafted"] += n_drafted
     stats["accepted"] += n_commit - 1
@@ -560,6 +569,7 @@ def _host_rounds(run: _Run, keep_plans: bool) -> SSDGeneration:
       plans=plans,
       round_drafted=round_drafted,
       round_accepted=round_accepted,
+      round_confidence=round_confidence,
       drafter_state=dstate,
       **stats,
   )

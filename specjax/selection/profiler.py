@@ -211,7 +211,8 @@ def measure(model, lengths=(256, 1024, 2048, 4096), gamma: int = 4, repeats: int
     rows["base"].append(t["none"])
     rows["attn"].append(max(t["attn"] - t["none"], 0.0) / L)
     rows["mlp"].append(max(t["mlp"] - t["none"], 0.0) / L)
-    proto = Draft(n=jnp.int32(gamma), tokens=jnp.ones((gamma,), jnp.int32), q_rows=None)
+    proto = Draft(n=jnp.int32(gamma), tokens=jnp.ones((gamma,), jnp.int32),
+                  confidence=jnp.ones((gamma,), jnp.float32), q_rows=None)
     verify = compiled(verify_step, state, cache, last, proto, full, key, graphdef=graphdef,
                       sampling=greedy, residuals=False)
     step = compiled(decode_step, state, cache, jnp.ones((1,), jnp.int32), full, key,
