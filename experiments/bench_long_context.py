@@ -33,6 +33,7 @@ from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
 from specjax.bench.harness import RunSettings  # noqa: E402
 from specjax.bench.results_store import ResultsStore  # noqa: E402
 from specjax.decode.engine import speculative_generate  # noqa: E402
+from specjax.decode.generate import prefill_prompt  # noqa: E402
 from specjax.drafters import StaticDrafter  # noqa: E402
 from specjax.models.loader import load_model  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402
@@ -104,11 +105,14 @@ def tpt_correlation(model, ids, sel: dict, args, ar_tps: float) -> dict:
   take = np.unique(np.linspace(0, len(cands) - 1, min(args.tpt_candidates, len(cands)))
                    .astype(int))
   rows = []
+  pre = prefill_prompt(model.graphdef, model.state, model.config, ids,  # one prefill for all
+                       max_new_tokens=args.max_new_tokens + args.gamma + 1)
   for i in take:
     c = cands[i]
     d = FixedDrafter(DraftPlan.from_bits(np.asarray(c["bits"], bool)), gamma=c["gamma"])
     g = speculative_generate(model.graphdef, model.state, model.config, ids, d,
-                             max_new_tokens=args.max_new_tokens, gamma=args.gamma)
+                             max_new_tokens=args.max_new_tokens, gamma=args.gamma,
+                             prefilled=pre)
     rows.append(dict(budget=c["budget"], gamma=c["gamma"], alpha_hat=c["alpha"],
                      predicted=c["tpt"], measured=g.decode_tokens_per_s,
                      measured_alpha=g.acceptance_rate))

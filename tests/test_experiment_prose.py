@@ -70,3 +70,21 @@ def test_knapspec_fields_read_through_overlays():
   g = types.SimpleNamespace(drafter_state=wrapped)
   assert bench_long_context.knapspec_fields("knapspec+8bit", g)["selections"][0]["bits"] == [1, 0]
   assert bench_long_context.knapspec_fields("self_sd", g) == {}
+
+
+def test_tpt_correlation_decodes_each_candidate():
+  import types
+
+  import bench_long_context
+  from targets import target
+
+  config, graphdef, state = target("llama")
+  model = types.SimpleNamespace(graphdef=graphdef, state=state, config=config)
+  n = 2 * config.num_layers
+  cands = [dict(budget=b, gamma=g, alpha=0.5, tpt=t, bits=[True] * (n - k) + [False] * k)
+           for b, g, t, k in ((1, 2, 0.9, 3), (2, 3, 1.1, 2), (3, 3, 1.4, 0))]
+  args = types.SimpleNamespace(tpt_candidates=3, max_new_tokens=8, gamma=3)
+  out = bench_long_context.tpt_correlation(model, [1, 2, 3, 4, 5], {"candidates": cands}, args,
+                                           10.0)
+  assert [r["budget"] for r in out["rows"]] == [1, 2, 3]
+  assert all(r["measured"] > 0 for r in out["rows"]) and -1 <= out["pearson"] <= 1
