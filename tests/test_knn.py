@@ -4,6 +4,7 @@ the drafter lossless (greedy == AR) on tiny models."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import types
 
@@ -24,6 +25,7 @@ from specjax.offline import knn_build
 from specjax.offline.knn_library import (
   LibraryError,
   SkipLibrary,
+  StaleLibraryError,
   choose_anchors,
   embed,
   from_parts,
@@ -142,6 +144,13 @@ def test_bad_libraries_are_refused_clearly(tmp_path):
     choose_anchors(nan, 2)
   with pytest.raises(LibraryError, match="prompt embedding contain NaN"):
     library_of(parts).nearest(np.full(24, np.nan, np.float32))
+  meta = json.loads((tmp_path / "lib" / "meta.json").read_text())
+  del meta["search_version"]  # a library from before the Self-SD objective's fix
+  (tmp_path / "lib" / "meta.json").write_text(json.dumps(meta))
+  with pytest.raises(StaleLibraryError, match="older Self-SD search objective.*specjax knn "
+                                              "build --model tiny-llama"):
+    load_library(tmp_path / "lib", model="tiny-llama")
+  (tmp_path / "lib" / "meta.json").write_text(json.dumps(dict(meta, search_version=2)))
   shutil.rmtree(tmp_path / "lib" / "tree")
   with pytest.raises(LibraryError, match="unreadable|no checkpoint.*rebuild it with"):
     load_library(tmp_path / "lib", model="tiny-llama")
@@ -220,6 +229,9 @@ def test_build_is_resumable_and_keys_domains_apart(tmp_path, monkeypatch):
   monkeypatch.setattr(knn_build, "build_domain", fail)
   again = knn_build.build(model, domains, tmp_path / "lib", **kw)  # from the parts alone
   assert again.anchors.tobytes() == lib.anchors.tobytes()
+  monkeypatch.setattr(knn_build.self_sd, "OBJECTIVE_VERSION", 99)  # a newer search objective
+  with pytest.raises(AssertionError, match="rebuilt"):  # stale parts are searched again
+    knn_build.build(model, domains, tmp_path / "lib", **kw)
   with pytest.raises(LibraryError, match="'empty' has no prompts"):
     monkeypatch.undo()
     knn_build.build(model, dict(domains, empty=[]), tmp_path / "lib2", **kw)

@@ -209,8 +209,11 @@ class DrafterFactory:
       path = path.with_name(f"{path.name}-anchors{anchors}")
     cfg = self.model.config
     if (path / "meta.json").exists():
-      return knn_library.load_library(path, model=self.model.name, num_layers=cfg.num_layers,
-                                      embed_dim=cfg.embed_dim)
+      try:
+        return knn_library.load_library(path, model=self.model.name, num_layers=cfg.num_layers,
+                                        embed_dim=cfg.embed_dim)
+      except knn_library.StaleLibraryError as err:
+        self._say(f"{err}: rebuilding it")
     self._say(f"no KNN-SSD library for {self.model.name} at {path}: building it now "
               f"(`specjax knn build --model {self.model.name}` does the same)")
     build, _ = knn_build.domain_prompts(self.data_dir)
@@ -237,8 +240,9 @@ class DrafterFactory:
     if not prompts:
       raise ConfigError("self_sd needs search prompts (none given and no Spec-Bench data)")
     ids = [prompt_ids(self.model.tokenizer, list(p.turns[:1])) for p in prompts]
-    # "v2": the search objective changed (best γ per candidate); older plans are not reused
-    key = hashlib.sha256(json.dumps(["v2", iterations, self.gamma, self.seed, ids]).encode()
+    # plans searched under an older objective are not reused (a new key)
+    key = hashlib.sha256(json.dumps([f"v{self_sd.OBJECTIVE_VERSION}", iterations, self.gamma,
+                                     self.seed, ids]).encode()
                          ).hexdigest()[:10] + ("-8bit" if int8 else "")
     folder = Path(self.work_dir) if self.work_dir else cache_root() / "searches" / self.model.name
     path = folder / f"self_sd_plan-{key}.json"

@@ -121,7 +121,8 @@ def build(model, domains: Mapping[str, Sequence[data.Prompt]], out: Path | None 
   parts = {}
   for name in tqdm(list(domains), desc="knn library", unit="domain", disable=not verbose):
     path = parts_path / f"{name}.npz"
-    settings = dict(kw, prompts=[p.id for p in domains[name]])
+    settings = dict(kw, prompts=[p.id for p in domains[name]],
+                    search_version=self_sd.OBJECTIVE_VERSION)
     if path.exists():
       parts[name] = _read_part(path)
       if parts[name].get("settings") == settings:

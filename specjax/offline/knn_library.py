@@ -26,11 +26,16 @@ import numpy as np
 
 from specjax.errors import SpecjaxError
 from specjax.models import checkpoint
+from specjax.offline import self_sd_search
 from specjax.plan import DraftPlan
 
 
 class LibraryError(SpecjaxError, ValueError):
   """A skip library that cannot be used: another model's, empty, or corrupt."""
+
+
+class StaleLibraryError(LibraryError):
+  """A library whose skip sets an older Self-SD objective searched (rebuild it)."""
 
 
 # --- embeddings and anchors ----------------------------------------------------------------
@@ -175,6 +180,7 @@ def save_library(directory: str | Path, lib: SkipLibrary) -> None:
   checkpoint.save_tree(Path(directory), tree, dict(
       model=lib.model, domains=list(lib.domains), num_anchors=int(lib.anchors.shape[0]),
       embed_dim=int(lib.anchors.shape[1]), num_layers=int(lib.attn.shape[1]),
+      search_version=self_sd_search.OBJECTIVE_VERSION,
       domain_meta=json.loads(json.dumps(lib.meta, default=_jsonable))))
 
 
@@ -188,6 +194,9 @@ def load_library(directory: str | Path, *, model: str, num_layers: int | None = 
   if meta.get("model") != model:
     raise LibraryError(f"the skip library at {directory} was built for {meta.get('model')}, "
                        f"not {model}: build one with {build}")
+  if meta.get("search_version", 1) < self_sd_search.OBJECTIVE_VERSION:
+    raise StaleLibraryError(f"the skip library at {directory} holds skip sets of an older "
+                            f"Self-SD search objective: rebuild it with {build}")
   try:
     A, D, L, n = meta["num_anchors"], meta["embed_dim"], meta["num_layers"], len(meta["domains"])
   except KeyError as err:

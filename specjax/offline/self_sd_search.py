@@ -72,6 +72,12 @@ def plan_agreement(graphdef, state, seqs, plan: DraftPlan) -> float:
   return float(np.mean(scores))
 
 
+# Bumped when `objective` changes what a search finds: saved plans and KNN libraries carry
+# it, and those made under an older objective are searched again, not reused.
+# 2: each candidate scored at its best γ (1: at the fixed γ; chose α = 0.01 plans).
+OBJECTIVE_VERSION = 2
+
+
 def objective(alpha: float, cost: float, gamma: int) -> tuple[float, int]:
   """(expected speedup, γ) at the best draft length γ ≤ `gamma`.
 
