@@ -13,6 +13,7 @@ def test_faster_than_ar_on_every_workload():
   v = claims.faster_than_ar("clasp", {"spec-bench": row(1.1), "ctx-1024": row(1.2)})
   assert v.outcome == REPRODUCED and v.subject.startswith("CLaSp")
   assert claims.faster_than_ar("clasp", {"a": row(1.1), "b": row(0.9)}).outcome == PARTLY
+  assert claims.faster_than_ar("clasp", {"a": row(1.01)}).outcome == NOT_REPRODUCED  # a tie
   v = claims.faster_than_ar("self_sd", {"spec-bench": row(0.8, M=1.6)})
   assert v.outcome == NOT_REPRODUCED
   assert "a round cost 2.00 AR steps" in v.evidence  # M / speedup: the round's price
@@ -48,10 +49,14 @@ def test_predicted_tpt():
 
 def test_knn_streams():
   ahead = {r: {"knn": row(k), "ssd_f": row(0.9), "ssd_m": row(0.8)}
-           for r, k in (("0", 1.0), ("0.3", 1.02), ("1", 0.98), ("ood", 0.1))}
+           for r, k in (("0", 1.3), ("0.3", 1.32), ("1", 1.28), ("ood", 0.1))}
   assert claims.knn_stable_and_ahead(ahead).outcome == REPRODUCED  # ood rows are not streams
   ahead["1"]["knn"] = row(0.5)
-  assert claims.knn_stable_and_ahead(ahead).outcome == NOT_REPRODUCED  # unstable, behind
+  assert claims.knn_stable_and_ahead(ahead).outcome == NOT_REPRODUCED  # slow, unstable, behind
+  # below AR and level with its rivals (a 0.1 % lead is a tie): only the stability holds
+  tied = {r: {"knn": row(0.61), "ssd_f": row(0.6), "ssd_m": row(0.6094)} for r in ("0", "1")}
+  v = claims.knn_stable_and_ahead(tied)
+  assert v.outcome == PARTLY and "a lead under 2% is a tie" in v.evidence
   assert claims.knn_stable_and_ahead({"0": {"ssd_f": row(1)}}).outcome == UNDECIDED
 
 
