@@ -131,3 +131,23 @@ def test_default_references_cover_every_cache_a_drafter_reads(plan_file):
   prefill = {r["method"]: r["prefill_s"] for r in recs}
   assert prefill["8bit"] == prefill["ar"] and prefill["quantspec"] == prefill["ar_int8kv"]
   assert prefill["ar"] != prefill["ar_int8kv"]
+
+
+def test_overlays_hand_their_base_its_own_prior(plan_file):
+  """Under an overlay SWIFT keeps optimising across prompts, as it does alone (the
+  overlay's state wraps the base's: the base must get its own part back)."""
+  counts = np.bincount(np.asarray(PROMPT) % 97, minlength=97).astype(np.int64) + 1
+  f = DrafterFactory(model(), gamma=4, verbose=False, artefacts={"counts": counts},
+                     options={"frspec": {"size": 48},
+                              "swift": {"trials": 100, "bo_every": 4, "window": 8}})
+  names = ("swift", "swift+8bit", "swift+8bit+frspec")
+  drafters = {n: f.make(n) for n in names}
+  base = lambda s: s if hasattr(s, "trials") else base(s.base)
+  carried: dict = {}
+  trials = []
+  for _ in range(2):
+    recs = harness.run_prompt(model(), PROMPT, drafters, SETTINGS, carried=carried)
+    assert all(r["matches_ar"] for r in recs if r["method"] in names)
+    trials.append({n: base(carried[n]).trials for n in names})
+  for n in names:
+    assert trials[1][n] > trials[0][n] > 0, n  # the second prompt went on counting

@@ -61,8 +61,11 @@ class OverlayDrafter(Drafter):
     return self.base.threshold if self.base else self.early_stop
 
   def init(self, session, prior=None) -> OverlayState:
+    """`prior`: this overlay's state after an earlier generation; its base's part is the
+    base's prior (SWIFT and budgeted KnapSpec keep learning across prompts under it)."""
     plan = self.overlay_plan(session)
-    return OverlayState(self.base.init(session, prior) if self.base else None, plan)
+    base_prior = prior.base if isinstance(prior, OverlayState) else prior
+    return OverlayState(self.base.init(session, base_prior) if self.base else None, plan)
 
   def plan(self, state: OverlayState) -> DraftPlan:
     if self.base is None:
