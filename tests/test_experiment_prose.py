@@ -55,6 +55,7 @@ def test_long_context_verdicts():
   by = {v.subject: v.outcome for v in found}
   assert by["knapspec+8bit"] == claims.NOT_REPRODUCED  # 1.2× < 8bit's 1.6×
   assert by[claims.PAPERS["clasp"][0]] == claims.NOT_REPRODUCED
+  assert "8bit" not in by  # no paper: judged inside its composition
   knap = [v for v in found if v.subject == claims.PAPERS["knapspec"][0]]
   assert [v.outcome for v in knap] == [claims.PARTLY, claims.REPRODUCED, claims.REPRODUCED]
 
