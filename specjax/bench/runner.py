@@ -255,7 +255,8 @@ def _lengths_table(saved: dict) -> str:
     verify = ", ".join(f"γ={g}: {v:.2f}" for g, v in
                        sorted(r["verify_cost"].items(), key=lambda kv: int(kv[0])))
     lines.append(f"| {name} | {r['alpha']:.3f} | {r['draft_cost']:.3f} | {verify} | "
-                 f"{r['gamma']} | {r.get('threshold', '–')} | {r.get('replayed_tpt', '–')} |")
+                 f"{r['gamma']} | {r.get('threshold', '–')} | "
+                 + (f"{r['replayed_tpt']:.2f} |" if "replayed_tpt" in r else "– |"))
   return "\n".join(lines)
 
 
@@ -264,8 +265,9 @@ def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict,
   """Regenerate this model's section of docs/BENCHMARKS.md (or `section`: another
   drafter list on the same model keeps its own table)."""
   n = overall.get(metrics.AR, {}).get("prompts", 0)
-  threshold = ("per drafter (0.8; KnapSpec 0.7; 8bit and QuantSpec 0)" if cfg.threshold is None
-               else cfg.threshold)
+  threshold = (cfg.threshold if cfg.threshold is not None else
+               "fitted with γ" if cfg.auto_gamma else
+               "per drafter (0.8; KnapSpec 0.7; 8bit and QuantSpec 0)")
   gamma = (f"γ and early-stop threshold per drafter (γ ≤ {cfg.gamma}) of highest tokens per "
            f"time, replaying its rounds on a pilot prompt with its step costs measured here "
            f"(table below)"
