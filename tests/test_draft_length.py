@@ -1,5 +1,6 @@
-"""Draft length from the measured trade-off: acceptance from rounds, the TPT formula, the
-best γ, step costs measured on a model, and `specjax bench --auto-gamma` end to end."""
+"""Draft length and early-stop threshold from the measured trade-off: acceptance from
+rounds, the replay of a pilot's rounds and its best (γ, τ), step costs measured on a model,
+and `specjax bench --auto-gamma` end to end."""
 
 from __future__ import annotations
 
@@ -18,11 +19,9 @@ from specjax.decode.draft_length import (
     PilotRound,
     StepCosts,
     acceptance,
-    best_gamma,
     best_length_and_threshold,
     drafted_under,
     replay_tpt,
-    tokens_per_time,
 )
 from specjax.plan import DraftPlan
 
@@ -41,31 +40,6 @@ def test_verify_cost_interpolates_between_measured_gammas():
   assert c.verify_at(2) == pytest.approx(1.2)
   assert c.verify_at(6) == pytest.approx(1.8)
   assert c.verify_at(10) == pytest.approx(2.6)  # extrapolated from the last two
-
-
-def test_tokens_per_time_is_the_closed_form():
-  c = StepCosts(draft=0.25, verify={1: 1.0, 4: 1.0})
-  # α = 0.5, γ = 2: E = 1 + 0.5 + 0.25 = 1.75 tokens in 2·0.25 + 1 = 1.5 steps
-  assert tokens_per_time(0.5, 2, c) == pytest.approx(1.75 / 1.5)
-
-
-@settings(max_examples=60, deadline=None)
-@given(alpha=st.floats(0.0, 0.999), draft=st.floats(0.02, 1.2),
-       v1=st.floats(1.0, 1.5), slope=st.floats(0.0, 0.3), gamma_max=st.integers(1, 12))
-def test_best_gamma_maximises_predicted_tokens_per_time(alpha, draft, v1, slope, gamma_max):
-  c = StepCosts(draft=draft, verify={1: v1, 8: v1 + 7 * slope})
-  g = best_gamma(alpha, c, gamma_max)
-  assert 1 <= g <= gamma_max
-  assert all(tokens_per_time(alpha, g, c) >= tokens_per_time(alpha, h, c) - 1e-12
-             for h in range(1, gamma_max + 1))
-
-
-def test_extremes_pick_the_ends():
-  cheap_and_agreeable = StepCosts(draft=0.3, verify={1: 1.2, 8: 1.5})
-  assert best_gamma(0.99, cheap_and_agreeable, 8) == 8
-  assert best_gamma(0.05, cheap_and_agreeable, 8) == 1
-  with pytest.raises(ValueError, match="gamma_max"):
-    best_gamma(0.5, cheap_and_agreeable, 0)
 
 
 def test_a_round_under_a_threshold_stops_after_its_first_unsure_draft():
@@ -101,6 +75,8 @@ def test_threshold_follows_what_unsure_drafts_do():
   assert replay_tpt(_rounds(False), 4, 0.4, c) > replay_tpt(_rounds(False), 4, 0.0, c)
   with pytest.raises(ValueError, match="no rounds"):
     best_length_and_threshold([], c, 4)
+  with pytest.raises(ValueError, match="gamma_max"):
+    best_length_and_threshold(_rounds(True), c, 0)
 
 
 @settings(max_examples=40, deadline=None)

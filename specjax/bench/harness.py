@@ -85,7 +85,8 @@ def references_for(drafters: Mapping[str, Any]) -> tuple[Reference, ...]:
 
 def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[str, Any],
                settings: RunSettings, *, gammas: Mapping[str, int] | None = None,
-               thresholds: Mapping[str, float] | None = None, carried: dict | None = None, tags: Mapping[str, Any] | None = None,
+               thresholds: Mapping[str, float] | None = None, carried: dict | None = None,
+               tags: Mapping[str, Any] | None = None,
                references: Sequence[Reference] | None = None,
                extra: Callable[[str, Any], dict] | None = None) -> list[dict]:
   """One record per method: the references (AR) first, then every drafter.

@@ -1,4 +1,4 @@
-"""The draft length γ from the measured trade-off.
+"""The draft length γ and early-stop threshold τ from the measured trade-off.
 
 A round drafts γ tokens at `d` AR steps each and verifies them in one forward of
 `v(γ)` AR steps; with a per-token acceptance α it commits E(γ) = (1 − α^{γ+1}) / (1 − α)
@@ -6,10 +6,9 @@ tokens (Leviathan et al. 2023). Its throughput relative to AR decoding is
 
     TPT(γ) = E(γ) / (γ·d + v(γ)),
 
-and the best γ maximises it: a cheap, agreeable draft wants a long γ (8-bit drafts at
-α ≈ 0.97, d ≈ 0.36), a costly or poor one a short γ. `d` and `v(γ)` are measured here, on
-this device, in one process, as ratios to the AR step; α is measured from a pilot
-generation.
+so a cheap, agreeable draft wants a long γ (8-bit drafts at α ≈ 0.97, d ≈ 0.36), a costly
+or poor one a short γ. `d` and `v(γ)` are measured here, on this device, in one process,
+as ratios to the AR step.
 
 The early-stop threshold τ (stop after a draft of top-1 probability below τ) is not priced
 by a formula: the rule TPT suggests (draft one more token of top-1 probability p while
@@ -67,20 +66,6 @@ def acceptance(round_drafted: Sequence[int], round_accepted: Sequence[int]) -> f
   if accepted + rejections == 0:
     raise ValueError("no drafted token to measure acceptance on")
   return accepted / (accepted + rejections)
-
-
-def tokens_per_time(alpha: float, gamma: int, costs: StepCosts) -> float:
-  """TPT(γ): committed tokens per AR-step of time (the speedup over AR, ignoring overhead)."""
-  alpha = min(max(alpha, 0.0), 1.0 - 1e-9)
-  expected = (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-  return expected / (gamma * costs.draft + costs.verify_at(gamma))
-
-
-def best_gamma(alpha: float, costs: StepCosts, gamma_max: int) -> int:
-  """The γ in 1..gamma_max of highest predicted TPT (the shortest among equals)."""
-  if gamma_max < 1:
-    raise ConfigError(f"gamma_max must be >= 1, got {gamma_max}")
-  return max(range(1, gamma_max + 1), key=lambda g: (tokens_per_time(alpha, g, costs), -g))
 
 
 # Early-stop thresholds a fit considers (0: never stop early).
