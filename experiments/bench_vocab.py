@@ -7,8 +7,8 @@ on a KnapSpec layer plan, against AR in the same process.
 3. Decodes Spec-Bench evaluation prompts with AR and each drafter; greedy outputs are
    checked against AR's. Reports tokens/s, speedup, M, α and the share of
    full-vocabulary M kept (vs the all-layer full-head draft).
-4. Router recall: is the next token of AR's outputs on the evaluation prompts in the
-   router's top-k clusters? And the shortlist sizes per draft position.
+4. Router recall: is the target's top token, along AR's outputs on the evaluation
+   prompts, in the router's top-k clusters? And the shortlist sizes for each k.
 The last line is one JSON object with the figures.
 
   python experiments/bench_vocab.py --model gemma3-270m --write-docs
@@ -46,7 +46,7 @@ from specjax.selection.profiler import median_time  # noqa: E402
 
 CATEGORIES = ("writing", "coding", "qa", "math_reasoning", "translation", "summarization",
               "extraction", "rag")
-FR_SIZES = (8192, 16384, 32768)
+FR_SIZES = (1024, 8192, 16384, 32768)  # 1k: FR-Spec at about DynaSpec's size
 # Method -> (drafter_factory name, its options given the number of layers L).
 METHODS = {
     "full-vocab": ("early_exit", lambda L: {"early_exit": {"k": L}}),  # every layer
@@ -79,13 +79,13 @@ def draft_step_times(model, plans: dict, gamma: int, repeats: int) -> dict[str, 
   """Median seconds per draft token: γ draft steps (no early stop) over a 512-slot cache."""
   cfg = model.config
   cache = KVCache.create(cfg, 1, 512).with_length(300)
-  key, last, h0 = jax.random.key(0), jnp.int32(11), jnp.zeros((cfg.embed_dim,), jnp.float32)
+  key, last = jax.random.key(0), jnp.int32(11)
   out = {}
   for name, plan in plans.items():
-    exe = compiled(draft_step, model.state, cache, last, plan, key, jnp.int32(gamma), h0,
+    exe = compiled(draft_step, model.state, cache, last, plan, key, jnp.int32(gamma),
                    graphdef=model.graphdef, vocab=cfg.vocab_size, gamma=gamma, threshold=0.0,
                    sampling=SamplingParams())
-    run = lambda: exe(model.state, cache, last, plan, key, jnp.int32(gamma), h0).n
+    run = lambda: exe(model.state, cache, last, plan, key, jnp.int32(gamma)).n
     out[name] = median_time(run, repeats) / gamma
   return out
 
@@ -99,9 +99,11 @@ def main(argv=None) -> None:
   p.add_argument("--repeats", type=int, default=7)
   p.add_argument("--train-prompts", type=int, default=48)
   p.add_argument("--clusters", type=int, default=1024)
-  p.add_argument("--k-max", type=int, default=32)
-  p.add_argument("--methods", default="full-vocab,frspec-8k,frspec-32k,dynaspec,knapspec,"
-                 "dynaspec+knapspec")
+  p.add_argument("--k-max", type=int, default=16, help="clusters per DynaSpec shortlist")
+  p.add_argument("--router-prompts", type=int, default=320,
+                 help="training prompts the router reads (no continuation needed)")
+  p.add_argument("--methods", default="full-vocab,frspec-1k,frspec-8k,frspec-32k,dynaspec,"
+                 "knapspec,dynaspec+knapspec")
   p.add_argument("--data-dir")
   report.common_args(p, default_model="gemma3-270m")
   args = p.parse_args(argv)
@@ -120,7 +122,8 @@ def main(argv=None) -> None:
   cfg = model.config
   counts, bundle, curves = shortlists.build(
       model, cache_root() / "shortlists" / model.name, prompts=args.train_prompts,
-      clusters=args.clusters, k_max=args.k_max, data_dir=args.data_dir)
+      router_prompts=args.router_prompts, clusters=args.clusters, k_max=args.k_max,
+      data_dir=args.data_dir)
   L = cfg.num_layers
   full = DraftPlan.full(L)
   fr = {n: frequent_shortlist(counts, min(n, cfg.vocab_size), cfg.eos_ids) for n in FR_SIZES}
@@ -157,14 +160,15 @@ def main(argv=None) -> None:
   ar_seqs = [harness.prompt_ids(model.tokenizer, next(p for p in prompts
                                                       if p.id == r["prompt_id"]).turns[:1])
              + r["tokens"][0] for r in runs if r["method"] == metrics.AR]
-  pairs = collect_pairs(model, ar_seqs, verbose=False)
-  ks = sorted(set(bundle.plan_field(args.gamma).ks), reverse=True)
+  pairs = collect_pairs(model, ar_seqs, bundle.clusters, verbose=False)
+  sched = bundle.plan_field(args.gamma).ks
+  M = bundle.clusters.num_clusters
+  ks = sorted({k for k in (2, 4, 8, 16, 32, 64) if k <= M} | set(sched))
   recall = {k: recall_at(bundle.router, pairs, bundle.clusters, k) for k in ks}
   sizes = bundle.clusters.sizes()
-  scores = np.asarray(bundle.router(jnp.asarray(pairs.emb), jnp.asarray(pairs.h_prev)))
+  scores = np.asarray(bundle.router(jnp.asarray(pairs.hidden)))
   real = {k: float(np.mean(np.sort(np.take(sizes, np.argsort(-scores, 1)[:, :k]), 1).sum(1)))
           for k in ks}
-  sched = bundle.plan_field(args.gamma).ks
   mean_short = float(np.mean([real[k] for k in sched]))
 
   full_M = summary.get("full-vocab", {}).get("M")
@@ -188,7 +192,8 @@ def main(argv=None) -> None:
       ["method", "tok/s", "speedup", "M", "α", "M kept vs full vocab", "shortlist",
        "mismatches"], e2e_rows)
   rec_table = report.markdown_table(
-      ["k clusters", "padded shortlist", "mean real shortlist", "recall of next token"],
+      ["k clusters", "padded shortlist", "mean real shortlist",
+       "recall of the target's top token"],
       [[k, k * bundle.clusters.capacity, f"{real[k]:.0f}", f"{recall[k]:.3f}"] for k in ks])
   print(f"\n{step_table}\n\n{e2e_table}\n\n{rec_table}\n")
   found = verdicts(methods, summary, mean_short)
@@ -207,11 +212,14 @@ def main(argv=None) -> None:
         f"## Vocabulary shortlists: FR-Spec and DynaSpec ({model.name})", "",
         f"{len(prompts)} Spec-Bench prompts ({args.per_category} per category of "
         f"{', '.join(cats)}), {args.max_new_tokens} new tokens, greedy, γ ≤ {args.gamma}. "
-        f"Counts, clusters ({bundle.clusters.num_clusters}, capacity "
-        f"{bundle.clusters.capacity}) and router (k_max = {bundle.k_max}, schedule "
-        f"{list(sched)}) built from {args.train_prompts} training prompts (GSM8K train + "
+        f"FR-Spec counts from {args.train_prompts} training prompts (GSM8K train + "
         f"Spec-Bench prompts past the first {shortlists.RESERVED} of each category) and the "
-        f"model's continuations. AR and every drafter in the same process. "
+        f"model's continuations of them. DynaSpec: {bundle.clusters.num_clusters} clusters "
+        f"(capacity {bundle.clusters.capacity}), k per draft position {list(sched)}, a "
+        f"router on the draft's final hidden state distilled from the target's "
+        f"distributions at {curves.get('pairs', '?')} positions of those sequences and "
+        f"{args.router_prompts} training prompts (no continuation). AR and every drafter "
+        f"in the same process. "
         f"Machine: {report.machine()}.", "",
         "Draft step (all layers; median of "
         f"{args.repeats}, γ = {args.gamma} steps per call):", "", step_table, "",

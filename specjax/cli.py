@@ -201,8 +201,9 @@ def _cmd_router_train(args: argparse.Namespace) -> int:
   model = load_model(args.model)
   out = Path(args.out or cache_root() / "shortlists" / model.name)
   counts, bundle, curves = shortlists.build(
-      model, out, prompts=args.prompts, new_tokens=args.new_tokens, clusters=args.clusters,
-      k_max=args.k_max, hidden=args.hidden, epochs=args.epochs, data_dir=args.data_dir)
+      model, out, prompts=args.prompts, new_tokens=args.new_tokens,
+      router_prompts=args.router_prompts, clusters=args.clusters, k_max=args.k_max,
+      hidden=args.hidden, epochs=args.epochs, decay=args.decay, data_dir=args.data_dir)
   sizes = bundle.clusters.sizes()
   print(f"router for {model.name} in {out / 'router'} (curves: {out / 'curves.png'}); "
         f"{bundle.clusters.num_clusters} clusters of {sizes.min()}..{sizes.max()} tokens",
@@ -351,11 +352,15 @@ def build_parser() -> argparse.ArgumentParser:
   q = router_sub.add_parser("train", help="token counts, clusters and router from training "
                             "prompts (never the evaluation ones)")
   q.add_argument("--model", default=DEFAULT_MODEL)
-  q.add_argument("--prompts", type=int, default=48, help="training prompts")
+  q.add_argument("--prompts", type=int, default=48, help="training prompts (FR-Spec counts)")
   q.add_argument("--new-tokens", type=int, default=48, help="own continuation per prompt")
+  q.add_argument("--router-prompts", type=int, default=320,
+                 help="training prompts the router reads (no continuation needed)")
   q.add_argument("--clusters", type=int, default=1024, help="M token clusters")
-  q.add_argument("--k-max", type=int, default=32, help="clusters in the first shortlists")
-  q.add_argument("--hidden", type=int, default=512, help="router MLP width")
+  q.add_argument("--k-max", type=int, default=16, help="clusters per shortlist")
+  q.add_argument("--decay", action="store_true",
+                 help="the paper's k schedule: k_max for two positions, then shrinking")
+  q.add_argument("--hidden", type=int, default=1024, help="router MLP width")
   q.add_argument("--epochs", type=int, default=10)
   q.add_argument("--data-dir")
   q.add_argument("--out", help="folder (default: the specjax cache, per model)")

@@ -164,7 +164,7 @@ def assert_plan_keeps_the_target_distribution(state, graphdef, config, cache, fi
     return np.asarray(probs(o.logits[0, -1], sampling), np.float64)
 
   q1 = draft_step(state, cache, first, plan, jax.random.key(2), jnp.int32(1),
-                  jnp.zeros((config.embed_dim,)), graphdef=graphdef, vocab=vocab, gamma=1,
+                  graphdef=graphdef, vocab=vocab, gamma=1,
                   threshold=0.0, sampling=sampling).q_rows[0]
   f = int(first)
   return assert_round_distribution(out, p([f]), np.asarray(q1, np.float64),

@@ -1,10 +1,12 @@
-"""DynaSpec: balanced spherical k-means invariants, a router whose optax training lowers
-validation loss, a bit-exact checkpoint, lossless drafting (alone and on a layer
-drafter), and clear errors for k > M and a router of another model."""
+"""DynaSpec: balanced spherical k-means invariants, training pairs that are the target's
+own distributions, a router whose optax training lowers validation loss, a bit-exact
+checkpoint, lossless drafting (alone and on a layer drafter), and clear errors for k > M,
+a router of another model and a router of an older design."""
 
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +25,7 @@ from specjax.offline.router import (
   RouterBundle,
   RouterMismatchError,
   collect_pairs,
+  is_current,
   k_schedule,
   load_bundle,
   recall_at,
@@ -60,7 +63,7 @@ def bundle(arch: str = "llama", k_max: int = 3) -> tuple[RouterBundle, object]:
     prompt = rng.integers(1, V, 12).tolist()
     g = generate(m.graphdef, m.state, m.config, prompt, max_new_tokens=20, eos_ids=())
     seqs.append(prompt + g.tokens)
-  pairs = collect_pairs(m, seqs, verbose=False)
+  pairs = collect_pairs(m, seqs, clusters, verbose=False)
   result = train_router(pairs, clusters, k_max=k_max, hidden=64, epochs=6, batch=32,
                         verbose=False)
   return RouterBundle(m.name, result.router, clusters, k_max, 64), (result, pairs)
@@ -102,14 +105,34 @@ def test_router_training_lowers_validation_loss():
 
 
 def test_k_schedule():
-  assert k_schedule(8, 6) == (8, 8, 1, 1, 1, 1)
-  assert k_schedule(32, 5) == (32, 32, 5, 4, 3)
+  assert k_schedule(8, 3) == (8, 8, 8)
+  assert k_schedule(8, 6, decay=True) == (8, 8, 1, 1, 1, 1)
+  assert k_schedule(32, 5, decay=True) == (32, 32, 5, 4, 3)
+
+
+def test_pairs_are_the_targets_own_distribution():
+  """Each pair's label is the target's next-token distribution summed per cluster, and its
+  top token; the hidden state is the final one the head reads."""
+  m = tiny()
+  b, (_, pairs) = bundle()
+  seq = PROMPT[:20]
+  one = collect_pairs(m, [seq], b.clusters, verbose=False)
+  assert one.hidden.shape == (20, m.config.embed_dim) and one.mass.shape == (20, 8)
+  cache = KVCache.create(m.config, 1, 64)
+  out, _ = apply(m.state, cache, jnp.asarray([seq], jnp.int32), positions_for(cache, 20, 1),
+                 DraftPlan.full(m.config.num_layers), graphdef=m.graphdef, write_cache=False)
+  p = np.asarray(jax.nn.softmax(out.logits[0], -1), np.float64)
+  want = np.stack([p[:, b.clusters.assignment == c].sum(1) for c in range(8)], 1)
+  np.testing.assert_allclose(one.mass.astype(np.float64), want, atol=2e-3)
+  np.testing.assert_array_equal(one.target, p.argmax(1))
+  np.testing.assert_allclose(one.hidden, np.asarray(out.hidden[0]), rtol=1e-5, atol=1e-5)
+  assert np.array_equal(np.unique(pairs.group), np.arange(24))  # every sequence, in order
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_dynaspec_is_lossless(arch):
   m = tiny(arch)
-  b, _ = bundle(arch)
+  b, _ = bundle(arch, k_max=1)  # one cluster of eight: the shortlist misses the target's token
   ar = generate(m.graphdef, m.state, m.config, PROMPT, max_new_tokens=40, eos_ids=()).tokens
   for drafter in (DynaSpecDrafter(b), DynaSpecDrafter(b, EarlyExitDrafter(k=2))):
     for threshold in (None, 0.0):
@@ -137,7 +160,7 @@ def test_dynaspec_sampling_round_keeps_the_target_distribution():
                                             **kw)[0]))
   out = run(jax.random.split(jax.random.key(1), 40_000))
   q1 = draft_step(m.state, cache, first[0], plan, jax.random.key(2), jnp.int32(1),
-                  jnp.zeros((m.config.embed_dim,)), gamma=1, **kw).q_rows[0]
+                  gamma=1, **kw).q_rows[0]
 
   def p(tokens):
     o, _ = apply(m.state, cache, jnp.asarray([tokens], jnp.int32),
@@ -162,6 +185,20 @@ def test_bundle_round_trips_bit_exactly_and_is_checked(tmp_path):
                                                                      b.clusters, 3)
   with pytest.raises(RouterMismatchError, match="trained for tiny-llama, not other"):
     load_bundle(tmp_path / "r", model="other")
+  assert is_current(tmp_path / "r") and not is_current(tmp_path / "none")
+
+
+def test_a_router_of_the_older_design_is_refused(tmp_path):
+  """Version 1 read [embedding, h_prev]: its weights would load into the wrong inputs."""
+  b, _ = bundle()
+  save_bundle(tmp_path / "r", b)
+  meta_path = tmp_path / "r" / "meta.json"
+  meta = json.loads(meta_path.read_text())
+  meta.pop("version")
+  meta_path.write_text(json.dumps(meta))
+  assert not is_current(tmp_path / "r")
+  with pytest.raises(RouterMismatchError, match="older design.*specjax router train"):
+    load_bundle(tmp_path / "r", model=b.model)
 
 
 def test_bad_router_settings_are_clear_errors():

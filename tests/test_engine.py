@@ -173,7 +173,7 @@ def test_sampling_round_keeps_the_target_distribution(shortlist, top_p):
   out = run(jax.random.split(jax.random.key(1), 40_000))
   ctx = np.asarray(prompt[0]).tolist() + [int(first[0])]
   q1 = draft_step(state, cache, first[0], plan, jax.random.key(2), jnp.int32(1),
-                  jnp.zeros((config.embed_dim,)), graphdef=graphdef, vocab=12, gamma=1,
+                  graphdef=graphdef, vocab=12, gamma=1,
                   threshold=0.0, sampling=sampling).q_rows[0]
   p = lambda seq: np.asarray(probs(_exact_next(model, seq), sampling), np.float64)
   assert_round_distribution(out, p(ctx), np.asarray(q1, np.float64), lambda t: p(ctx + [t]),

@@ -28,7 +28,7 @@ def _prefill(tiny, ids, chunk, kv=None):
   cache = create_cache(config, check_prompt(ids, 8, config.max_context), kv)
   plan, key = DraftPlan.full(config.num_layers), jax.random.key(0)
   p = Prefill.build(state, cache, ids, plan, key, graphdef=graphdef, sampling=SamplingParams(),
-                    return_hidden=True, chunk=chunk)
+                    return_pooled=True, chunk=chunk)
   return len(p.calls), p(state, cache, plan, key)
 
 
@@ -38,20 +38,19 @@ def _close(a, b):
 
 def test_chunked_prefill_equals_one_call(tiny):
   ids = _prompt(tiny[0], 150)
-  calls, (tok, cache, h, pooled) = _prefill(tiny, ids, chunk=64)
-  one, (tok1, cache1, h1, pooled1) = _prefill(tiny, ids, chunk=None)
+  calls, (tok, cache, pooled) = _prefill(tiny, ids, chunk=64)
+  one, (tok1, cache1, pooled1) = _prefill(tiny, ids, chunk=None)
   assert (calls, one) == (3, 1)
   assert int(tok[0]) == int(tok1[0]) and int(cache.length) == int(cache1.length) == 150
   for a, b in zip(cache.k + cache.v, cache1.k + cache1.v):
     _close(a[:, :, :150], b[:, :, :150])
-  _close(h, h1)
   _close(pooled, pooled1)
 
 
 def test_chunked_prefill_on_the_quantised_cache(tiny):
   ids = _prompt(tiny[0], 150, seed=1)
-  _, (tok, cache, h, _) = _prefill(tiny, ids, chunk=64, kv=SMALL_KV)
-  _, (tok1, cache1, h1, _) = _prefill(tiny, ids, chunk=None, kv=SMALL_KV)
+  _, (tok, cache, pooled) = _prefill(tiny, ids, chunk=64, kv=SMALL_KV)
+  _, (tok1, cache1, pooled1) = _prefill(tiny, ids, chunk=None, kv=SMALL_KV)
   assert int(tok[0]) == int(tok1[0])
   assert (int(cache.quantized), int(cache.buffered)) == (int(cache1.quantized),
                                                           int(cache1.buffered))
@@ -61,7 +60,8 @@ def test_chunked_prefill_on_the_quantised_cache(tiny):
   for a, b in zip(d.k + d.v, d1.k + d1.v):
     a, b = np.asarray(a[:, :, :150]), np.asarray(b[:, :, :150])
     np.testing.assert_allclose(a, b, atol=0.02 * np.abs(b).max())
-  np.testing.assert_allclose(np.asarray(h), np.asarray(h1), atol=0.02 * np.abs(h1).max())
+  np.testing.assert_allclose(np.asarray(pooled), np.asarray(pooled1),
+                             atol=0.02 * np.abs(pooled1).max())
 
 
 @pytest.mark.parametrize("n", [70, 100, 130])
@@ -70,8 +70,8 @@ def test_padding_is_never_quantised(tiny, n):
   26 of them padding, and leave the buffered count negative."""
   config = tiny[0]
   ids = _prompt(config, n, seed=n)
-  _, (_, cache, _, _) = _prefill(tiny, ids, chunk=None, kv=SMALL_KV)
-  _, (_, fp, _, _) = _prefill(tiny, ids, chunk=None)
+  _, (_, cache, _) = _prefill(tiny, ids, chunk=None, kv=SMALL_KV)
+  _, (_, fp, _) = _prefill(tiny, ids, chunk=None)
   q, b = int(cache.quantized), int(cache.buffered)
   assert q + b == n and 0 < b <= 2 * SMALL_KV.residual and q % SMALL_KV.residual == 0
   # The buffered tail is the last real tokens' K/V (layer 0: nothing quantised upstream).

@@ -58,7 +58,7 @@ ARTEFACT_OPTIONS: dict[str, dict[str, Any]] = {
     "knn": {"anchors": 10},  # k-means anchors per domain
     "quantspec": {"weight_bits": None, "group": 128, "residual": 128},  # bits None: per backend
     "frspec": {"size": 32768},  # FR-Spec's shortlist: the paper's 32k
-    "dynaspec": {"clusters": 1024, "k_max": 32},
+    "dynaspec": {"clusters": 1024, "k_max": 16},
 }
 ARTEFACTS = ("profile", "library", "counts", "bundle", "self_sd_plan", "int8_weights")
 # Constructor fields the factory fills itself (artefacts), not options.
@@ -176,6 +176,7 @@ class DrafterFactory:
     now from training prompts when absent."""
     from specjax.models.registry import cache_root
     from specjax.offline import shortlists
+    from specjax.offline.router import is_current
 
     if "counts" in self.artefacts or "bundle" in self.artefacts:
       return self.artefacts.get("counts"), self.artefacts.get("bundle")
@@ -184,8 +185,8 @@ class DrafterFactory:
     default = (o["clusters"], o["k_max"]) == (ARTEFACT_OPTIONS["dynaspec"]["clusters"],
                                              ARTEFACT_OPTIONS["dynaspec"]["k_max"])
     out = root if default else root / f"c{o['clusters']}-k{o['k_max']}"
-    if not (out / "counts.npz").exists() or not (out / "router" / "meta.json").exists():
-      self._say(f"no FR-Spec counts / DynaSpec router for {self.model.name} at {out}: "
+    if not (out / "counts.npz").exists() or not is_current(out / "router"):
+      self._say(f"no FR-Spec counts / current DynaSpec router for {self.model.name} at {out}: "
                 f"building them now (`specjax router train` does the same)")
       if not default and (root / "sequences.json").exists() and not (out / "sequences.json"
                                                                       ).exists():

@@ -45,15 +45,12 @@ class RoundOut:
   drafts: jax.Array  # int32[γ]: draft tokens (first n_drafted valid)
   target_top1: jax.Array  # int32[γ+1]: the target's argmax at each verified position
   residuals: jax.Array | None  # [2L, γ+1, D] verify-pass residual stream, on request
-  hidden_last: jax.Array  # [D] final hidden state at the last accepted input (the next
-  #                         round's h_prev: the position before its first token)
 
 
-def _draft(state, cache, last, plan, key, limit, h_prev, *, graphdef, vocab, gamma,
-           threshold, sampling):
+def _draft(state, cache, last, plan, key, limit, *, graphdef, vocab, gamma, threshold,
+           sampling):
   """Up to min(γ, limit) draft steps under `plan`; stop after a token whose top-1 prob
-  < threshold. The cache is only read; the drafted tokens' K/V live in a `DraftBuffer`.
-  `h_prev` is the hidden state before `last` (the router's input, DynaSpec)."""
+  < threshold. The cache is only read; the drafted tokens' K/V live in a `DraftBuffer`."""
   drafts = jnp.zeros((gamma,), jnp.int32)
   conf = jnp.zeros((gamma,), jnp.float32)
   q_rows = None if sampling.greedy else jnp.zeros((gamma + 1, vocab), jnp.float32)
@@ -63,7 +60,7 @@ def _draft(state, cache, last, plan, key, limit, h_prev, *, graphdef, vocab, gam
     return (i < jnp.minimum(gamma, limit)) & go
 
   def body(carry):
-    i, buffer, token, drafts, conf, q_rows, h_prev, _, key = carry
+    i, buffer, token, drafts, conf, q_rows, _, key = carry
     pos = jnp.reshape(cache.length + i, (1, 1))
     routed = plan.router is not None
     out, buffer = apply(state, cache, token[None, None], pos, plan, graphdef=graphdef,
@@ -71,19 +68,18 @@ def _draft(state, cache, last, plan, key, limit, h_prev, *, graphdef, vocab, gam
     key, sub = jax.random.split(key)
     h = out.hidden[0, -1].astype(jnp.float32)
     if routed:
-      nxt, confidence, q = _routed_choice(state, graphdef, plan, token, h, h_prev, i, sub,
-                                          vocab, sampling)
+      nxt, confidence, q = _routed_choice(state, graphdef, plan, h, i, sub, vocab, sampling)
     else:
       nxt, confidence, q = _choose(out.logits[0, 0], plan.vocab, sub, vocab, sampling)
     if q is not None:
       q_rows = q_rows.at[i].set(q)
     drafts = drafts.at[i].set(nxt)
     conf = conf.at[i].set(confidence.astype(jnp.float32))
-    return i + 1, buffer, nxt, drafts, conf, q_rows, h, confidence >= threshold, key
+    return i + 1, buffer, nxt, drafts, conf, q_rows, confidence >= threshold, key
 
   init = (jnp.int32(0), DraftBuffer.like(cache, gamma), last, drafts, conf, q_rows,
-          h_prev.astype(jnp.float32), jnp.bool_(True), key)
-  n, _, _, drafts, conf, q_rows, _, _, _ = jax.lax.while_loop(cond, body, init)
+          jnp.bool_(True), key)
+  n, _, _, drafts, conf, q_rows, _, _ = jax.lax.while_loop(cond, body, init)
   return n, drafts, conf, q_rows
 
 
@@ -101,26 +97,25 @@ def _choose(logits, ids, key, vocab, sampling):
   return nxt, jnp.max(q), q
 
 
-def _routed_choice(state, graphdef, plan, token, h, h_prev, i, key, vocab, sampling):
-  """DynaSpec: the router picks k(i) clusters from [embedding(token), h_prev]; the head
-  scores their tokens only. One `lax.switch` branch per distinct k, so each draft
+def _routed_choice(state, graphdef, plan, h, i, key, vocab, sampling):
+  """DynaSpec: the router picks k(i) clusters from the draft's final hidden state h; the
+  head scores their tokens only. One `lax.switch` branch per distinct k, so each draft
   position gathers a shortlist of its own static size."""
   model = nnx.merge(graphdef, state)
   router = plan.router
-  emb = model.embed(token[None])[0]
   sizes = sorted(set(router.ks), reverse=True)
   branch_of = jnp.asarray([sizes.index(k) for k in router.ks], jnp.int32)
 
   def branch(k):
-    def run(h, h_prev, key):
-      ids = router.shortlist(emb, h_prev, k)
+    def run(h, key):
+      ids = router.shortlist(h, k)
       logits = model.head_shortlist(h[None, None], ids)[0, 0]
       nxt, conf, q = _choose(logits, ids, key, vocab, sampling)
       return nxt, conf, (jnp.zeros((0,), jnp.float32) if q is None else q)
     return run
 
   b = branch_of[jnp.minimum(i, len(router.ks) - 1)]
-  nxt, conf, q = jax.lax.switch(b, [branch(k) for k in sizes], h, h_prev, key)
+  nxt, conf, q = jax.lax.switch(b, [branch(k) for k in sizes], h, key)
   return nxt, conf, (None if sampling.greedy else q)
 
 
@@ -167,15 +162,13 @@ class Draft:
   q_rows: jax.Array | None  # [γ+1, V] the draft's distributions (sampling only)
 
 
-def draft_fn(state, cache, last, plan, key, limit=None, h_prev=None, *, graphdef, vocab,
-             gamma, threshold, sampling) -> Draft:
+def draft_fn(state, cache, last, plan, key, limit=None, *, graphdef, vocab, gamma, threshold,
+             sampling) -> Draft:
   """Draft up to min(γ, limit) tokens under `plan`, reading the verified cache (never
   writing it). `limit` is traced: drafters that choose the draft length per round (KnapSpec)
   share one executable."""
   limit = jnp.int32(gamma) if limit is None else limit
-  if h_prev is None:
-    h_prev = jnp.zeros((nnx.merge(graphdef, state).config.embed_dim,), jnp.float32)
-  n, drafts, conf, q_rows = _draft(state, cache, last, plan, key, limit, h_prev,
+  n, drafts, conf, q_rows = _draft(state, cache, last, plan, key, limit,
                                    graphdef=graphdef, vocab=vocab, gamma=gamma,
                                    threshold=threshold, sampling=sampling)
   return Draft(n, drafts, conf, q_rows)
@@ -208,8 +201,7 @@ def verify_fn(state, cache, last, draft: Draft, full: DraftPlan, key, *, graphde
   cache = cache.with_length(L0 + a + 1)
   res = out.residuals[:, 0] if residuals else None
   return RoundOut(tokens=tokens, n_commit=a + 1, n_drafted=draft.n, drafts=draft.tokens,
-                  target_top1=target, residuals=res,
-                  hidden_last=out.hidden[0, a].astype(jnp.float32)), cache
+                  target_top1=target, residuals=res), cache
 
 
 def round_fn(state, cache, last, plan, key, *, graphdef, vocab, gamma, threshold, sampling,
@@ -357,7 +349,6 @@ class _Run:
   cache: object
   first: int
   key: jax.Array
-  h_prev: jax.Array
   max_new_tokens: int
   gamma: int
   threshold: float
@@ -441,7 +432,7 @@ def speculative_generate(
   init_compile_s = clock.seconds - c0  # a drafter's first DP compiles here
   init_s = time.perf_counter() - t1 - init_compile_s
   run = _Run(graphdef, state, config, list(prompt_tokens), drafter, dstate, session, cache,
-             first, pre.key, pre.h_last, max_new_tokens, gamma, threshold, sampling,
+             first, pre.key, max_new_tokens, gamma, threshold, sampling,
              set(config.eos_ids if eos_ids is None else eos_ids), on_token, kv_cache)
   if loop == "host" or (loop == "auto" and drafter.adaptive):
     gen = _host_rounds(run, keep_plans)
@@ -463,7 +454,7 @@ def _host_rounds(run: _Run, keep_plans: bool) -> SSDGeneration:
   draft / verify times, and plans that change every round (SWIFT, CLaSp, KnapSpec)."""
   graphdef, state, config, drafter, gamma = (run.graphdef, run.state, run.config, run.drafter,
                                              run.gamma)
-  cache, key, h_prev, dstate, session = run.cache, run.key, run.h_prev, run.dstate, run.session
+  cache, key, dstate, session = run.cache, run.key, run.dstate, run.session
   clock = session.clock
   full = DraftPlan.full(config.num_layers)
   d_static = run.draft_static
@@ -472,19 +463,18 @@ def _host_rounds(run: _Run, keep_plans: bool) -> SSDGeneration:
   t_compile = time.perf_counter()
   last0 = jnp.int32(run.first)
   draft_exes = {}
-  h0_proto = jnp.zeros((config.embed_dim,), jnp.float32)
 
   def drafter_exe(plan: DraftPlan):
     """The draft executable for this plan's structure (a shortlist adds a field)."""
     sig = (jax.tree.structure(plan), tuple(x.shape for x in jax.tree.leaves(plan)))
     if sig not in draft_exes:
       draft_exes[sig] = compiled(draft_step, state, cache, last0, plan, key, jnp.int32(gamma),
-                                 h0_proto, clock=clock, **d_static)
+                                 clock=clock, **d_static)
     return draft_exes[sig]
 
   # The Draft's shapes, for compiling the verifier before the first draft exists.
   proto = jax.eval_shape(functools.partial(draft_fn, **d_static), state, cache, last0, full, key,
-                         jnp.int32(gamma), h0_proto)
+                         jnp.int32(gamma))
 
   verifiers = {}
 
@@ -518,14 +508,13 @@ def _host_rounds(run: _Run, keep_plans: bool) -> SSDGeneration:
     draft_exe = drafter_exe(plan)  # compiled here (timed apart) when a structure first shows
     verify = verifier(length)  # a dict lookup, or a compile the first time (not timed)
     t_c = time.perf_counter()
-    draft = draft_exe(state, cache, last, plan, k_draft, jnp.int32(length), h_prev)
+    draft = draft_exe(state, cache, last, plan, k_draft, jnp.int32(length))
     draft.n.block_until_ready()
     t_v = time.perf_counter()
     out, cache = verify(state, cache, last, draft, full, k_accept)
     n_commit, n_drafted, round_tokens = jax.device_get((out.n_commit, out.n_drafted, out.tokens))
     if run.kv_cache is not None:
       cache.check_finite()
-    h_prev = out.hidden_last
     t_d = time.perf_counter()
     n_commit, n_drafted = int(n_commit), int(n_drafted)
     committed = round_tokens[:n_commit].tolist()

@@ -42,7 +42,7 @@ def pad_prompt(prompt_tokens: Sequence[int], limit: int, bucket: int = PROMPT_BU
   return jnp.asarray([list(prompt_tokens) + [0] * (padded - n)], jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "return_hidden"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "return_pooled"),
                    donate_argnames=("cache",))
 def prefill_step(
     state: nnx.State,
@@ -54,12 +54,11 @@ def prefill_step(
     *,
     graphdef: nnx.GraphDef,
     sampling: SamplingParams,
-    return_hidden: bool = False,
+    return_pooled: bool = False,
 ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
   """Process a padded prompt tokens[B, T] of which the first n are real; return the first
   new token [B] and the cache holding exactly the n prompt tokens. On request (B = 1) also
-  the final hidden state [D] of the last prompt token (DynaSpec's h_prev) and the prompt
-  embedding [D] (KNN-SSD's key, `pooled_prompt`)."""
+  the prompt embedding [D] (KNN-SSD's key, `pooled_prompt`)."""
   B, T = tokens.shape
   start = cache.length
   out, cache = apply(state, cache, tokens, positions_for(cache, T, B), plan, graphdef=graphdef,
@@ -67,9 +66,9 @@ def prefill_step(
   model = nnx.merge(graphdef, state)
   last = jax.lax.dynamic_slice_in_dim(out.hidden, n - 1, 1, axis=1)
   logits = model.head(last)[:, 0]
-  if return_hidden:
+  if return_pooled:
     return (sample(key, logits, sampling), cache.with_length(start + n),
-            last[0, 0].astype(jnp.float32), pooled_prompt(model, out.hidden[0], n))
+            pooled_prompt(model, out.hidden[0], n))
   return sample(key, logits, sampling), cache.with_length(start + n)
 
 
@@ -90,13 +89,13 @@ class Prefill:
   """
 
   calls: tuple[tuple[object, jax.Array, jax.Array], ...]  # (executable, tokens[1, C], n)
-  return_hidden: bool
+  return_pooled: bool
   length: int  # prompt tokens, for the pooled mean without a device read
 
   @classmethod
   def build(cls, state: nnx.State, cache, prompt_tokens: Sequence[int], plan: DraftPlan,
             key: jax.Array, *, graphdef: nnx.GraphDef, sampling: SamplingParams,
-            return_hidden: bool = False, chunk: int | None = None,
+            return_pooled: bool = False, chunk: int | None = None,
             clock: CompileClock | None = None) -> Prefill:
     chunk = chunk or PREFILL_CHUNK
     if chunk % PROMPT_BUCKET:
@@ -106,22 +105,22 @@ class Prefill:
       piece = ids[start : start + chunk]
       tokens, n = pad_prompt(piece, size - start), jnp.int32(len(piece))
       exe = compiled(prefill_step, state, cache, tokens, n, plan, key, graphdef=graphdef,
-                     sampling=sampling, return_hidden=return_hidden, clock=clock)
+                     sampling=sampling, return_pooled=return_pooled, clock=clock)
       calls.append((exe, tokens, n))
-    return cls(tuple(calls), return_hidden, len(ids))
+    return cls(tuple(calls), return_pooled, len(ids))
 
   def __call__(self, state: nnx.State, cache, plan: DraftPlan, key: jax.Array):
-    """(token, cache) or, with hidden states, (token, cache, h_last, pooled): the pooled
-    prompt embedding is the token-weighted mean of the chunks' means (exact)."""
+    """(token, cache) or (token, cache, pooled): the pooled prompt embedding is the
+    token-weighted mean of the chunks' means (exact)."""
     pooled_sum = 0.0
     for exe, tokens, n in self.calls:
       out = exe(state, cache, tokens, n, plan, key)
       cache = out[1]
-      if self.return_hidden:
-        pooled_sum = pooled_sum + out[3] * n.astype(jnp.float32)
-    if not self.return_hidden:
+      if self.return_pooled:
+        pooled_sum = pooled_sum + out[2] * n.astype(jnp.float32)
+    if not self.return_pooled:
       return out
-    return out[0], cache, out[2], pooled_sum / self.length
+    return out[0], cache, pooled_sum / self.length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +136,6 @@ class Prefilled:
   prompt_tokens: tuple[int, ...]
   first: jax.Array  # [1] the token after the prompt
   cache: object  # KVCache | QuantKVCache holding exactly the prompt
-  h_last: jax.Array  # float32[D] last prompt token's final hidden state
   pooled: jax.Array  # float32[D] prompt embedding (`pooled_prompt`)
   key: jax.Array  # the generation's key after the prefill took its split
   kv_cache: object  # QuantKV | None: the cache type
@@ -179,15 +177,15 @@ def prefill_prompt(graphdef: nnx.GraphDef, state: nnx.State, config, prompt_toke
   key = jax.random.key(seed)
   t0, clock = time.perf_counter(), CompileClock()
   prefill = Prefill.build(state, cache, prompt_tokens, full, key, graphdef=graphdef,
-                          sampling=sampling, return_hidden=True, clock=clock)
+                          sampling=sampling, return_pooled=True, clock=clock)
   t1 = time.perf_counter()
   key, sub = jax.random.split(key)
-  first, cache, h_last, pooled = prefill(state, cache, full, sub)
+  first, cache, pooled = prefill(state, cache, full, sub)
   first.block_until_ready()
   if kv_cache is not None:
     cache.check_finite()
   t2 = time.perf_counter()
-  return Prefilled(tuple(prompt_tokens), first, cache, h_last, pooled, key, kv_cache, sampling,
+  return Prefilled(tuple(prompt_tokens), first, cache, pooled, key, kv_cache, sampling,
                    seed, compile_s=t1 - t0, prefill_s=t2 - t1, compiles=clock.count)
 
 

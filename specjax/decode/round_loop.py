@@ -38,7 +38,6 @@ class Decoding:
   cache: KVCache  # or QuantKVCache: every committed token but `last`
   last: jax.Array  # int32: the newest committed token (its K/V not yet in the cache)
   key: jax.Array
-  h_prev: jax.Array  # float32[D]: final hidden state before `last` (DynaSpec's router)
   tokens: jax.Array  # int32[C]: committed tokens, the prefill's first one included
   count: jax.Array  # int32: valid entries of `tokens`
   done: jax.Array  # bool: EOS committed or the budget reached
@@ -47,12 +46,11 @@ class Decoding:
   accepted: jax.Array  # int32[C]: per round, drafts accepted (before EOS truncation)
 
   @classmethod
-  def start(cls, cache, first: jax.Array, key: jax.Array, h_prev: jax.Array,
-            capacity: int) -> Decoding:
+  def start(cls, cache, first: jax.Array, key: jax.Array, capacity: int) -> Decoding:
     zeros = lambda: jnp.zeros((capacity,), jnp.int32)  # one buffer each: all are donated
-    # The key and h_prev are copied: a shared prefill (`Prefilled`) keeps its own.
+    # The key is copied: a shared prefill (`Prefilled`) keeps its own.
     return cls(cache=cache, last=first[0].astype(jnp.int32), key=jnp.copy(key),
-               h_prev=jnp.array(h_prev, jnp.float32, copy=True), tokens=zeros().at[0].set(first[0]),
+               tokens=zeros().at[0].set(first[0]),
                count=jnp.int32(1), done=jnp.bool_(False), rounds=jnp.int32(0),
                drafted=zeros(), accepted=zeros())
 
@@ -87,15 +85,14 @@ def decode_rounds(state: nnx.State, carry: Decoding, plan: DraftPlan, budget: ja
 
   def body(c: Decoding) -> Decoding:
     key, k_draft, k_accept = jax.random.split(c.key, 3)
-    draft = draft_fn(state, c.cache, c.last, plan, k_draft, jnp.int32(gamma), c.h_prev,
-                     graphdef=graphdef, vocab=vocab, gamma=gamma, threshold=threshold,
-                     sampling=sampling)
+    draft = draft_fn(state, c.cache, c.last, plan, k_draft, jnp.int32(gamma), graphdef=graphdef,
+                     vocab=vocab, gamma=gamma, threshold=threshold, sampling=sampling)
     out, cache = verify_fn(state, c.cache, c.last, draft, full, k_accept, graphdef=graphdef,
                            sampling=sampling)
     keep, done = _commit(out.tokens, out.n_commit, c.count, budget, eos)
     tokens = jax.lax.dynamic_update_slice_in_dim(c.tokens, out.tokens, c.count, axis=0)
     return c.replace(
-        cache=cache, last=out.tokens[out.n_commit - 1], key=key, h_prev=out.hidden_last,
+        cache=cache, last=out.tokens[out.n_commit - 1], key=key,
         tokens=tokens, count=c.count + keep, done=done, rounds=c.rounds + 1,
         drafted=c.drafted.at[c.rounds].set(out.n_drafted),
         accepted=c.accepted.at[c.rounds].set(out.n_commit - 1))
@@ -118,7 +115,7 @@ def device_rounds(run, keep_plans: bool, rounds_per_call: int | None, static_pla
   if per_call < 1:
     raise ConfigError(f"rounds_per_call must be >= 1, got {per_call}")
   capacity = -(-(budget + run.gamma + 1) // TOKEN_BUCKET) * TOKEN_BUCKET
-  carry = Decoding.start(run.cache, jnp.asarray([run.first], jnp.int32), run.key, run.h_prev,
+  carry = Decoding.start(run.cache, jnp.asarray([run.first], jnp.int32), run.key,
                          capacity=capacity)
   eos = eos_array(run.eos)
   args = (run.state, carry, plan, jnp.int32(budget), eos)

@@ -51,8 +51,8 @@ def embed(graphdef, state, config, ids: Sequence[int]) -> np.ndarray:
   cache = KVCache.create(config, 1, size)
   full, key = DraftPlan.full(config.num_layers), jax.random.key(0)
   prefill = Prefill.build(state, cache, ids, full, key, graphdef=graphdef,
-                          sampling=SamplingParams(), return_hidden=True)
-  return np.asarray(prefill(state, cache, full, key)[3], np.float32)
+                          sampling=SamplingParams(), return_pooled=True)
+  return np.asarray(prefill(state, cache, full, key)[2], np.float32)
 
 
 def unit(x: np.ndarray) -> np.ndarray:

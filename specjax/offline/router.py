@@ -1,15 +1,27 @@
-"""DynaSpec's router: which token clusters the next token is likely in.
+"""DynaSpec's router: which token clusters the draft's next token is likely in.
 
-A small MLP (Flax NNX) on [embedding(x_t), h_{t−1}] — the token being fed and the hidden
-state before it, both RMS-normalised — scores the M clusters of `vocab_clusters`. It is
-trained with optax (cross-entropy on the cluster of the token that followed) on pairs
-from the model's own forward passes over training prompts and its greedy continuations
-of them; evaluation prompts are never used.
+A small MLP (Flax NNX) reads the draft's final hidden state h_t, the vector the LM head
+would score, and scores the M clusters of `vocab_clusters`; the union of the top-k
+clusters is the head's shortlist. The paper's router reads [embedding(x_t), h_{t−1}] so
+that it can run on a parallel stream beside an EAGLE-style draft layer. In self-speculative
+decoding the draft is the target's own forward on one stream, so the router can wait for
+h_t at no extra latency, and it then sees exactly what the head sees.
 
-In a draft, the union of the top-k(t) clusters is the LM-head shortlist, with k shrinking
-with the draft position t: k(t) = k_max for t ≤ 1, ⌊k_max / ((t+1)·2)⌋ after (at least
-1). `RouterPlan` carries the router into the jitted draft step, where it runs fused with
-the draft forward (the DynaSpec paper computes it on a parallel stream).
+It is trained by distillation (optax, AdamW): the label of a position is the target's own
+next-token distribution summed per cluster (soft cross-entropy), because the draft must
+find the target's choice, not the text's next token, and a distribution teaches more than
+one token. Since the labels come from the target, any text gives pairs: prompts with no
+continuation count too, so training can use hundreds of prompts at the price of one
+forward each.
+
+Measured on SmolLM2-135M (1024 clusters, held-out sequences, recall of the target's top
+token at top-8 / top-32 clusters): the paper's inputs and the text's next token gave
+0.57 / 0.64 from 48 sequences. h_t with soft labels gave 0.82 / 0.89, and with 300 more
+prompts 0.97 / 0.99. The full-vocabulary acceptance a shortlist keeps follows that recall.
+
+`k_schedule` gives k per draft position: flat by default, or the paper's decay, where k
+shrinks after the second position. `RouterPlan` carries the router into the jitted draft
+step.
 """
 
 from __future__ import annotations
@@ -28,6 +40,8 @@ from specjax.errors import SpecjaxError
 from specjax.models import checkpoint
 from specjax.offline.vocab_clusters import VocabClusters
 
+VERSION = 2  # 2: reads h_t, distilled. 1 read [embedding(x_t), h_{t-1}] (refused on load)
+
 
 class RouterMismatchError(SpecjaxError, ValueError):
   pass
@@ -39,20 +53,21 @@ def _rms(x):
 
 
 class Router(nnx.Module):
-  def __init__(self, embed_dim: int, num_clusters: int, hidden: int = 512, *,
+  def __init__(self, embed_dim: int, num_clusters: int, hidden: int = 1024, *,
                rngs: nnx.Rngs):
-    self.l1 = nnx.Linear(2 * embed_dim, hidden, rngs=rngs)
+    self.l1 = nnx.Linear(embed_dim, hidden, rngs=rngs)
     self.l2 = nnx.Linear(hidden, num_clusters, rngs=rngs)
 
-  def __call__(self, emb: jax.Array, h_prev: jax.Array) -> jax.Array:
-    """[..., D], [..., D] -> cluster logits [..., M]."""
-    x = jnp.concatenate([_rms(emb), _rms(h_prev)], axis=-1)
-    return self.l2(jax.nn.gelu(self.l1(x)))
+  def __call__(self, h: jax.Array) -> jax.Array:
+    """Final hidden states [..., D] (before the final norm) -> cluster logits [..., M]."""
+    return self.l2(jax.nn.gelu(self.l1(_rms(h))))
 
 
-def k_schedule(k_max: int, positions: int) -> tuple[int, ...]:
-  """Clusters per draft position: k_max for t <= 1, then floor(k_max / ((t+1)*2))."""
-  return tuple(k_max if t <= 1 else max(k_max // ((t + 1) * 2), 1) for t in range(positions))
+def k_schedule(k: int, positions: int, decay: bool = False) -> tuple[int, ...]:
+  """Clusters per draft position: k everywhere; with `decay` (the paper's schedule) k for
+  t <= 1, then floor(k / ((t+1)*2)), at least 1."""
+  return tuple(k if t <= 1 or not decay else max(k // ((t + 1) * 2), 1)
+               for t in range(positions))
 
 
 @flax.struct.dataclass
@@ -65,10 +80,10 @@ class RouterPlan:
   table: jax.Array  # int32[M, capacity], -1 padded
   ks: tuple[int, ...] = flax.struct.field(pytree_node=False)  # k per draft position
 
-  def shortlist(self, emb: jax.Array, h_prev: jax.Array, k: int) -> jax.Array:
-    """Vocabulary ids of the top-k clusters, -1 padded: int32[k · capacity]."""
-    scores = nnx.merge(self.graphdef, self.state)(emb, h_prev)
-    _, top = jax.lax.top_k(scores, k)
+  def shortlist(self, h: jax.Array, k: int) -> jax.Array:
+    """Vocabulary ids of the top-k clusters for hidden state h[D], -1 padded:
+    int32[k · capacity]."""
+    _, top = jax.lax.top_k(nnx.merge(self.graphdef, self.state)(h), k)
     return self.table[top].reshape(-1)
 
 
@@ -77,15 +92,15 @@ class RouterPlan:
 
 @dataclasses.dataclass
 class Pairs:
-  emb: np.ndarray  # float32[N, D]
-  h_prev: np.ndarray  # float32[N, D]
-  next_token: np.ndarray  # int32[N]
-  group: np.ndarray  # int32[N] which sequence (for splits by prompt)
+  hidden: np.ndarray  # float32[N, D] the target's final hidden state at a position
+  mass: np.ndarray  # float16[N, M] its next-token probability summed per cluster
+  target: np.ndarray  # int32[N] its top token there
+  group: np.ndarray  # int32[N] which sequence (for splits by sequence)
 
 
-def collect_pairs(model, sequences, verbose: bool = True) -> Pairs:
-  """(embedding(s_t), H_{t-1}) -> s_{t+1} for t >= 1 of each sequence, H from one full
-  forward pass of the target."""
+def collect_pairs(model, sequences, clusters: VocabClusters, verbose: bool = True) -> Pairs:
+  """(H_t, cluster mass of p(· | s_≤t), argmax) for every position of each sequence, from
+  one full forward of the target per sequence."""
   from tqdm.auto import tqdm
 
   from specjax.kv_cache import KVCache
@@ -93,30 +108,35 @@ def collect_pairs(model, sequences, verbose: bool = True) -> Pairs:
   from specjax.plan import DraftPlan
 
   cfg = model.config
-  full = DraftPlan.full(cfg.num_layers)
+  if clusters.assignment.size != cfg.vocab_size:
+    raise RouterMismatchError(f"the clusters cover {clusters.assignment.size} tokens; "
+                              f"{model.name} has {cfg.vocab_size}")
+  full, assignment = DraftPlan.full(cfg.num_layers), jnp.asarray(clusters.assignment)
+  M = clusters.num_clusters
 
   # The cache and plan are arguments, not values made inside the jit: as constants XLA
   # spent seconds constant-folding reductions over the zero cache in every compile.
   @jax.jit
-  def hidden(state, cache, tokens, plan):
+  def forward(state, cache, tokens, plan):
     out, _ = apply(state, cache, tokens, jnp.arange(tokens.shape[1])[None], plan,
-                   graphdef=model.graphdef, logits="none")
-    emb = nnx.merge(model.graphdef, state).embed(tokens)
-    return emb[0], out.hidden[0]
+                   graphdef=model.graphdef, logits="all")
+    p = jax.nn.softmax(out.logits[0], axis=-1)  # [T, V]
+    mass = jax.ops.segment_sum(p.T, assignment, num_segments=M).T  # [T, M]
+    return out.hidden[0], mass.astype(jnp.float16), jnp.argmax(p, -1).astype(jnp.int32)
 
-  rows = {k: [] for k in ("emb", "h_prev", "next_token", "group")}
+  rows = {k: [] for k in ("hidden", "mass", "target", "group")}
   for g, seq in enumerate(tqdm(sequences, desc="router pairs", unit="seq",
                                disable=not verbose)):
     seq = list(seq)[: cfg.max_context]
-    if len(seq) < 3:
+    if len(seq) < 2:
       continue
     T = min(max(64, 1 << (len(seq) - 1).bit_length()), cfg.max_context)  # few compiles
     toks = jnp.asarray([seq + [0] * (T - len(seq))], jnp.int32)
-    e, h = hidden(model.state, KVCache.create(cfg, 1, T), toks, full)
-    n = len(seq) - 2  # t = 1 .. len-2
-    rows["emb"].append(np.asarray(e[1 : 1 + n]))
-    rows["h_prev"].append(np.asarray(h[:n]))
-    rows["next_token"].append(np.asarray(seq[2 : 2 + n], np.int32))
+    h, mass, top = forward(model.state, KVCache.create(cfg, 1, T), toks, full)
+    n = len(seq)
+    rows["hidden"].append(np.asarray(h[:n], np.float32))
+    rows["mass"].append(np.asarray(mass[:n]))
+    rows["target"].append(np.asarray(top[:n]))
     rows["group"].append(np.full(n, g, np.int32))
   return Pairs(**{k: np.concatenate(v) for k, v in rows.items()})
 
@@ -129,62 +149,54 @@ class TrainResult:
   router: Router
   train_loss: list[float]  # per epoch
   val_loss: list[float]
-  val_recall: list[float]  # top-k_max recall of the next token's cluster, per epoch
+  val_recall: list[float]  # recall of the target's top token at top-k_max clusters
   best_epoch: int = 0  # the router kept (lowest validation loss; 0 = before training)
 
 
-def train_router(pairs: Pairs, clusters: VocabClusters, *, k_max: int, hidden: int = 512,
-                 epochs: int = 8, batch: int = 256, lr: float = 2e-3, val_share: float = 0.15,
+def train_router(pairs: Pairs, clusters: VocabClusters, *, k_max: int, hidden: int = 1024,
+                 epochs: int = 10, batch: int = 256, lr: float = 2e-3, val_share: float = 0.15,
                  seed: int = 0, verbose: bool = True) -> TrainResult:
-  """AdamW on cross-entropy over clusters; the validation split is by sequence, and the
-  router returned is the epoch of lowest validation loss (it overfits small pair sets)."""
+  """AdamW on the soft cross-entropy to the target's cluster mass; the validation split is
+  by sequence, and the router returned is the epoch of lowest validation loss."""
   from tqdm.auto import tqdm
 
-  labels = clusters.assignment[pairs.next_token]
+  labels = clusters.assignment[pairs.target]
   groups = np.unique(pairs.group)
   rng = np.random.default_rng(seed)
   val_groups = rng.choice(groups, max(1, int(round(val_share * groups.size))), replace=False)
   is_val = np.isin(pairs.group, val_groups)
   tr, va = np.flatnonzero(~is_val), np.flatnonzero(is_val)
-  D, M = pairs.emb.shape[1], clusters.num_clusters
+  D, M = pairs.hidden.shape[1], clusters.num_clusters
   router = Router(D, M, hidden, rngs=nnx.Rngs(seed))
   opt = nnx.Optimizer(router, optax.adamw(optax.cosine_decay_schedule(lr, epochs * max(
       1, tr.size // batch))), wrt=nnx.Param)
 
-  def loss_fn(r, e, h, y):
-    logits = r(e, h)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  def loss_fn(r, h, mass):
+    return optax.softmax_cross_entropy(r(h), mass.astype(jnp.float32)).mean()
 
   @nnx.jit
-  def step(r, o, e, h, y):
-    loss, grads = nnx.value_and_grad(loss_fn)(r, e, h, y)
+  def step(r, o, h, mass):
+    loss, grads = nnx.value_and_grad(loss_fn)(r, h, mass)
     o.update(r, grads)
     return loss
 
   @nnx.jit
-  def evaluate(r, e, h, y):
-    logits = r(e, h)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  def evaluate(r, h, mass, y):
+    logits = r(h)
+    loss = optax.softmax_cross_entropy(logits, mass.astype(jnp.float32)).mean()
     _, top = jax.lax.top_k(logits, k_max)
     return loss, jnp.mean(jnp.any(top == y[:, None], axis=-1))
 
   def val():
-    loss, recall = evaluate(router, pairs.emb[va], pairs.h_prev[va], labels[va])
+    loss, recall = evaluate(router, pairs.hidden[va], pairs.mass[va], labels[va])
     return float(loss), float(recall)
 
-  result = TrainResult(router, [], [], [])
-  v0 = val()
-  result.val_loss.append(v0[0])
-  result.val_recall.append(v0[1])
-  result.train_loss.append(float("nan"))
-  best = (v0[0], nnx.clone(router))
+  result = TrainResult(router, [float("nan")], *([v] for v in val()))
+  best = (result.val_loss[0], nnx.clone(router))
   bar = tqdm(range(epochs), desc="router", unit="epoch", disable=not verbose)
   for _ in bar:
     order = rng.permutation(tr)
-    losses = []
-    for i in range(0, order.size - batch + 1, batch):
-      b = order[i : i + batch]
-      losses.append(float(step(router, opt, pairs.emb[b], pairs.h_prev[b], labels[b])))
+    losses = [float(step(router, opt, pairs.hidden[b], pairs.mass[b])) for b in (order[i : i + batch] for i in range(0, order.size - batch + 1, batch))]
     vl, vr = val()
     result.train_loss.append(float(np.mean(losses)) if losses else float("nan"))
     result.val_loss.append(vl)
@@ -198,10 +210,10 @@ def train_router(pairs: Pairs, clusters: VocabClusters, *, k_max: int, hidden: i
 
 
 def recall_at(router: Router, pairs: Pairs, clusters: VocabClusters, k: int) -> float:
-  """Share of pairs whose next token lies in the router's top-k clusters."""
-  scores = router(jnp.asarray(pairs.emb), jnp.asarray(pairs.h_prev))
-  _, top = jax.lax.top_k(scores, k)
-  labels = clusters.assignment[pairs.next_token]
+  """Share of positions whose target top token lies in the router's top-k clusters: for
+  the all-layer draft, the share of its greedy drafts a k-cluster shortlist keeps."""
+  _, top = jax.lax.top_k(router(jnp.asarray(pairs.hidden)), k)
+  labels = clusters.assignment[pairs.target]
   return float(jnp.mean(jnp.any(top == labels[:, None], axis=-1)))
 
 
@@ -215,13 +227,14 @@ class RouterBundle:
   model: str
   router: Router
   clusters: VocabClusters
-  k_max: int
+  k_max: int  # clusters per shortlist (the first ones, with `decay`)
   hidden: int
+  decay: bool = False  # the paper's shrinking k schedule (`k_schedule`)
 
   def plan_field(self, positions: int) -> RouterPlan:
     graphdef, state = nnx.split(self.router)
     return RouterPlan(graphdef, state, jnp.asarray(self.clusters.table),
-                      k_schedule(self.k_max, positions))
+                      k_schedule(self.k_max, positions, self.decay))
 
 
 def save_bundle(directory: str | Path, bundle: RouterBundle, **meta) -> None:
@@ -229,7 +242,8 @@ def save_bundle(directory: str | Path, bundle: RouterBundle, **meta) -> None:
   tree = {"router": nnx.to_pure_dict(nnx.state(bundle.router)), "centroids": c.centroids,
           "assignment": c.assignment, "table": c.table}
   checkpoint.save_tree(Path(directory), tree, dict(
-      model=bundle.model, k_max=bundle.k_max, hidden=bundle.hidden,
+      model=bundle.model, version=VERSION, k_max=bundle.k_max, hidden=bundle.hidden,
+      decay=bundle.decay,
       clusters=c.num_clusters, capacity=c.capacity, embed_dim=int(c.centroids.shape[1]),
       vocab=int(c.assignment.size), objective=list(c.objective), **meta))
 
@@ -241,6 +255,10 @@ def load_bundle(directory: str | Path, *, model: str) -> RouterBundle:
     raise RouterMismatchError(f"the router at {directory} was trained for "
                               f"{meta.get('model')}, not {model}: train one with "
                               f"`specjax router train --model {model}`")
+  if meta.get("version", 1) != VERSION:
+    raise RouterMismatchError(f"the router at {directory} is of an older design (version "
+                              f"{meta.get('version', 1)}, this is {VERSION}): train it again "
+                              f"with `specjax router train --model {model}`")
   D, M, cap, V = meta["embed_dim"], meta["clusters"], meta["capacity"], meta["vocab"]
   router = Router(D, M, meta["hidden"], rngs=nnx.Rngs(0))
   like = {"router": nnx.to_pure_dict(nnx.state(router)),
@@ -252,4 +270,11 @@ def load_bundle(directory: str | Path, *, model: str) -> RouterBundle:
   nnx.update(router, state)
   clusters = VocabClusters(np.asarray(tree["centroids"]), np.asarray(tree["assignment"]),
                            np.asarray(tree["table"]), tuple(meta.get("objective", ())))
-  return RouterBundle(model, router, clusters, meta["k_max"], meta["hidden"])
+  return RouterBundle(model, router, clusters, meta["k_max"], meta["hidden"],
+                      bool(meta.get("decay", False)))
+
+
+def is_current(directory: str | Path) -> bool:
+  """A saved router exists at `directory` and is of this design."""
+  path = Path(directory) / "meta.json"
+  return path.exists() and checkpoint.load_meta(Path(directory)).get("version", 1) == VERSION

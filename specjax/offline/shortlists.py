@@ -3,9 +3,13 @@ FR-Spec's token counts and DynaSpec's clusters + router (`specjax router train`)
 
 Training prompts are GSM8K train questions and Spec-Bench prompts past the first
 `RESERVED` of each category — the benchmarks evaluate on those first ones, never seen
-here. Each prompt is extended by the model's own greedy continuation (what the draft
-will have to predict). Everything is written under one folder as it is made
-(sequences.json, counts.npz, router/, curves.png), so a crash resumes where it stopped.
+here. FR-Spec counts tokens in `prompts` of them, each extended by the model's own greedy
+continuation (what the draft will have to predict). The router learns from the target's
+distributions, which any text gives, so it also reads `router_prompts` prompts without a
+continuation: more pairs at one forward each (its recall grows with them, see
+`offline.router`). Everything is written under one folder as it is made
+(sequences.json, counts.npz, router/, curves.png), so a crash resumes where it stopped,
+and a router of an older design is trained again.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from specjax.bench import data, plots
 from specjax.offline.router import (
   RouterBundle,
   collect_pairs,
+  is_current,
   load_bundle,
   save_bundle,
   train_router,
@@ -63,9 +68,11 @@ def sequences(model, out: Path, count: int, new_tokens: int, data_dir=None,
 
 
 def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
-          clusters: int = 1024, k_max: int = 32, hidden: int = 512, epochs: int = 10,
-          data_dir=None, verbose: bool = True) -> tuple[np.ndarray, RouterBundle, dict]:
-  """Counts and router bundle for `model` (reused from `out` when already there)."""
+          router_prompts: int = 320, clusters: int = 1024, k_max: int = 16,
+          hidden: int = 1024, epochs: int = 10, decay: bool = False, data_dir=None,
+          verbose: bool = True) -> tuple[np.ndarray, RouterBundle, dict]:
+  """Counts and router bundle for `model` (reused from `out` when already there and of
+  this design)."""
   out.mkdir(parents=True, exist_ok=True)
   seqs = sequences(model, out, prompts, new_tokens, data_dir, verbose)
   counts_path = out / "counts.npz"
@@ -76,7 +83,7 @@ def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
     save_counts(counts_path, counts, model=model.name, sequences=len(seqs))
   router_dir = out / "router"
   curves_path = out / "curves.json"
-  if (router_dir / "meta.json").exists():
+  if is_current(router_dir):
     bundle = load_bundle(router_dir, model=model.name)
     curves = json.loads(curves_path.read_text()) if curves_path.exists() else {}
     return counts, bundle, curves
@@ -84,13 +91,16 @@ def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
 
   rows = np.asarray(_head_rows(nnx.merge(model.graphdef, model.state)))
   vc = spherical_kmeans(rows, clusters, iterations=15, verbose=verbose)
-  pairs = collect_pairs(model, seqs, verbose=verbose)
+  continued = {tuple(p) for p in training_prompts(model.tokenizer, prompts, data_dir)}
+  more = [p for p in training_prompts(model.tokenizer, router_prompts, data_dir)
+          if tuple(p) not in continued]
+  pairs = collect_pairs(model, seqs + more, vc, verbose=verbose)
   result = train_router(pairs, vc, k_max=k_max, hidden=hidden, epochs=epochs,
                         verbose=verbose)
-  bundle = RouterBundle(model.name, result.router, vc, k_max, hidden)
+  bundle = RouterBundle(model.name, result.router, vc, k_max, hidden, decay)
   curves = dict(train_loss=result.train_loss, val_loss=result.val_loss, best_epoch=result.best_epoch,
-                val_recall=result.val_recall, pairs=int(pairs.next_token.size))
-  save_bundle(router_dir, bundle, pairs=curves["pairs"], sequences=len(seqs))
+                val_recall=result.val_recall, pairs=int(pairs.target.size))
+  save_bundle(router_dir, bundle, pairs=curves["pairs"], sequences=len(seqs) + len(more))
   curves_path.write_text(json.dumps(curves))
   plot_curves(curves, out / "curves.png", model.name, k_max)
   return counts, bundle, curves
@@ -113,6 +123,6 @@ def plot_curves(curves: dict, path: Path, name: str, k_max: int) -> None:
   a.legend()
   b.plot(ep, curves["val_recall"])
   b.set_xlabel("epoch")
-  b.set_ylabel(f"validation recall@{k_max} clusters")
+  b.set_ylabel(f"validation recall@{k_max} clusters\n(the target's top token)")
   fig.suptitle(f"DynaSpec router, {name}")
   plots.save(fig, path)
