@@ -38,7 +38,7 @@ from specjax.kv_cache import KVCache  # noqa: E402
 from specjax.models.loader import load_model  # noqa: E402
 from specjax.models.registry import cache_root  # noqa: E402
 from specjax.offline import shortlists
-from specjax.offline.router import collect_pairs, recall_at  # noqa: E402
+from specjax.offline.router import collect_pairs, k_schedule, recall_at  # noqa: E402
 from specjax.offline.token_counts import frequent_shortlist  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402
 from specjax.sampling import SamplingParams  # noqa: E402
@@ -52,24 +52,26 @@ METHODS = {
     "full-vocab": ("early_exit", lambda L: {"early_exit": {"k": L}}),  # every layer
     **{f"frspec-{n // 1024}k": ("frspec", lambda L, n=n: {"frspec": {"size": n}})
        for n in FR_SIZES},
-    "dynaspec": ("dynaspec", lambda L: {}),
+    "dynaspec": ("dynaspec", lambda L: {}),  # the router's k_max clusters
+    "dynaspec-k64": ("dynaspec", lambda L: {"dynaspec": {"k": 64}}),  # the same router
     "knapspec": ("knapspec", lambda L: {}),
     "dynaspec+knapspec": ("knapspec+dynaspec", lambda L: {}),
     "frspec-32k+knapspec": ("knapspec+frspec", lambda L: {"frspec": {"size": 32768}}),
 }
 
 
-def verdicts(methods: list[str], summary: dict, mean_short: float) -> list[claims.Verdict]:
-  """Each shortlist against the full head; DynaSpec's M against the full head's and
-  FR-Spec's; each composition against its parts."""
+def verdicts(methods: list[str], summary: dict, shorts: dict[str, float]
+             ) -> list[claims.Verdict]:
+  """Each shortlist against the full head; each DynaSpec k's M against the full head's and
+  FR-Spec's (`shorts`: its mean shortlist size); each composition against its parts."""
   out = [claims.shortlist_pays(m, summary) for m in methods
          if m.startswith(("frspec", "dynaspec")) and "+" not in m]
-  if "dynaspec" in summary and "full-vocab" in summary:
-    fr = {int(m.split("-")[1][:-1]) * 1024: summary[m]["M"] for m in methods
-          if m.startswith("frspec") and "+" not in m}
-    out.append(claims.shortlist_keeps_m(
-        summary["full-vocab"]["M"], {"M": summary["dynaspec"]["M"], "shortlist": mean_short},
-        fr))
+  fr = {int(m.split("-")[1][:-1]) * 1024: summary[m]["M"] for m in methods
+        if m.startswith("frspec") and "+" not in m}
+  for m in methods:
+    if m.startswith("dynaspec") and "+" not in m and "full-vocab" in summary:
+      out.append(claims.shortlist_keeps_m(
+          summary["full-vocab"]["M"], {"M": summary[m]["M"], "shortlist": shorts[m]}, fr))
   speedups = {m: r["speedup"] for m, r in summary.items()}
   out += [claims.composition_beats_parts(m, speedups) for m in methods if "+" in m]
   return out
@@ -103,7 +105,7 @@ def main(argv=None) -> None:
   p.add_argument("--router-prompts", type=int, default=320,
                  help="training prompts the router reads (no continuation needed)")
   p.add_argument("--methods", default="full-vocab,frspec-1k,frspec-8k,frspec-32k,dynaspec,"
-                 "knapspec,dynaspec+knapspec")
+                 "dynaspec-k64,knapspec,dynaspec+knapspec")
   p.add_argument("--data-dir")
   report.common_args(p, default_model="gemma3-270m")
   args = p.parse_args(argv)
@@ -133,6 +135,8 @@ def main(argv=None) -> None:
   step_plans |= {f"FR-Spec {n // 1024}k": full.with_shortlist(fr[n], cfg.vocab_size,
                                                                cfg.eos_ids) for n in FR_SIZES}
   step_plans["DynaSpec"] = full.replace(router=bundle.plan_field(args.gamma))
+  if "dynaspec-k64" in methods:
+    step_plans["DynaSpec k64"] = full.replace(router=bundle.plan_field(args.gamma, 64))
   steps = draft_step_times(model, step_plans, args.gamma, args.repeats)
 
   # 3. End to end: every method is a factory name with its options.
@@ -163,13 +167,17 @@ def main(argv=None) -> None:
   pairs = collect_pairs(model, ar_seqs, bundle.clusters, verbose=False)
   sched = bundle.plan_field(args.gamma).ks
   M = bundle.clusters.num_clusters
-  ks = sorted({k for k in (2, 4, 8, 16, 32, 64) if k <= M} | set(sched))
+  # Each DynaSpec method's k (the same router for every k).
+  k_of = {m: METHODS[m][1](L).get("dynaspec", {}).get("k", bundle.k_max) for m in methods
+          if "dynaspec" in m}
+  ks = sorted({k for k in (2, 4, 8, 16, 32, 64) if k <= M} | set(sched) | set(k_of.values()))
   recall = {k: recall_at(bundle.router, pairs, bundle.clusters, k) for k in ks}
   sizes = bundle.clusters.sizes()
   scores = np.asarray(bundle.router(jnp.asarray(pairs.hidden)))
   real = {k: float(np.mean(np.sort(np.take(sizes, np.argsort(-scores, 1)[:, :k]), 1).sum(1)))
           for k in ks}
-  mean_short = float(np.mean([real[k] for k in sched]))
+  shorts = {m: float(np.mean([real[k] for k in k_schedule(k, args.gamma, bundle.decay)]))
+            for m, k in k_of.items()}  # each DynaSpec method's mean shortlist
 
   full_M = summary.get("full-vocab", {}).get("M")
   knap_M = summary.get("knapspec", {}).get("M")
@@ -182,7 +190,7 @@ def main(argv=None) -> None:
     s = summary[m]
     short = ("full" if m in ("full-vocab", "knapspec") else
              f"{int(m.split('-')[1].split('k')[0]) * 1024}" if m.startswith("frspec") else
-             f"{mean_short:.0f} (mean)")
+             f"{shorts[m]:.0f} (mean)")
     e2e_rows.append([m, f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}", f"{s['M']:.2f}",
                      f"{s['alpha']:.2f}", "–" if kept(m) is None else f"{kept(m):.1%}",
                      short, s["mismatches"]])
@@ -196,12 +204,12 @@ def main(argv=None) -> None:
        "recall of the target's top token"],
       [[k, k * bundle.clusters.capacity, f"{real[k]:.0f}", f"{recall[k]:.3f}"] for k in ks])
   print(f"\n{step_table}\n\n{e2e_table}\n\n{rec_table}\n")
-  found = verdicts(methods, summary, mean_short)
+  found = verdicts(methods, summary, shorts)
   figures = dict(model=model.name, draft_step_ms={k: round(v * 1e3, 3) for k, v in steps.items()},
                  methods={m: {k: (round(v, 4) if isinstance(v, float) else v)
                               for k, v in s.items()} for m, s in summary.items()},
                  m_kept={m: kept(m) for m in methods}, router_recall=recall,
-                 dynaspec_mean_shortlist=mean_short, k_schedule=list(sched),
+                 dynaspec_mean_shortlist=shorts, k_schedule=list(sched),
                  router_val_loss=curves.get("val_loss"),
                  mismatches=metrics.total_mismatches(summary),
                  verdicts=[v.to_json() for v in found])

@@ -142,6 +142,23 @@ def test_dynaspec_is_lossless(arch):
       assert_exercised(out, deep=threshold == 0.0)
 
 
+def test_k_is_a_decoding_setting():
+  """One router serves every k: the shortlist grows with it, the output never changes."""
+  m = tiny()
+  b, _ = bundle(k_max=1)
+  ar = generate(m.graphdef, m.state, m.config, PROMPT, max_new_tokens=24, eos_ids=()).tokens
+  alphas = []
+  for k in (1, 4):
+    drafter = DynaSpecDrafter(b, k=k)
+    plan = drafter.overlay_plan(type("S", (), {"config": m.config})())
+    assert plan.router.ks == (k,) * drafter.positions
+    out = speculative_generate(m.graphdef, m.state, m.config, PROMPT, drafter,
+                               max_new_tokens=24, gamma=4, eos_ids=(), threshold=0.0)
+    assert out.tokens == ar
+    alphas.append(out.accepted / out.drafted)
+  assert alphas[1] >= alphas[0]
+
+
 def test_dynaspec_sampling_round_keeps_the_target_distribution():
   """Rounds whose draft scores only the router's clusters (q zero outside them, k shrinking
   with the position) keep the target's distribution, first and second committed token."""
@@ -203,8 +220,10 @@ def test_a_router_of_the_older_design_is_refused(tmp_path):
 
 def test_bad_router_settings_are_clear_errors():
   b, _ = bundle()
-  with pytest.raises(ValueError, match="k_max = 9 clusters, but there are only 8"):
+  with pytest.raises(ValueError, match="k = 9 clusters, but there are only 8"):
     DynaSpecDrafter(RouterBundle(b.model, b.router, b.clusters, 9, 64))
+  with pytest.raises(ValueError, match="k = 12 clusters, but there are only 8"):
+    DynaSpecDrafter(b, k=12)
   with pytest.raises(TypeError, match="'bundle'"):  # a required constructor argument
     DynaSpecDrafter()
   with pytest.raises(ValueError, match="needs a trained router"):

@@ -2,9 +2,10 @@
 (DynaSpec), optionally on top of any layer-skipping drafter.
 
 The router (`specjax.offline.router`) scores token clusters (`specjax.offline.vocab_clusters`) from
-[embedding(x_t), h_{t−1}] inside the jitted draft step; the union of the top-k(t)
-clusters is the shortlist, k shrinking with the draft position. Verification keeps the
-full vocabulary, so the output is exactly the target's.
+the draft's final hidden state inside the jitted draft step; the union of the top-k
+clusters is the shortlist. Verification keeps the full vocabulary, so the output is
+exactly the target's. `k` is a decoding setting, not a training one: one router serves
+every shortlist size.
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ class DynaSpecDrafter(OverlayDrafter):
   bundle: RouterBundle  # `offline.router.load_bundle`, or `specjax router train`
   base: Drafter | None = None
   positions: int = 8  # draft positions with their own k (later ones reuse the last)
+  k: int | None = None  # clusters per shortlist; None: the bundle's k_max
 
   def __post_init__(self):
     if self.bundle is None:
       raise ConfigError("dynaspec needs a trained router: `specjax router train`, then "
                        "specjax.offline.router.load_bundle")
-    M = self.bundle.clusters.num_clusters
-    if not 1 <= self.bundle.k_max <= M:
-      raise ConfigError(f"k_max = {self.bundle.k_max} clusters, but there are only {M}")
+    M, k = self.bundle.clusters.num_clusters, self.k or self.bundle.k_max
+    if not 1 <= k <= M:
+      raise ConfigError(f"k = {k} clusters, but there are only {M}")
 
   def overlay_plan(self, session) -> DraftPlan:
     cfg, c = session.config, self.bundle.clusters
@@ -40,4 +42,5 @@ class DynaSpecDrafter(OverlayDrafter):
       raise RouterMismatchError(
           f"the router of {self.bundle.model} covers {c.assignment.size} tokens of width "
           f"{c.centroids.shape[1]}; this model has {cfg.vocab_size} of width {cfg.embed_dim}")
-    return DraftPlan.full(cfg.num_layers).replace(router=self.bundle.plan_field(self.positions))
+    return DraftPlan.full(cfg.num_layers).replace(
+        router=self.bundle.plan_field(self.positions, self.k))

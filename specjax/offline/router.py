@@ -231,10 +231,11 @@ class RouterBundle:
   hidden: int
   decay: bool = False  # the paper's shrinking k schedule (`k_schedule`)
 
-  def plan_field(self, positions: int) -> RouterPlan:
+  def plan_field(self, positions: int, k: int | None = None) -> RouterPlan:
+    """The router for a draft plan; `k` clusters per shortlist (default k_max)."""
     graphdef, state = nnx.split(self.router)
     return RouterPlan(graphdef, state, jnp.asarray(self.clusters.table),
-                      k_schedule(self.k_max, positions, self.decay))
+                      k_schedule(k or self.k_max, positions, self.decay))
 
 
 def save_bundle(directory: str | Path, bundle: RouterBundle, **meta) -> None:
