@@ -196,9 +196,11 @@ def train_router(pairs: Pairs, clusters: VocabClusters, *, k_max: int, hidden: i
   bar = tqdm(range(epochs), desc="router", unit="epoch", disable=not verbose)
   for _ in bar:
     order = rng.permutation(tr)
-    losses = [float(step(router, opt, pairs.hidden[b], pairs.mass[b])) for b in (order[i : i + batch] for i in range(0, order.size - batch + 1, batch))]
+    batches = (order[i : i + batch] for i in range(0, order.size - batch + 1, batch))
+    # Losses stay on the device until the epoch ends: one host read per epoch, not per step.
+    losses = [step(router, opt, pairs.hidden[b], pairs.mass[b]) for b in batches]
     vl, vr = val()
-    result.train_loss.append(float(np.mean(losses)) if losses else float("nan"))
+    result.train_loss.append(float(np.mean(jax.device_get(losses))) if losses else float("nan"))
     result.val_loss.append(vl)
     result.val_recall.append(vr)
     bar.set_postfix(train=f"{result.train_loss[-1]:.3f}", val=f"{vl:.3f}", recall=f"{vr:.2f}")

@@ -98,8 +98,9 @@ def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
   result = train_router(pairs, vc, k_max=k_max, hidden=hidden, epochs=epochs,
                         verbose=verbose)
   bundle = RouterBundle(model.name, result.router, vc, k_max, hidden, decay)
-  curves = dict(train_loss=result.train_loss, val_loss=result.val_loss, best_epoch=result.best_epoch,
-                val_recall=result.val_recall, pairs=int(pairs.target.size))
+  curves = dict(train_loss=result.train_loss, val_loss=result.val_loss,
+                best_epoch=result.best_epoch, val_recall=result.val_recall,
+                pairs=int(pairs.target.size))
   save_bundle(router_dir, bundle, pairs=curves["pairs"], sequences=len(seqs) + len(more))
   curves_path.write_text(json.dumps(curves))
   plot_curves(curves, out / "curves.png", model.name, k_max)
