@@ -224,6 +224,8 @@ def test_bad_router_settings_are_clear_errors():
     DynaSpecDrafter(RouterBundle(b.model, b.router, b.clusters, 9, 64))
   with pytest.raises(ValueError, match="k = 12 clusters, but there are only 8"):
     DynaSpecDrafter(b, k=12)
+  with pytest.raises(ValueError, match="k = 0 clusters"):
+    DynaSpecDrafter(b, k=0)
   with pytest.raises(TypeError, match="'bundle'"):  # a required constructor argument
     DynaSpecDrafter()
   with pytest.raises(ValueError, match="needs a trained router"):
@@ -232,3 +234,5 @@ def test_bad_router_settings_are_clear_errors():
   g, s = nnx.split(init_model(other, seed=0))
   with pytest.raises(RouterMismatchError, match="covers 97 tokens"):
     speculative_generate(g, s, other, PROMPT, DynaSpecDrafter(b), max_new_tokens=8)
+  with pytest.raises(RouterMismatchError, match="the clusters cover 97 tokens"):
+    collect_pairs(type("M", (), {"name": "other", "config": other})(), [PROMPT], b.clusters)

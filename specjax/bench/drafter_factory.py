@@ -58,7 +58,7 @@ ARTEFACT_OPTIONS: dict[str, dict[str, Any]] = {
     "knn": {"anchors": 10},  # k-means anchors per domain
     "quantspec": {"weight_bits": None, "group": 128, "residual": 128},  # bits None: per backend
     "frspec": {"size": 32768},  # FR-Spec's shortlist: the paper's 32k
-    "dynaspec": {"clusters": 1024, "k_max": 16},
+    "dynaspec": {"clusters": 1024},  # k, a decoding setting, is the drafter's own field
 }
 ARTEFACTS = ("profile", "library", "counts", "bundle", "self_sd_plan", "int8_weights")
 # Constructor fields the factory fills itself (artefacts), not options.
@@ -182,9 +182,8 @@ class DrafterFactory:
       return self.artefacts.get("counts"), self.artefacts.get("bundle")
     o = self._opts("dynaspec")
     root = cache_root() / "shortlists" / self.model.name
-    default = (o["clusters"], o["k_max"]) == (ARTEFACT_OPTIONS["dynaspec"]["clusters"],
-                                             ARTEFACT_OPTIONS["dynaspec"]["k_max"])
-    out = root if default else root / f"c{o['clusters']}-k{o['k_max']}"
+    default = o["clusters"] == ARTEFACT_OPTIONS["dynaspec"]["clusters"]
+    out = root if default else root / f"c{o['clusters']}"
     if not (out / "counts.npz").exists() or not is_current(out / "router"):
       self._say(f"no FR-Spec counts / current DynaSpec router for {self.model.name} at {out}: "
                 f"building them now (`specjax router train` does the same)")
@@ -193,7 +192,7 @@ class DrafterFactory:
         out.mkdir(parents=True, exist_ok=True)  # the training continuations are shared
         (out / "sequences.json").write_text((root / "sequences.json").read_text())
     counts, bundle, _ = shortlists.build(self.model, out, clusters=o["clusters"],
-                                         k_max=o["k_max"], data_dir=self.data_dir,
+                                         data_dir=self.data_dir,
                                          verbose=self.verbose)
     return counts, bundle
 

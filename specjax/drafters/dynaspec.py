@@ -32,7 +32,7 @@ class DynaSpecDrafter(OverlayDrafter):
     if self.bundle is None:
       raise ConfigError("dynaspec needs a trained router: `specjax router train`, then "
                        "specjax.offline.router.load_bundle")
-    M, k = self.bundle.clusters.num_clusters, self.k or self.bundle.k_max
+    M, k = self.bundle.clusters.num_clusters, self.bundle.k_max if self.k is None else self.k
     if not 1 <= k <= M:
       raise ConfigError(f"k = {k} clusters, but there are only {M}")
 

@@ -237,7 +237,7 @@ class RouterBundle:
     """The router for a draft plan; `k` clusters per shortlist (default k_max)."""
     graphdef, state = nnx.split(self.router)
     return RouterPlan(graphdef, state, jnp.asarray(self.clusters.table),
-                      k_schedule(k or self.k_max, positions, self.decay))
+                      k_schedule(self.k_max if k is None else k, positions, self.decay))
 
 
 def save_bundle(directory: str | Path, bundle: RouterBundle, **meta) -> None:
