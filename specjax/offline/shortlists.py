@@ -49,16 +49,15 @@ def training_prompts(tokenizer, count: int, data_dir=None) -> list[list[int]]:
   return [encode(p.turns[0])[:768] for p in held + gsm]
 
 
-def sequences(model, out: Path, count: int, new_tokens: int, data_dir=None,
+def sequences(model, out: Path, prompts: list[list[int]], new_tokens: int,
               verbose: bool = True) -> list[list[int]]:
-  """Training prompts + the model's greedy continuations, cached in sequences.json."""
+  """`prompts` + the model's greedy continuations, cached in sequences.json."""
   from tqdm.auto import tqdm
 
   from specjax.decode.generate import generate
 
   path = out / "sequences.json"
   done = json.loads(path.read_text()) if path.exists() else []
-  prompts = training_prompts(model.tokenizer, count, data_dir)
   for ids in tqdm(prompts[len(done):], desc="own continuations", unit="prompt",
                   disable=not verbose, initial=len(done), total=len(prompts)):
     g = generate(model.graphdef, model.state, model.config, ids, max_new_tokens=new_tokens)
@@ -74,7 +73,8 @@ def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
   """Counts and router bundle for `model` (reused from `out` when already there and of
   this design)."""
   out.mkdir(parents=True, exist_ok=True)
-  seqs = sequences(model, out, prompts, new_tokens, data_dir, verbose)
+  continued = training_prompts(model.tokenizer, prompts, data_dir)
+  seqs = sequences(model, out, continued, new_tokens, verbose)
   counts_path = out / "counts.npz"
   if counts_path.exists():
     counts = load_counts(counts_path, model=model.name)
@@ -91,9 +91,9 @@ def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
 
   rows = np.asarray(_head_rows(nnx.merge(model.graphdef, model.state)))
   vc = spherical_kmeans(rows, clusters, iterations=15, verbose=verbose)
-  continued = {tuple(p) for p in training_prompts(model.tokenizer, prompts, data_dir)}
+  seen = {tuple(p) for p in continued}
   more = [p for p in training_prompts(model.tokenizer, router_prompts, data_dir)
-          if tuple(p) not in continued]
+          if tuple(p) not in seen]
   pairs = collect_pairs(model, seqs + more, vc, verbose=verbose)
   result = train_router(pairs, vc, k_max=k_max, hidden=hidden, epochs=epochs,
                         verbose=verbose)
