@@ -161,8 +161,9 @@ def quantspec_long_context(contexts: Mapping[int, Mapping], memory_saving: float
   memory than a target cache beside a separate 4-bit draft cache. `contexts`: context ->
   the method's {alpha, speedup}; `memory_saving`: that separate pair's bytes over the
   hierarchical cache's."""
-  claim = ("its draft over the 4-bit KV cache keeps α > 0.9, its speedup grows with context, and sharing one "
-           "hierarchical cache needs ≈1.3× less KV memory than a separate draft cache")
+  claim = ("its draft over the 4-bit KV cache keeps α > 0.9, its speedup grows with "
+           "context, and sharing one hierarchical cache needs ≈1.3× less KV memory than a "
+           "separate draft cache")
   cs = sorted(n for n, r in contexts.items() if r)
   if not cs:
     return Verdict(PAPERS["quantspec"][0], claim, UNDECIDED, f"{method} was not run")
