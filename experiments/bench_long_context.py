@@ -218,6 +218,7 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
         f"Machine: {report.machine()}.", "", table, "",
         "Latency profile (`specjax profile`, medians; what KnapSpec's weights come from):",
         "", profiler.table(DrafterFactory(model, gamma=args.gamma).latency_profile), "",
+        *int8_profile_lines(model, args),
         "`speedup w/o selection` removes the measured selection time (DP, search) from the "
         "decode time: what the drafts themselves achieve, i.e. the speedup if selection ran "
         "off the critical path or on a device where the batched DP is nearly free.", "",
@@ -226,6 +227,16 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
         "", image, "", claims.section(found)])
     report.write_section(f"long-context-{model.name}", body)
   return figures
+
+
+def int8_profile_lines(model, args) -> list[str]:
+  """The profile `knapspec+8bit` selects with, when it ran: its sub-layers at 8 bits."""
+  if not any("knapspec" in d and "8bit" in d for d in args.drafters):
+    return []
+  prof = DrafterFactory(model, gamma=args.gamma, verbose=False).int8_latency_profile
+  return ["The same with the draft steps reading the 8-bit weights (what `knapspec+8bit` "
+          "prices its sub-layers by; `specjax profile --draft-weights int8`):", "",
+          profiler.table(prof), ""]
 
 
 def verdicts(drafters: list[str], summary: dict, ctx_len: dict, pearson: dict,

@@ -178,12 +178,19 @@ def _cmd_profile(args: argparse.Namespace) -> int:
   if not lengths or min(lengths) < args.gamma + 8:
     raise ConfigError(f"--lengths must be cache sizes above {args.gamma + 8}, got {args.lengths}")
   model = load_model(args.model, dtype=args.dtype)
-  prof = profiler.measure(model, lengths=lengths, gamma=args.gamma, repeats=args.repeats)
+  weights = None
+  if args.draft_weights == "int8":
+    from specjax.quant import quantize_weights_int8
+
+    weights = quantize_weights_int8(model.state, model.config.num_layers)
+  prof = profiler.measure(model, lengths=lengths, gamma=args.gamma, repeats=args.repeats,
+                          draft_weights=weights)
   path = profiler.save_profile(prof, args.out)
   print(profiler.table(prof))
   print(f"t_attn(n) = {prof.t_attn(1) - prof.t_attn(0):.3e}·n + {prof.t_attn(0):.3e} s, "
         f"t_mlp = {prof.t_mlp():.3e} s; saved to {path}", file=sys.stderr)
-  print(json.dumps({"model": prof.model, "device": prof.device, "path": str(path),
+  print(json.dumps({"model": prof.model, "device": prof.device, "draft": prof.draft,
+                    "path": str(path),
                     **{k: getattr(prof, k) for k in ("lengths", "attn", "mlp", "base",
                                                       "step", "verify")}}))
   return 0
@@ -344,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--gamma", type=int, default=4, help="verification is timed on γ+1 tokens")
   p.add_argument("--repeats", type=int, default=7, help="timed repeats per point (median)")
   p.add_argument("--out", help="profile file (default: the specjax cache, per model/device)")
+  p.add_argument("--draft-weights", choices=("target", "int8"), default="target",
+                 help="the weights the timed draft steps read: int8 prices sub-layers for "
+                 "knapspec+8bit")
   add_dtype_arg(p)
   p.set_defaults(func=_cmd_profile)
 

@@ -43,6 +43,7 @@ def factory(plan_path: str) -> DrafterFactory:
                "quantspec": {"group": KV.group, "residual": KV.residual},
                "frspec": {"size": 48}, "swift": {"trials": 4, "bo_every": 4, "window": 8}},
       artefacts={"profile": synthetic_profile(4), "library": tiny_library("llama"),
+                 "int8_profile": synthetic_profile(4, c=1e-4, draft="8bit"),
                  "counts": counts, "bundle": bundle("llama")[0], "self_sd_plan": skip})
 
 
@@ -83,6 +84,8 @@ def test_compositions_set_the_fields_of_each_part(plan_file):
   d = f.make("knapspec+8bit+dynaspec")
   assert (d.name, d.base.name, d.base.base.name) == ("dynaspec", "8bit", "knapspec")
   assert d.own_gamma and d.wants_residuals  # KnapSpec's policy passes through
+  assert d.base.base.profile.draft == "8bit"  # priced at the 8-bit sub-layer times
+  assert f.make("knapspec+dynaspec").base.profile.draft == "target"
   q = f.make("frspec+quantspec")  # FR-Spec alone, under QuantSpec
   assert q.name == "quantspec" and q.base.name == "frspec" and q.kv_cache == KV
   assert f.make("8bit").weights is f.make("self_sd+8bit").weights  # one int8 copy

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import types
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from specjax.decode.generate import generate
 from specjax.drafters import ClaspDrafter, KnapSpecDrafter
 from specjax.drafters.knapspec import slots_for, tokens_per_time
 from specjax.plan import PlanError
+from specjax.quant import quantize_weights_int8
 from specjax.sampling import SamplingParams
 from specjax.selection import profiler
 from specjax.selection.profiler import LatencyProfile, MissingProfileError, ProfileMismatchError
@@ -25,14 +27,14 @@ tiny = target
 
 
 def synthetic_profile(layers: int = 6, model: str = "tiny-llama", a: float = 2e-6,
-                      b: float = 1e-4, c: float = 3e-4) -> LatencyProfile:
+                      b: float = 1e-4, c: float = 3e-4, draft: str = "target") -> LatencyProfile:
   """t_attn(n) = a·n + b, t_mlp = c, exactly (for weight tests and fast drafter tests)."""
   lengths = (128, 1024, 4096)
   return LatencyProfile(
       model=model, device=profiler.device_name(), dtype="float32", num_layers=layers,
       verify_tokens=5, lengths=lengths, attn=tuple(a * n + b for n in lengths),
       mlp=(c,) * 3, base=(1e-3,) * 3, verify=tuple(8e-3 + 1e-6 * n for n in lengths),
-      step=tuple(5e-3 + 5e-7 * n for n in lengths))
+      step=tuple(5e-3 + 5e-7 * n for n in lengths), draft=draft)
 
 
 def run(drafter, arch="llama", n=40, sampling=SamplingParams(), gamma=5, **kw):
@@ -87,6 +89,15 @@ def test_selection_budget_spaces_selections_and_carries_across_prompts():
                                 gamma=5, eos_ids=(), drafter_state=st)
   assert second.tokens == ar()
   assert all(s.round > st.total_rounds for s in second.drafter_state.selections)
+  # A longer generation needs a larger cache, where attention weighs more: the carried
+  # selection still drafts from the first round, and the next DP uses the new weights.
+  third = speculative_generate(graphdef, state, config, PROMPT, d, max_new_tokens=240,
+                               gamma=5, eos_ids=(), drafter_state=second.drafter_state)
+  assert third.tokens == ar(n=240)
+  t = third.drafter_state
+  assert not np.array_equal(t.weights, st.weights)
+  assert np.array_equal(t.weights, d._weights(512))
+  assert all(s.round > second.drafter_state.total_rounds for s in t.selections)
   with pytest.raises(ValueError, match="selection_budget"):
     KnapSpecDrafter(profile=synthetic_profile(), selection_budget=1.5)
 
@@ -159,6 +170,30 @@ def test_measured_profile_round_trips_and_is_checked(tmp_path):
     profiler.load_profile("tiny-llama", 6, path)
   with pytest.raises(MissingProfileError, match="run `specjax profile --model tiny-llama`"):
     profiler.load_profile("tiny-llama", 6, tmp_path / "none.json")
+  del obj["draft"]  # written before 8-bit draft profiles existed: a target-weight profile
+  obj["device"] = p.device
+  path.write_text(json.dumps(obj))
+  assert profiler.load_profile("tiny-llama", 6, path).draft == "target"
+
+
+def test_int8_draft_profile_is_timed_with_the_8bit_weights_and_kept_apart(tmp_path):
+  """`knapspec+8bit` prices its sub-layers at their 8-bit cost: that profile is measured
+  with draft steps reading the int8 copies, stored under its own name, and a profile of
+  one draft kind is refused where the other is asked for."""
+  config, graphdef, state = tiny()
+  m = types.SimpleNamespace(name="tiny-llama", config=config, graphdef=graphdef, state=state)
+  weights = quantize_weights_int8(state, config.num_layers)
+  p = profiler.measure(m, lengths=(64,), gamma=2, repeats=2, verbose=False,
+                       draft_weights=weights)
+  assert p.draft == "8bit" and all(t > 0 for t in p.base + p.verify + p.step)
+  assert profiler.profile_path("m", "cpu") != profiler.profile_path("m", "cpu", draft="8bit")
+  path = profiler.save_profile(p, tmp_path / "p8.json")
+  assert profiler.load_profile("tiny-llama", 6, path, draft="8bit") == p
+  with pytest.raises(ProfileMismatchError, match="reading 8bit weights, not target"):
+    profiler.load_profile("tiny-llama", 6, path)  # asked for the target-weight draft
+  path.write_text(json.dumps({**p.to_json(), "draft": "target"}))
+  with pytest.raises(ProfileMismatchError, match="--draft-weights int8"):
+    profiler.load_profile("tiny-llama", 6, path, draft="8bit")
 
 
 def test_bad_settings_are_clear_errors():

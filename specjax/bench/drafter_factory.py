@@ -8,8 +8,9 @@ right, each on top of the drafter before it; two overlays that set the same plan
 
 Artefacts are found where specjax keeps them, or built (and kept) on first use: the
 Self-SD skip set (searched on prompts outside the evaluation), KnapSpec's latency
-profile, the KNN-SSD library, FR-Spec's token counts and DynaSpec's router, and one int8
-copy of the model shared by every `8bit` name.
+profile (under `8bit`, one timed with the 8-bit weights), the KNN-SSD library, FR-Spec's
+token counts and DynaSpec's router, and one int8 copy of the model shared by every
+`8bit` name.
 
 Options per part (`options={"knapspec": {"tau": 0.3}, "frspec": {"size": 16384}}`) are the
 drafter's constructor fields, plus the artefact settings in `ARTEFACT_OPTIONS`; every
@@ -60,7 +61,8 @@ ARTEFACT_OPTIONS: dict[str, dict[str, Any]] = {
     "frspec": {"size": 32768},  # FR-Spec's shortlist: the paper's 32k
     "dynaspec": {"clusters": 1024},  # k, a decoding setting, is the drafter's own field
 }
-ARTEFACTS = ("profile", "library", "counts", "bundle", "self_sd_plan", "int8_weights")
+ARTEFACTS = ("profile", "int8_profile", "library", "counts", "bundle", "self_sd_plan",
+             "int8_weights")
 # Constructor fields the factory fills itself (artefacts), not options.
 _FILLED = {"fixed", "profile", "library", "weights", "base", "kv_cache", "shortlist", "bundle"}
 
@@ -118,7 +120,7 @@ class DrafterFactory:
   data_dir: str | Path | None = None
   search_prompts: Sequence[Any] | None = None  # data.Prompt
   # Artefacts already at hand, used instead of finding or building them: "profile",
-  # "library", "counts", "bundle", "self_sd_plan", "int8_weights".
+  # "int8_profile", "library", "counts", "bundle", "self_sd_plan", "int8_weights".
   artefacts: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   verbose: bool = True
 
@@ -158,15 +160,26 @@ class DrafterFactory:
   def latency_profile(self):
     """The saved profile of this model on this device; measured now (and saved) when
     there is none. A profile of another model or device is refused, not replaced."""
+    return self._profile("profile", None)
+
+  @functools.cached_property
+  def int8_latency_profile(self):
+    """The same for a draft that reads the 8-bit weights (what KnapSpec selects with
+    under `8bit`: its sub-layers cost their 8-bit times)."""
+    return self._profile("int8_profile", self.int8_weights)
+
+  def _profile(self, artefact: str, draft_weights):
     from specjax.selection import profiler
 
-    if "profile" in self.artefacts:
-      return self.artefacts["profile"]
+    if artefact in self.artefacts:
+      return self.artefacts[artefact]
+    draft = "target" if draft_weights is None else f"{draft_weights.bits}bit"
     try:
-      return profiler.load_profile(self.model.name, self.model.config.num_layers)
+      return profiler.load_profile(self.model.name, self.model.config.num_layers, draft=draft)
     except profiler.MissingProfileError as err:
       self._say(f"{err}\nrunning the profiler now")
-      prof = profiler.measure(self.model, gamma=self.gamma, verbose=self.verbose)
+      prof = profiler.measure(self.model, gamma=self.gamma, verbose=self.verbose,
+                              draft_weights=draft_weights)
       profiler.save_profile(prof)
       return prof
 
@@ -265,7 +278,8 @@ class DrafterFactory:
 
   def _base(self, name: str, overlays: Sequence[str] = ()) -> Drafter:
     """The layer drafter; a search-based one is searched for the draft the overlays make
-    of it (Self-SD under `8bit` costs and scores its candidates at 8 bits)."""
+    of it (Self-SD under `8bit` costs and scores its candidates at 8 bits, KnapSpec prices
+    its sub-layers at their 8-bit times)."""
     kw = self._kwargs(name)
     L = self.model.config.num_layers
     if name == "static":
@@ -284,7 +298,8 @@ class DrafterFactory:
     if name == "clasp":
       return ClaspDrafter(**kw)
     if name == "knapspec":
-      return KnapSpecDrafter(profile=self.latency_profile, **{"max_gamma": self.gamma, **kw})
+      profile = self.int8_latency_profile if "8bit" in overlays else self.latency_profile
+      return KnapSpecDrafter(profile=profile, **{"max_gamma": self.gamma, **kw})
     if name == "knn":
       return KNNDrafter(self.knn_library(), **kw)
     raise DrafterNameError(f"{name!r} is not a layer drafter")  # parse() prevents this

@@ -6,12 +6,18 @@ step running nothing, over L, is one attention sub-layer; likewise the MLP. The 
 step is the base (embedding, final norm, LM head, loop). Verification is timed as the
 real verify executable over T = γ+1 tokens and as one AR step (T = 1).
 
+A draft that reads 8-bit copies of the weights (`8bit`) costs a fraction of the full
+step per sub-layer, so a selection under it must price its sub-layers by their 8-bit
+times: `measure(..., draft_weights=...)` times the draft steps with those weights (the
+profile's `draft` is then "8bit"), and such a profile is stored and loaded apart.
+
 Each is the median of several repeats after warm-up, at several cache sizes n, and fit:
 `t_attn(n) = a·n + b`, `t_mlp = c`, base and verification linear in n. n is the cache
 allocation, not the number of valid tokens: the dense decode attention scans every slot
 (masked), so that is what the time follows.
 
-Profiles are saved as JSON per (model, device, dtype) under the specjax cache and reused;
+Profiles are saved as JSON per (model, device, dtype, draft) under the specjax cache and
+reused;
 a profile made for another model or device is refused.
 """
 
@@ -68,6 +74,7 @@ class LatencyProfile:
   base: tuple[float, ...]  # draft step running no sub-layer
   verify: tuple[float, ...]  # verification of `verify_tokens` tokens
   step: tuple[float, ...]  # one AR step (T = 1)
+  draft: str = "target"  # the weights the draft steps read: "target" or "8bit"
 
   # --- fits -----------------------------------------------------------------------------
   @functools.cached_property
@@ -111,8 +118,13 @@ class LatencyProfile:
     return np.clip(np.rint(t / t.min()), 1, cap).astype(np.int32)
 
   # --- storage --------------------------------------------------------------------------
-  def check(self, model: str, num_layers: int, device: str | None = None) -> LatencyProfile:
+  def check(self, model: str, num_layers: int, device: str | None = None,
+            draft: str = "target") -> LatencyProfile:
     device = device or device_name()
+    if self.draft != draft:
+      raise ProfileMismatchError(
+          f"the latency profile times a draft reading {self.draft} weights, not {draft}: run "
+          f"`specjax profile --model {model}{_draft_flag(draft)}`")
     if self.model != model or self.num_layers != num_layers:
       raise ProfileMismatchError(
           f"the latency profile is for {self.model} ({self.num_layers} layers), not {model} "
@@ -129,20 +141,28 @@ class LatencyProfile:
   @classmethod
   def from_json(cls, obj: dict) -> LatencyProfile:
     fields = {f.name for f in dataclasses.fields(cls)}
-    if not fields <= set(obj):
-      raise ProfileMismatchError(f"not a latency profile: missing {sorted(fields - set(obj))}")
+    required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+    if not required <= set(obj):
+      raise ProfileMismatchError(f"not a latency profile: missing {sorted(required - set(obj))}")
     return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in obj.items()
                   if k in fields})
 
 
-def profile_path(model: str, device: str | None = None, dtype: str = "float32") -> Path:
+def _draft_flag(draft: str) -> str:
+  return "" if draft == "target" else " --draft-weights int8"
+
+
+def profile_path(model: str, device: str | None = None, dtype: str = "float32",
+                 draft: str = "target") -> Path:
   from specjax.models.registry import cache_root
 
-  return cache_root() / "profiles" / f"{model}__{device or device_name()}__{dtype}.json"
+  suffix = "" if draft == "target" else f"__draft-{draft}"
+  return cache_root() / "profiles" / f"{model}__{device or device_name()}__{dtype}{suffix}.json"
 
 
 def save_profile(profile: LatencyProfile, path: Path | None = None) -> Path:
-  path = Path(path or profile_path(profile.model, profile.device, profile.dtype))
+  path = Path(path or profile_path(profile.model, profile.device, profile.dtype,
+                                   profile.draft))
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_suffix(".tmp")
   tmp.write_text(json.dumps(profile.to_json(), indent=1))
@@ -151,20 +171,21 @@ def save_profile(profile: LatencyProfile, path: Path | None = None) -> Path:
 
 
 def load_profile(model: str, num_layers: int, path: Path | None = None,
-                 dtype: str = "float32") -> LatencyProfile:
-  """The saved profile for this model on this device; a clear error if there is none or
-  it was made for another model or device."""
-  path = Path(path or profile_path(model, dtype=dtype))
+                 dtype: str = "float32", draft: str = "target") -> LatencyProfile:
+  """The saved profile for this model on this device (and draft weights); a clear error if
+  there is none or it was made for another model, device or draft."""
+  path = Path(path or profile_path(model, dtype=dtype, draft=draft))
+  command = f"`specjax profile --model {model}{_draft_flag(draft)}`"
   if not path.exists():
     raise MissingProfileError(
-        f"no latency profile for {model} on {device_name()} ({path}): run "
-        f"`specjax profile --model {model}` first (about a minute on a CPU)")
+        f"no latency profile for {model} on {device_name()} ({path}): run {command} first "
+        f"(about a minute on a CPU)")
   try:
     obj = json.loads(path.read_text())
   except ValueError as err:
-    raise ProfileMismatchError(f"{path} is not a valid profile ({err}): run "
-                               f"`specjax profile --model {model}` again") from err
-  return LatencyProfile.from_json(obj).check(model, num_layers)
+    raise ProfileMismatchError(f"{path} is not a valid profile ({err}): run {command} "
+                               f"again") from err
+  return LatencyProfile.from_json(obj).check(model, num_layers, draft=draft)
 
 
 def median_time(fn, repeats: int, warmup: int = 2) -> float:
@@ -180,8 +201,9 @@ def median_time(fn, repeats: int, warmup: int = 2) -> float:
 
 
 def measure(model, lengths=(256, 1024, 2048, 4096), gamma: int = 4, repeats: int = 7,
-            verbose: bool = True) -> LatencyProfile:
-  """Profile a loaded model (`loader.LoadedModel`) at the given cache sizes."""
+            verbose: bool = True, draft_weights=None) -> LatencyProfile:
+  """Profile a loaded model (`loader.LoadedModel`) at the given cache sizes;
+  `draft_weights` (`quant.quantize_weights_int8`): the draft steps read them."""
   from tqdm.auto import tqdm
 
   from specjax.decode.engine import Draft, draft_step, verify_step
@@ -195,8 +217,8 @@ def measure(model, lengths=(256, 1024, 2048, 4096), gamma: int = 4, repeats: int
   lengths = tuple(sorted({min(int(n), cfg.max_context) for n in lengths}))
   greedy = SamplingParams()
   ones, zeros = np.ones(L, bool), np.zeros(L, bool)
-  plans = {name: DraftPlan.from_masks(a, m) for name, (a, m) in
-           dict(none=(zeros, zeros), attn=(ones, zeros), mlp=(zeros, ones)).items()}
+  plans = {name: DraftPlan.from_masks(a, m).replace(weights=draft_weights) for name, (a, m)
+           in dict(none=(zeros, zeros), attn=(ones, zeros), mlp=(zeros, ones)).items()}
   full = DraftPlan.full(L)
   key, last = jax.random.key(0), jnp.int32(1)
   rows = {k: [] for k in ("attn", "mlp", "base", "verify", "step")}
@@ -234,6 +256,7 @@ def measure(model, lengths=(256, 1024, 2048, 4096), gamma: int = 4, repeats: int
   dtype = str(jax.tree.leaves(state)[0].dtype)
   return LatencyProfile(model=model.name, device=device_name(), dtype=dtype, num_layers=L,
                         verify_tokens=gamma + 1, lengths=lengths,
+                        draft="target" if draft_weights is None else f"{draft_weights.bits}bit",
                         **{k: tuple(v) for k, v in rows.items()})
 
 
