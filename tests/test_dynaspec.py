@@ -110,6 +110,27 @@ def test_k_schedule():
   assert k_schedule(32, 5, decay=True) == (32, 32, 5, 4, 3)
 
 
+def test_pair_collection_resumes_from_its_saved_chunks(tmp_path):
+  """Chunks of pairs are written as they are done and read back on a rerun (a model with
+  no weights proves nothing is recomputed); a chunk whose sequences changed is not."""
+  m = tiny()
+  b, _ = bundle()
+  seqs = [PROMPT[:20], PROMPT[5:30], PROMPT[:12]]
+  first = collect_pairs(m, seqs, b.clusters, verbose=False, save_dir=tmp_path, chunk=2)
+  plain = collect_pairs(m, seqs, b.clusters, verbose=False)
+  assert len(list(tmp_path.glob("pairs-*.npz"))) == 2
+  weightless = type("M", (), {"name": m.name, "config": m.config, "graphdef": m.graphdef,
+                              "state": None})()
+  again = collect_pairs(weightless, seqs, b.clusters, verbose=False, save_dir=tmp_path,
+                        chunk=2)
+  for field in ("hidden", "mass", "target", "group"):
+    np.testing.assert_array_equal(getattr(again, field), getattr(first, field))
+    np.testing.assert_array_equal(getattr(plain, field), getattr(first, field))
+  with pytest.raises(ValueError, match="number of leaves"):  # its first chunk is recomputed
+    collect_pairs(weightless, [PROMPT[:21]] + seqs[1:], b.clusters, verbose=False,
+                  save_dir=tmp_path, chunk=2)
+
+
 def test_pairs_are_the_targets_own_distribution():
   """Each pair's label is the target's next-token distribution summed per cluster, and its
   top token; the hidden state is the final one the head reads."""

@@ -27,6 +27,7 @@ step.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 
 import flax.struct
@@ -98,9 +99,12 @@ class Pairs:
   group: np.ndarray  # int32[N] which sequence (for splits by sequence)
 
 
-def collect_pairs(model, sequences, clusters: VocabClusters, verbose: bool = True) -> Pairs:
+def collect_pairs(model, sequences, clusters: VocabClusters, verbose: bool = True,
+                  save_dir: Path | None = None, chunk: int = 16) -> Pairs:
   """(H_t, cluster mass of p(· | s_≤t), argmax) for every position of each sequence, from
-  one full forward of the target per sequence."""
+  one full forward of the target per sequence. With `save_dir`, each `chunk` of sequences
+  is written there as it is done and found again on a rerun (one forward of a 1.5B model
+  takes seconds on a CPU, so a crash would otherwise lose half an hour)."""
   from tqdm.auto import tqdm
 
   from specjax.kv_cache import KVCache
@@ -124,21 +128,48 @@ def collect_pairs(model, sequences, clusters: VocabClusters, verbose: bool = Tru
     mass = jax.ops.segment_sum(p.T, assignment, num_segments=M).T  # [T, M]
     return out.hidden[0], mass.astype(jnp.float16), jnp.argmax(p, -1).astype(jnp.int32)
 
-  rows = {k: [] for k in ("hidden", "mass", "target", "group")}
-  for g, seq in enumerate(tqdm(sequences, desc="router pairs", unit="seq",
-                               disable=not verbose)):
-    seq = list(seq)[: cfg.max_context]
-    if len(seq) < 2:
-      continue
+  def one(g: int, seq: list[int]) -> dict[str, np.ndarray]:
     T = min(max(64, 1 << (len(seq) - 1).bit_length()), cfg.max_context)  # few compiles
     toks = jnp.asarray([seq + [0] * (T - len(seq))], jnp.int32)
     h, mass, top = forward(model.state, KVCache.create(cfg, 1, T), toks, full)
     n = len(seq)
-    rows["hidden"].append(np.asarray(h[:n], np.float32))
-    rows["mass"].append(np.asarray(mass[:n]))
-    rows["target"].append(np.asarray(top[:n]))
-    rows["group"].append(np.full(n, g, np.int32))
-  return Pairs(**{k: np.concatenate(v) for k, v in rows.items()})
+    return dict(hidden=np.asarray(h[:n], np.float32), mass=np.asarray(mass[:n]),
+                target=np.asarray(top[:n]), group=np.full(n, g, np.int32))
+
+  seqs = [list(s)[: cfg.max_context] for s in sequences]
+  parts = []
+  bar = tqdm(total=len(seqs), desc="router pairs", unit="seq", disable=not verbose)
+  for start in range(0, len(seqs), chunk):
+    block = [(g, s) for g, s in enumerate(seqs[start:start + chunk], start) if len(s) >= 2]
+    key = _chunk_key(model.name, clusters, block)
+    path = save_dir and Path(save_dir) / f"pairs-{start // chunk:05d}-{key}.npz"
+    if path and path.exists():
+      with np.load(path) as f:
+        rows = {k: f[k] for k in f.files}
+    else:
+      done = [one(g, s) for g, s in block]
+      rows = {k: np.concatenate([d[k] for d in done]) if done else np.zeros((0,))
+              for k in ("hidden", "mass", "target", "group")}
+      if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, **rows)
+        tmp.replace(path)
+    if rows["target"].size:
+      parts.append(rows)
+    bar.update(len(seqs[start:start + chunk]))
+  bar.close()
+  if not parts:
+    raise ValueError("no sequence of two or more tokens to collect router pairs from")
+  return Pairs(**{k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+
+
+def _chunk_key(model: str, clusters: VocabClusters, block) -> str:
+  """What a saved chunk of pairs depends on: the model, the clusters and its sequences."""
+  h = hashlib.sha256(model.encode())
+  h.update(np.ascontiguousarray(clusters.assignment).tobytes())
+  h.update(repr(block).encode())
+  return h.hexdigest()[:12]
 
 
 # --- training ------------------------------------------------------------------------------

@@ -8,13 +8,14 @@ continuation (what the draft will have to predict). The router learns from the t
 distributions, which any text gives, so it also reads `router_prompts` prompts without a
 continuation: more pairs at one forward each (its recall grows with them, see
 `offline.router`). Everything is written under one folder as it is made
-(sequences.json, counts.npz, router/, curves.png), so a crash resumes where it stopped,
-and a router of an older design is trained again.
+(sequences.json, counts.npz, the router's training pairs in chunks, router/, curves.png),
+so a crash resumes where it stopped, and a router of an older design is trained again.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +95,7 @@ def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
   seen = {tuple(p) for p in continued}
   more = [p for p in training_prompts(model.tokenizer, router_prompts, data_dir)
           if tuple(p) not in seen]
-  pairs = collect_pairs(model, seqs + more, vc, verbose=verbose)
+  pairs = collect_pairs(model, seqs + more, vc, verbose=verbose, save_dir=out / "pairs")
   result = train_router(pairs, vc, k_max=k_max, hidden=hidden, epochs=epochs,
                         verbose=verbose)
   bundle = RouterBundle(model.name, result.router, vc, k_max, hidden, decay)
@@ -104,6 +105,7 @@ def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
   save_bundle(router_dir, bundle, pairs=curves["pairs"], sequences=len(seqs) + len(more))
   curves_path.write_text(json.dumps(curves))
   plot_curves(curves, out / "curves.png", model.name, k_max)
+  shutil.rmtree(out / "pairs", ignore_errors=True)  # kept only to resume a crashed build
   return counts, bundle, curves
 
 
