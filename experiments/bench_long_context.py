@@ -34,7 +34,7 @@ from specjax.bench.harness import RunSettings  # noqa: E402
 from specjax.bench.results_store import ResultsStore  # noqa: E402
 from specjax.decode.engine import speculative_generate  # noqa: E402
 from specjax.decode.generate import prefill_prompt  # noqa: E402
-from specjax.drafters import StaticDrafter  # noqa: E402
+from specjax.drafters import KnapSpecDrafter, StaticDrafter  # noqa: E402
 from specjax.models.loader import load_model  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402
 from specjax.selection import profiler  # noqa: E402
@@ -98,6 +98,17 @@ def knapspec_fields(name: str, g) -> dict:
                          for s in state.selections]}
 
 
+def prefill_selection(model, ids, drafter, args) -> dict:
+  """KnapSpec's selection at this prompt's prefill, for the TPT study when the budgeted
+  drafter drafted the prompt with a carried selection instead of selecting there."""
+  while not isinstance(drafter, KnapSpecDrafter):  # under an overlay
+    drafter = drafter.base
+  fresh = dataclasses.replace(drafter, selection_budget=None)  # selects at init
+  g = speculative_generate(model.graphdef, model.state, model.config, ids, fresh,
+                           max_new_tokens=1, gamma=args.gamma)
+  return knapspec_fields("knapspec", g)["selections"][0]
+
+
 def tpt_correlation(model, ids, sel: dict, args, ar_tps: float) -> dict:
   """Decode with each of (up to) `args.tpt_candidates` candidates of one selection as a
   fixed plan with its own γ; Pearson r of predicted TPT vs measured tokens/s."""
@@ -140,11 +151,13 @@ def run(args) -> dict:
                                   extra=knapspec_fields,
                                   tags=dict(workload=workload, prompt_id=pid, category=workload))
         ks = [r for r in recs if r["method"].startswith("knapspec") and r["selections"]]
-        if j == 0 and workload != "spec-bench" and args.tpt_candidates and ks:
+        knap = [d for n, d in drafters.items() if n.startswith("knapspec")]
+        if j == 0 and workload != "spec-bench" and args.tpt_candidates and knap:
+          sel = (ks[0]["selections"][0] if ks
+                 else prefill_selection(model, prompt, knap[0], args))
           ar_tps = recs[0]["decode_tokens"] / recs[0]["decode_s"]
           recs.append(dict(workload=workload, prompt_id=pid, method="tpt_correlation",
-                           **tpt_correlation(model, prompt, ks[0]["selections"][0], args,
-                                             ar_tps)))
+                           **tpt_correlation(model, prompt, sel, args, ar_tps)))
         store.add(unit, recs)
       bar.update()
   bar.close()

@@ -89,3 +89,24 @@ def test_tpt_correlation_decodes_each_candidate():
                                            10.0)
   assert [r["budget"] for r in out["rows"]] == [1, 2, 3]
   assert all(r["measured"] > 0 for r in out["rows"]) and -1 <= out["pearson"] <= 1
+
+
+def test_prefill_selection_selects_under_an_overlay_even_with_a_budget():
+  """The TPT study needs a selection at each long prompt; a budgeted KnapSpec that carried
+  its selection over the prompt made none there, so the study asks for one at prefill."""
+  import types
+
+  import bench_long_context
+  from targets import PROMPT, target
+  from test_knapspec import synthetic_profile
+
+  from specjax.drafters import Int8WeightsDrafter, KnapSpecDrafter
+
+  config, graphdef, state = target("llama")
+  model = types.SimpleNamespace(name="tiny-llama", graphdef=graphdef, state=state,
+                                config=config)
+  d = Int8WeightsDrafter.for_model(model, base=KnapSpecDrafter(profile=synthetic_profile()))
+  sel = bench_long_context.prefill_selection(model, PROMPT, d,
+                                             types.SimpleNamespace(gamma=3))
+  assert sel["round"] == 0 and sel["candidates"]
+  assert all(len(c["bits"]) == 2 * config.num_layers for c in sel["candidates"])
