@@ -154,3 +154,18 @@ def test_overlays_hand_their_base_its_own_prior(plan_file):
     trials.append({n: base(carried[n]).trials for n in names})
   for n in names:
     assert trials[1][n] > trials[0][n] > 0, n  # the second prompt went on counting
+
+
+def test_knapspec_under_8bit_measures_its_own_profile_once(tmp_path, monkeypatch):
+  """With no profiles saved, `knapspec+8bit` measures one timed with the int8 weights and
+  saves it; a new factory finds that one (not the target's) and measures nothing."""
+  from specjax.selection import profiler
+
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  first = DrafterFactory(model(), gamma=2, verbose=False).make("knapspec+8bit")
+  assert first.base.profile.draft == "8bit"
+  assert profiler.profile_path("tiny-llama", draft="8bit").exists()
+  assert not profiler.profile_path("tiny-llama").exists()
+  monkeypatch.setattr(profiler, "measure", None)  # a second measurement would fail
+  again = DrafterFactory(model(), gamma=2, verbose=False).make("knapspec+8bit")
+  assert again.base.profile == first.base.profile

@@ -160,26 +160,27 @@ class DrafterFactory:
   def latency_profile(self):
     """The saved profile of this model on this device; measured now (and saved) when
     there is none. A profile of another model or device is refused, not replaced."""
-    return self._profile("profile", None)
+    return self._profile("profile", int8=False)
 
   @functools.cached_property
   def int8_latency_profile(self):
     """The same for a draft that reads the 8-bit weights (what KnapSpec selects with
     under `8bit`: its sub-layers cost their 8-bit times)."""
-    return self._profile("int8_profile", self.int8_weights)
+    return self._profile("int8_profile", int8=True)
 
-  def _profile(self, artefact: str, draft_weights):
+  def _profile(self, artefact: str, int8: bool):
     from specjax.selection import profiler
 
     if artefact in self.artefacts:
       return self.artefacts[artefact]
-    draft = "target" if draft_weights is None else f"{draft_weights.bits}bit"
     try:
-      return profiler.load_profile(self.model.name, self.model.config.num_layers, draft=draft)
+      return profiler.load_profile(self.model.name, self.model.config.num_layers,
+                                   draft="8bit" if int8 else "target")
     except profiler.MissingProfileError as err:
       self._say(f"{err}\nrunning the profiler now")
+      # the int8 copy is made only to measure (a saved profile needs none)
       prof = profiler.measure(self.model, gamma=self.gamma, verbose=self.verbose,
-                              draft_weights=draft_weights)
+                              draft_weights=self.int8_weights if int8 else None)
       profiler.save_profile(prof)
       return prof
 
