@@ -29,7 +29,7 @@ from specjax.cache_view import LayerView, QuantRead, Segment
 from specjax.config import ModelConfig
 from specjax.kv_cache import DraftBuffer, KVCache
 from specjax.plan import DraftPlan, PlanError
-from specjax.quant import DraftWeights, LayerWeights
+from specjax.quant import DraftWeights, Int8Matrix, LayerWeights
 
 _NEG_INF = -1e30  # a masked score: finite, so a fully masked row gives 0, not NaN
 
@@ -345,19 +345,29 @@ class Transformer(nnx.Module):
       return jnp.einsum("btd,vd->btv", h, self.embedding[...], preferred_element_type=jnp.float32)
     return jnp.einsum("btd,dv->btv", h, self.lm_head[...], preferred_element_type=jnp.float32)
 
-  def head_shortlist(self, hidden: jax.Array, ids: jax.Array,
-                     weights: DraftWeights | None = None) -> jax.Array:
-    """Logits over the shortlist ids[K] only (a gather of K head rows, then the matmul);
-    padding ids (-1) get -inf. [B, T, D] -> [B, T, K]."""
-    h = self.final_norm(hidden)
+  def shortlist_rows(self, ids: jax.Array, weights: DraftWeights | None = None
+                     ) -> jax.Array | Int8Matrix:
+    """The LM head's rows for shortlist ids[K] (padding, -1, reads row 0): float[K, D], or
+    the 8-bit head's K output channels when the draft reads quantised weights."""
     safe = jnp.maximum(ids, 0)
     if weights is not None and weights.head is not None:
-      rows = weights.head.rows_of(safe, h.dtype)  # [K, D]
-    elif self.config.tie_embeddings:
-      rows = jnp.take(self.embedding[...], safe, axis=0)  # [K, D]
+      return weights.head.take_outputs(safe)
+    if self.config.tie_embeddings:
+      return jnp.take(self.embedding[...], safe, axis=0)
+    return jnp.take(self.lm_head[...], safe, axis=1).T
+
+  def head_shortlist(self, hidden: jax.Array, ids: jax.Array,
+                     weights: DraftWeights | None = None,
+                     rows: jax.Array | Int8Matrix | None = None) -> jax.Array:
+    """Logits over the shortlist ids[K] only: the matmul with its head rows (`rows`, as
+    `shortlist_rows` gave them; gathered here when None). Padding ids (-1) get -inf.
+    [B, T, D] -> [B, T, K]."""
+    h = self.final_norm(hidden)
+    rows = self.shortlist_rows(ids, weights) if rows is None else rows
+    if isinstance(rows, Int8Matrix):
+      logits = rows.matmul(h.astype(jnp.float32))
     else:
-      rows = jnp.take(self.lm_head[...], safe, axis=1).T
-    logits = jnp.einsum("btd,kd->btk", h, rows, preferred_element_type=jnp.float32)
+      logits = jnp.einsum("btd,kd->btk", h, rows, preferred_element_type=jnp.float32)
     return jnp.where(ids >= 0, logits, -jnp.inf)
 
   def _draft_weights(self, weights: DraftWeights | None) -> list[LayerWeights | None]:
@@ -423,7 +433,7 @@ class Transformer(nnx.Module):
       if return_residuals:
         residuals.append(x)
     head = (functools.partial(self.head, weights=plan.weights) if plan.vocab is None else
-            lambda h: self.head_shortlist(h, plan.vocab, plan.weights))
+            lambda h: self.head_shortlist(h, plan.vocab, plan.weights, plan.head_rows))
     if logits == "all":
       out_logits = head(x)
     elif logits == "last":

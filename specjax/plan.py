@@ -37,6 +37,10 @@ class DraftPlan:
   attn: jax.Array  # bool[L]
   mlp: jax.Array  # bool[L]
   vocab: jax.Array | None = None  # int32[K] shortlist; None: the full vocabulary
+  # The shortlist's LM-head rows, gathered once (`engine.Session.with_head_rows`):
+  # float[K, D], or a `quant.Int8Matrix` of K channels under 8-bit weights. None: each
+  # draft step gathers them (XLA:CPU does not hoist that gather out of the draft loop).
+  head_rows: Any = None
   router: Any = None  # router.RouterPlan: a shortlist chosen per draft step (DynaSpec)
   # QuantSpec: the precision the draft reads the KV cache at (4: upper nibbles of a
   # QuantKVCache; 16: as stored).
@@ -153,6 +157,12 @@ class DraftPlan:
                       f"{num_layers}: they were quantised from another model")
     if self.vocab is not None and (self.vocab.ndim != 1 or self.vocab.dtype != jnp.int32):
       raise PlanError(f"plan.vocab must be int32[K], got {self.vocab.dtype}{self.vocab.shape}")
+    if self.head_rows is not None:
+      rows = (self.head_rows.codes if hasattr(self.head_rows, "codes") else self.head_rows)
+      if self.vocab is None or rows.shape[0] != self.vocab.shape[0]:
+        raise PlanError(f"plan.head_rows hold {rows.shape[0]} rows for a shortlist of "
+                        f"{None if self.vocab is None else self.vocab.shape[0]} ids: gather "
+                        f"them again after changing the shortlist")
     return self
 
   def with_shortlist(self, ids, vocab_size: int, eos_ids=(), size: int | None = None
@@ -178,7 +188,7 @@ class DraftPlan:
       raise PlanError(f"shortlist of {arr.size} ids does not fit size {size}")
     padded = np.full(size, -1, np.int32)
     padded[: arr.size] = arr
-    return self.replace(vocab=jnp.asarray(padded))
+    return self.replace(vocab=jnp.asarray(padded), head_rows=None)
 
   @property
   def active_fraction(self) -> float:

@@ -184,10 +184,9 @@ class Int8Matrix:
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     return (self.codes.astype(jnp.float32) * self.scale[:, None]).T.astype(dtype)
 
-  def rows_of(self, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
-    """Output channels `ids` as a [K, In] matrix (an LM-head shortlist's rows)."""
-    return (jnp.take(self.codes, ids, axis=0).astype(jnp.float32)
-            * jnp.take(self.scale, ids)[:, None]).astype(dtype)
+  def take_outputs(self, ids: jax.Array) -> Int8Matrix:
+    """Output channels `ids` only, still 8-bit: an LM-head shortlist's rows [In, K]."""
+    return Int8Matrix(jnp.take(self.codes, ids, axis=0), jnp.take(self.scale, ids))
 
   @property
   def shape(self) -> tuple[int, int]:

@@ -10,13 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from targets import assert_exercised, target
 
 from specjax.decode.engine import draft_step, speculative_generate
 from specjax.decode.generate import generate
-from specjax.drafters import ClaspDrafter, EarlyExitDrafter
+from specjax.drafters import ClaspDrafter, EarlyExitDrafter, Int8WeightsDrafter
 from specjax.drafters.frspec import FRSpecDrafter
-from specjax.kv_cache import KVCache
+from specjax.kv_cache import DraftBuffer, KVCache
 from specjax.model import apply
 from specjax.offline.token_counts import (
   CountsMismatchError,
@@ -25,6 +26,7 @@ from specjax.offline.token_counts import (
   save_counts,
 )
 from specjax.plan import DraftPlan, PlanError
+from specjax.quant import Int8Matrix, quantize_weights_int8
 from specjax.sampling import SamplingParams
 
 PROMPT = list(range(3, 40))
@@ -57,6 +59,30 @@ def test_shortlisted_logits_are_the_full_logits_restricted(arch):
   np.testing.assert_allclose(np.asarray(out.logits[..., :5]), np.asarray(ref.logits[..., ids]),
                              rtol=1e-5, atol=1e-5)
   assert np.all(np.isneginf(np.asarray(out.logits[..., 5:])))
+  # The same logits from rows gathered once ahead (the engine's `with_head_rows`).
+  rows = nnx.merge(graphdef, state).shortlist_rows(plan.vocab)
+  held, _ = apply(state, cache, tokens, pos, plan.replace(head_rows=rows), graphdef=graphdef)
+  np.testing.assert_array_equal(np.asarray(held.logits), np.asarray(out.logits))
+
+
+def test_shortlisted_8bit_head_is_the_8bit_head_restricted():
+  """Under 8-bit draft weights the shortlist reads the 8-bit head's channels (still int8,
+  gathered per step or once ahead), not the float head's rows."""
+  config, graphdef, state = tiny("qwen2")
+  weights = quantize_weights_int8(state, config.num_layers)
+  ids = np.asarray([5, 0, 96, 41, 17])
+  full = DraftPlan.full(config.num_layers).replace(weights=weights)
+  plan = full.with_shortlist(ids, V, size=8)
+  rows = nnx.merge(graphdef, state).shortlist_rows(plan.vocab, weights)
+  assert isinstance(rows, Int8Matrix) and rows.codes.dtype == jnp.int8
+  tokens, pos = jnp.asarray([PROMPT[:9]], jnp.int32), jnp.arange(9)[None]
+  buffer = DraftBuffer.like(KVCache.create(config, 1, 16), 9)
+  cache = KVCache.create(config, 1, 16)
+  ref, _ = apply(state, cache, tokens, pos, full, graphdef=graphdef, buffer=buffer)
+  for p in (plan, plan.replace(head_rows=rows)):
+    out, _ = apply(state, cache, tokens, pos, p, graphdef=graphdef, buffer=buffer)
+    np.testing.assert_allclose(np.asarray(out.logits[..., :5]),
+                               np.asarray(ref.logits[..., ids]), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -78,16 +104,23 @@ def test_frspec_is_lossless_and_drafts_only_shortlisted_ids(arch):
                      jnp.int32(4), graphdef=graphdef, vocab=V, gamma=4, threshold=0.0,
                      sampling=SamplingParams())
   assert set(np.asarray(draft.tokens).tolist()) <= set(shortlist.tolist())
+  # The engine gathered the shortlist's head rows once, for the whole generation.
+  assert plan.head_rows is not None and plan.head_rows.shape == (shortlist.size, config.embed_dim)
 
 
 def test_frspec_on_a_layer_drafter_is_lossless():
   config, graphdef, state = tiny()
   shortlist = np.arange(0, V, 2)
-  for base in (EarlyExitDrafter(k=2), ClaspDrafter(skip=1, interval=3)):
+  int8 = Int8WeightsDrafter(quantize_weights_int8(state, config.num_layers), EarlyExitDrafter(k=3))
+  for base in (EarlyExitDrafter(k=2), ClaspDrafter(skip=1, interval=3), int8):
     out = speculative_generate(graphdef, state, config, PROMPT, FRSpecDrafter(shortlist, base),
-                               max_new_tokens=40, gamma=4, eos_ids=(), threshold=0.0)
+                               max_new_tokens=40, gamma=4, eos_ids=(), threshold=0.0,
+                               keep_plans=True)
     assert out.tokens == ar()
     assert_exercised(out, deep=True)
+    # CLaSp changes its layers every round (host loop); the rows are gathered once.
+    assert all(p.head_rows is out.plans[0].head_rows for p in out.plans)
+    assert isinstance(out.plans[0].head_rows, Int8Matrix) == (base is int8)
 
 
 # Sampling with a shortlist (q scattered onto vocabulary ids) is tested for distribution,
@@ -116,6 +149,14 @@ def test_bad_shortlists_are_clear_errors():
     full.with_shortlist([3, 3], V)
   with pytest.raises(PlanError, match="does not fit"):
     full.with_shortlist([1, 2, 3], V, size=2)
+  rows = jnp.zeros((3, 8))
+  with pytest.raises(PlanError, match="3 rows for a shortlist of None"):
+    full.replace(head_rows=rows).check(4)
+  with pytest.raises(PlanError, match="3 rows for a shortlist of 4 ids"):
+    full.with_shortlist([1, 2, 3], V, size=4).replace(head_rows=rows).check(4)
+  # A new shortlist drops the rows gathered for the old one.
+  assert full.with_shortlist([1, 2, 3], V).replace(head_rows=rows).with_shortlist(
+      [4, 5, 6], V).head_rows is None
   config, graphdef, state = tiny()
   with pytest.raises(PlanError, match="missing EOS"):
     speculative_generate(graphdef, state, config, PROMPT,

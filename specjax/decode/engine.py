@@ -109,7 +109,7 @@ def _routed_choice(state, graphdef, plan, h, i, key, vocab, sampling):
   def branch(k):
     def run(h, key):
       ids = router.shortlist(h, k)
-      logits = model.head_shortlist(h[None, None], ids)[0, 0]
+      logits = model.head_shortlist(h[None, None], ids, plan.weights)[0, 0]
       nxt, conf, q = _choose(logits, ids, key, vocab, sampling)
       return nxt, conf, (jnp.zeros((0,), jnp.float32) if q is None else q)
     return run
@@ -117,6 +117,12 @@ def _routed_choice(state, graphdef, plan, h, i, key, vocab, sampling):
   b = branch_of[jnp.minimum(i, len(router.ks) - 1)]
   nxt, conf, q = jax.lax.switch(b, [branch(k) for k in sizes], h, key)
   return nxt, conf, (None if sampling.greedy else q)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def shortlist_rows(state, vocab, weights, *, graphdef):
+  """The LM head's rows for shortlist `vocab` (`Transformer.shortlist_rows`)."""
+  return nnx.merge(graphdef, state).shortlist_rows(vocab, weights)
 
 
 def to_vocab(plan: DraftPlan, idx: jax.Array) -> jax.Array:
@@ -263,6 +269,22 @@ class Session:
   # so that the engine books the time as compilation, not selection or decoding.
   clock: CompileClock = dataclasses.field(default_factory=CompileClock)
   _scorers: dict = dataclasses.field(default_factory=dict, repr=False)
+  _head_rows: dict = dataclasses.field(default_factory=dict, repr=False)
+
+  def with_head_rows(self, plan: DraftPlan) -> DraftPlan:
+    """`plan` with its static shortlist's head rows gathered, once per (shortlist, draft
+    weights) pair (`DraftPlan.head_rows`). Gathering 16k of a 1.5B's tied-embedding rows
+    in every draft step cost more than the full head's matmul on a CPU."""
+    if plan.vocab is None or plan.head_rows is not None:
+      return plan
+    hit = self._head_rows.get((id(plan.vocab), id(plan.weights)))
+    if hit is None or hit[0] is not plan.vocab or hit[1] is not plan.weights:
+      rows = compiled(shortlist_rows, self.state, plan.vocab, plan.weights,
+                      graphdef=self.graphdef, clock=self.clock)(self.state, plan.vocab,
+                                                                 plan.weights)
+      jax.block_until_ready(rows)  # its time is the caller's (selection), not a round's
+      hit = self._head_rows[id(plan.vocab), id(plan.weights)] = (plan.vocab, plan.weights, rows)
+    return plan.replace(head_rows=hit[2])
 
   def dense_cache(self) -> KVCache:
     """The verified cache as a full-precision `KVCache` (itself, or an 8-bit view of a
@@ -498,7 +520,7 @@ def _host_rounds(run: _Run, keep_plans: bool) -> SSDGeneration:
   while not done:
     t_a = time.perf_counter()
     c0 = clock.seconds
-    plan = drafter.plan(dstate)
+    plan = session.with_head_rows(drafter.plan(dstate))
     length = min(max(drafter.draft_length(dstate) or gamma, 1), gamma)
     if keep_plans:
       plans.append(plan)

@@ -104,11 +104,12 @@ def device_rounds(run, keep_plans: bool, rounds_per_call: int | None, static_pla
   """`engine.speculative_generate`'s device driver: the drafter's one plan (frozen into
   the executable when `static_plan`), then calls of `decode_rounds` until done, one host
   read each (`engine._Run` in, `SSDGeneration` out)."""
-  t0 = time.perf_counter()
-  plan = run.drafter.plan(run.dstate)
+  t0, c0 = time.perf_counter(), run.session.clock.seconds
+  plan = run.session.with_head_rows(run.drafter.plan(run.dstate))
   if static_plan:
     plan = plan.freeze()
-  selection_s = time.perf_counter() - t0
+  rows_compile_s = run.session.clock.seconds - c0  # a static shortlist's row gather
+  selection_s = time.perf_counter() - t0 - rows_compile_s
   budget = run.max_new_tokens
   # Static sizes that do not follow the budget, so every max_new_tokens shares one compile.
   per_call = rounds_per_call or (4 if run.on_token else ALL_ROUNDS)
@@ -122,7 +123,7 @@ def device_rounds(run, keep_plans: bool, rounds_per_call: int | None, static_pla
   t_compile = time.perf_counter()
   exe = compiled(decode_rounds, *args, rounds_per_call=per_call, clock=run.session.clock,
                  **run.draft_static)
-  compile_s = time.perf_counter() - t_compile
+  compile_s = time.perf_counter() - t_compile + rows_compile_s
   tokens = [run.first]
   done = run.first in run.eos or budget <= 1
   rounds_s = 0.0

@@ -22,7 +22,8 @@ from specjax.plan import DraftPlan
 @dataclasses.dataclass(frozen=True, eq=False)
 class DynaSpecDrafter(OverlayDrafter):
   name = "dynaspec"
-  fields = ("vocab", "router")  # the draft head's (FR-Spec's too: one head at a time)
+  # The draft head's fields (FR-Spec's too: one head at a time).
+  fields = ("vocab", "head_rows", "router")
   bundle: RouterBundle  # `offline.router.load_bundle`, or `specjax router train`
   base: Drafter | None = None
   positions: int = 8  # draft positions with their own k (later ones reuse the last)

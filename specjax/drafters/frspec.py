@@ -26,7 +26,8 @@ class FRSpecDrafter(OverlayDrafter):
   """A static shortlist on the base drafter's plan (the full model when `base` is None)."""
 
   name = "frspec"
-  fields = ("vocab", "router")  # the draft head's (DynaSpec's too: one head at a time)
+  # The draft head's fields (DynaSpec's too: one head at a time).
+  fields = ("vocab", "head_rows", "router")
   shortlist: np.ndarray  # vocabulary ids: `offline.token_counts.frequent_shortlist`
   base: Drafter | None = None
 
