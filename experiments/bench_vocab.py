@@ -32,7 +32,7 @@ from specjax.bench import claims, data, harness, metrics  # noqa: E402
 from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
 from specjax.bench.harness import RunSettings  # noqa: E402
 from specjax.bench.results_store import ResultsStore  # noqa: E402
-from specjax.decode.engine import draft_step  # noqa: E402
+from specjax.decode.engine import draft_step, shortlist_rows  # noqa: E402
 from specjax.jit_cache import compiled  # noqa: E402
 from specjax.kv_cache import KVCache  # noqa: E402
 from specjax.models.loader import load_model  # noqa: E402
@@ -47,13 +47,16 @@ from specjax.selection.profiler import median_time  # noqa: E402
 CATEGORIES = ("writing", "coding", "qa", "math_reasoning", "translation", "summarization",
               "extraction", "rag")
 FR_SIZES = (1024, 8192, 16384, 32768)  # 1k: FR-Spec at about DynaSpec's size
+DYNASPEC_KS = (32, 64, 128)
 # Method -> (drafter_factory name, its options given the number of layers L).
 METHODS = {
     "full-vocab": ("early_exit", lambda L: {"early_exit": {"k": L}}),  # every layer
     **{f"frspec-{n // 1024}k": ("frspec", lambda L, n=n: {"frspec": {"size": n}})
        for n in FR_SIZES},
     "dynaspec": ("dynaspec", lambda L: {}),  # the router's k_max clusters
-    "dynaspec-k64": ("dynaspec", lambda L: {"dynaspec": {"k": 64}}),  # the same router
+    # The same router at more clusters per shortlist (k is a decoding setting).
+    **{f"dynaspec-k{k}": ("dynaspec", lambda L, k=k: {"dynaspec": {"k": k}})
+       for k in DYNASPEC_KS},
     "knapspec": ("knapspec", lambda L: {}),
     "dynaspec+knapspec": ("knapspec+dynaspec", lambda L: {}),
     "frspec-32k+knapspec": ("knapspec+frspec", lambda L: {"frspec": {"size": 32768}}),
@@ -134,11 +137,14 @@ def main(argv=None) -> None:
 
   # 2. Draft-step cost.
   step_plans = {"full head": full}
-  step_plans |= {f"FR-Spec {n // 1024}k": full.with_shortlist(fr[n], cfg.vocab_size,
-                                                               cfg.eos_ids) for n in FR_SIZES}
+  rows = lambda p: p.replace(head_rows=shortlist_rows(model.state, p.vocab, p.weights,
+                                                       graphdef=model.graphdef))
+  step_plans |= {f"FR-Spec {n // 1024}k": rows(full.with_shortlist(fr[n], cfg.vocab_size,
+                                                                    cfg.eos_ids))
+                 for n in FR_SIZES}  # its rows gathered once, as the engine does
   step_plans["DynaSpec"] = full.replace(router=bundle.plan_field(args.gamma))
-  if "dynaspec-k64" in methods:
-    step_plans["DynaSpec k64"] = full.replace(router=bundle.plan_field(args.gamma, 64))
+  step_plans |= {f"DynaSpec k{k}": full.replace(router=bundle.plan_field(args.gamma, k))
+                 for k in DYNASPEC_KS if f"dynaspec-k{k}" in methods}
   steps = draft_step_times(model, step_plans, args.gamma, args.repeats)
 
   # 3. End to end: every method is a factory name with its options.
