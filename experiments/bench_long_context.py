@@ -142,7 +142,7 @@ def run(args) -> dict:
   work = workloads(model, args)
   bar = tqdm(total=sum(len(ps) for _, ps in work), desc=f"long-context {model.name}",
              unit="prompt")
-  carried: dict = {}  # SWIFT and budgeted KnapSpec learn across prompts
+  carried = store.load_carried()  # SWIFT and budgeted KnapSpec learn across prompts
   for workload, prompts in work:
     for j, (pid, prompt) in enumerate(prompts):
       unit = f"{workload}/{pid}"
@@ -159,6 +159,7 @@ def run(args) -> dict:
           recs.append(dict(workload=workload, prompt_id=pid, method="tpt_correlation",
                            **tpt_correlation(model, prompt, sel, args, ar_tps)))
         store.add(unit, recs)
+        store.save_carried(carried)
       bar.update()
   bar.close()
   return finish(model, args, out_dir, store.records())

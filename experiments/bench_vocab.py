@@ -158,13 +158,14 @@ def main(argv=None) -> None:
     drafters[m] = factory.make(name)
   settings = RunSettings(max_new_tokens=args.max_new_tokens, gamma=args.gamma)
   prompts = data.load_spec_bench(args.data_dir, cats, per_category=args.per_category)
-  carried: dict = {}  # drafter states handed from prompt to prompt (budgeted KnapSpec)
+  carried = store.load_carried()  # drafter states handed from prompt to prompt (KnapSpec)
   for prompt in tqdm(prompts, desc=f"vocab {model.name}", unit="prompt"):
     if not store.done(prompt.id):
       store.add(prompt.id, harness.run_prompt(model, prompt.turns, drafters, settings,
                                               carried=carried,
                                               tags=dict(prompt_id=prompt.id,
                                                         category=prompt.category)))
+      store.save_carried(carried)
   runs = store.records()
   summary = metrics.summarize(runs)
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from reference import reference_forward
 from targets import PROMPT, ar_tokens, assert_exercised, assert_round_distribution, target
 
+from specjax.bench.results_store import ResultsStore
 from specjax.decode.engine import draft_step, round_fn, speculative_generate
 from specjax.decode.generate import prefill_step
 from specjax.drafters import (
@@ -25,6 +26,7 @@ from specjax.drafters import (
   UnknownDrafterError,
   drafter_class,
 )
+from specjax.drafters.overlay import OverlayState
 from specjax.drafters.static import load_plan, save_plan
 from specjax.kv_cache import KVCache
 from specjax.offline import self_sd_search as self_sd
@@ -86,7 +88,7 @@ def test_swift_changes_plan_without_recompiling():
   assert out.tokens == ar_tokens("qwen3")
 
 
-def test_swift_replays_from_its_state():
+def test_swift_replays_from_its_state(tmp_path):
   """All of SWIFT's randomness is a jax key in its state: one seed proposes the same plans
   every time, and a finished generation's state, continued twice as a prior, gives the
   same run twice (continuing from it never changes it)."""
@@ -97,6 +99,14 @@ def test_swift_replays_from_its_state():
   prior = first.drafter_state
   runs = [ssd("qwen3", drafter, gamma=3, keep_plans=True, drafter_state=prior) for _ in "ab"]
   assert plans(runs[0]) == plans(runs[1])
+  # A resumed benchmark goes on from the state its results store kept (an overlay's part
+  # dropped: the overlay hands its base the base's state).
+  ResultsStore(tmp_path, {"m": 1}, resume=False).save_carried(
+      {"frspec+swift": OverlayState(prior, None), "static": None})
+  kept = ResultsStore(tmp_path, {"m": 1}, resume=True).load_carried()
+  assert list(kept) == ["frspec+swift"]
+  resumed = ssd("qwen3", drafter, gamma=3, keep_plans=True, drafter_state=kept["frspec+swift"])
+  assert plans(resumed) == plans(runs[0])
   assert prior.trials == first.drafter_state.trials and runs[0].drafter_state.trials > prior.trials
   for bits in prior.xs:  # plan bits: the first and last layers always run
     assert bits[:2].all() and bits[-2:].all()

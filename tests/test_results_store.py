@@ -77,3 +77,16 @@ def test_a_kill_anywhere_loses_at_most_the_unit_being_written(tmp_path_factory, 
   final = ResultsStore(folder, SETTINGS, resume=True)
   assert final.units() == [f"p{i}" for i in range(units)]
   assert final.records() == [r for i in range(units) for r in unit_records(i)]
+
+
+def test_carried_states_survive_a_restart_and_a_torn_file_only_warns(tmp_path):
+  store = ResultsStore(tmp_path, SETTINGS, resume=False)
+  assert store.load_carried() == {}
+  store.save_carried({"swift": {"trials": 7}, "static": None})
+  again = ResultsStore(tmp_path, SETTINGS, resume=True)
+  assert again.load_carried() == {"swift": {"trials": 7}}
+  assert ResultsStore(tmp_path / "other", {"x": 1}, resume=False).load_carried() == {}
+  path = next(tmp_path.glob("carried-*.pkl"))
+  path.write_bytes(path.read_bytes()[:5])  # torn
+  with pytest.warns(UserWarning, match="start cold"):
+    assert again.load_carried() == {}

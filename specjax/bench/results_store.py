@@ -7,7 +7,9 @@ A line is written with one `write` and flushed to disk before the next unit star
 kill loses at most the unit under way; a line cut by a crash is dropped on reopening and
 its unit is redone. The fingerprint hashes every setting that changes a number (model,
 drafters and their options, γ, lengths, dtype …); `settings.json` keeps each fingerprint's
-settings, so a resume with changed settings says which ones changed.
+settings, so a resume with changed settings says which ones changed. Drafter states that
+a run hands from unit to unit (`save_carried`) sit beside them, so a resumed run goes on
+learning where the killed one stopped instead of starting cold.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +27,7 @@ from specjax.errors import SpecjaxError
 
 RESULTS = "results.jsonl"
 SETTINGS = "settings.json"
+CARRIED = "carried-{}.pkl"  # one per settings fingerprint
 
 
 class ResumeError(SpecjaxError, ValueError):
@@ -140,3 +145,35 @@ class ResultsStore:
   def units(self, settings_key: str | None = None) -> list[str]:
     key = settings_key or self.key
     return [ln["unit"] for ln in self._lines if ln["settings"] == key]
+
+  def save_carried(self, states: Mapping[str, Any], settings_key: str | None = None) -> None:
+    """The drafter states carried from unit to unit (a budgeted KnapSpec's selection,
+    SWIFT's search), written whole after each unit. An overlay keeps only its base's state:
+    that is the prior an overlay hands down, and its own plan may hold a quantised copy of
+    the model."""
+    from specjax.drafters.overlay import OverlayState
+
+    def portable(state):
+      while isinstance(state, OverlayState):
+        state = state.base
+      return state
+
+    kept = {name: portable(s) for name, s in states.items()}
+    path = self.folder / CARRIED.format(settings_key or self.key)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps({n: s for n, s in kept.items() if s is not None}))
+    tmp.replace(path)
+
+  def load_carried(self, settings_key: str | None = None) -> dict[str, Any]:
+    """What `save_carried` last wrote under these settings ({} if nothing). An unreadable
+    file costs only the learning it held: the run warns and starts those drafters cold."""
+    path = self.folder / CARRIED.format(settings_key or self.key)
+    if not path.exists():
+      return {}
+    try:
+      states = pickle.loads(path.read_bytes())
+    except Exception as err:  # noqa: BLE001 (a torn or foreign file: any unpickling error)
+      warnings.warn(f"{path} is unreadable ({type(err).__name__}): drafters that learn "
+                    f"across prompts start cold", stacklevel=2)
+      return {}
+    return states if isinstance(states, dict) else {}

@@ -120,12 +120,14 @@ def run_units(cfg: BenchConfig, model, units, store: ResultsStore, *, work_dir: 
     gammas |= {n: f["gamma"] for n, f in fitted.items()}
     thresholds = {n: f["threshold"] for n, f in fitted.items() if "threshold" in f}
   harness.warm_up(model, drafters, settings, gammas, thresholds)
-  carried: dict[str, object] = {}  # drafter states handed from prompt to prompt
+  # Drafter states handed from prompt to prompt, kept with the results (resume goes on).
+  carried = store.load_carried(settings_key)
   for unit, category, prompt in units:
     store.add(unit, harness.run_prompt(model, prompt, drafters, settings, gammas=gammas,
                                        thresholds=thresholds, carried=carried,
                                        tags=dict(prompt_id=unit, category=category)),
               settings_key=settings_key)
+    store.save_carried(carried, settings_key)
     progress()
 
 
