@@ -269,22 +269,23 @@ class Session:
   # so that the engine books the time as compilation, not selection or decoding.
   clock: CompileClock = dataclasses.field(default_factory=CompileClock)
   _scorers: dict = dataclasses.field(default_factory=dict, repr=False)
-  _head_rows: dict = dataclasses.field(default_factory=dict, repr=False)
+  _head_rows: tuple | None = dataclasses.field(default=None, repr=False)  # vocab, weights, rows
 
   def with_head_rows(self, plan: DraftPlan) -> DraftPlan:
-    """`plan` with its static shortlist's head rows gathered, once per (shortlist, draft
-    weights) pair (`DraftPlan.head_rows`). Gathering 16k of a 1.5B's tied-embedding rows
-    in every draft step cost more than the full head's matmul on a CPU."""
+    """`plan` with its static shortlist's head rows gathered (`DraftPlan.head_rows`), once
+    while the shortlist and draft weights stay the same objects (a generation has one).
+    Gathering 16k of a 1.5B's tied-embedding rows in every draft step cost more than the
+    full head's matmul on a CPU."""
     if plan.vocab is None or plan.head_rows is not None:
       return plan
-    hit = self._head_rows.get((id(plan.vocab), id(plan.weights)))
-    if hit is None or hit[0] is not plan.vocab or hit[1] is not plan.weights:
+    held = self._head_rows
+    if held is None or held[0] is not plan.vocab or held[1] is not plan.weights:
       rows = compiled(shortlist_rows, self.state, plan.vocab, plan.weights,
                       graphdef=self.graphdef, clock=self.clock)(self.state, plan.vocab,
                                                                  plan.weights)
       jax.block_until_ready(rows)  # its time is the caller's (selection), not a round's
-      hit = self._head_rows[id(plan.vocab), id(plan.weights)] = (plan.vocab, plan.weights, rows)
-    return plan.replace(head_rows=hit[2])
+      held = self._head_rows = (plan.vocab, plan.weights, rows)
+    return plan.replace(head_rows=held[2])
 
   def dense_cache(self) -> KVCache:
     """The verified cache as a full-precision `KVCache` (itself, or an 8-bit view of a
