@@ -92,6 +92,24 @@ def test_compositions_set_the_fields_of_each_part(plan_file):
   assert f.make("quantspec").weights is f.make("8bit").weights  # 8-bit on a CPU
 
 
+def test_dynaspec_core_is_the_most_frequent_tokens(plan_file):
+  """`{"dynaspec": {"core": n}}` scores FR-Spec's n most frequent tokens beside the
+  routed clusters; without token counts that is a clear error."""
+  from specjax.offline.token_counts import frequent_shortlist
+
+  f = factory(plan_file)
+  assert f.make("dynaspec").core is None
+  options = {"dynaspec": {"core": 16}}
+  cored = DrafterFactory(model(), gamma=4, verbose=False, options=options,
+                         artefacts=f.artefacts).make("knapspec+dynaspec")
+  counts, cfg = f.artefacts["counts"], model().config
+  np.testing.assert_array_equal(cored.core, frequent_shortlist(counts, 16, cfg.eos_ids))
+  no_counts = {k: v for k, v in f.artefacts.items() if k != "counts"}
+  with pytest.raises(ValueError, match="core needs token counts"):
+    DrafterFactory(model(), gamma=4, verbose=False, options=options,
+                   artefacts=no_counts).make("dynaspec")
+
+
 @pytest.mark.parametrize("name, message", [
     ("", "empty part"), ("self_sd+", "empty part"), ("medusa", "unknown drafter 'medusa'"),
     ("early_exit+swift", "'swift' is a layer drafter"),

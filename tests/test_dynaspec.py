@@ -1,7 +1,7 @@
 """DynaSpec: balanced spherical k-means invariants, training pairs that are the target's
 own distributions, a router whose optax training lowers validation loss, a bit-exact
-checkpoint, lossless drafting (alone and on a layer drafter), and clear errors for k > M,
-a router of another model and a router of an older design."""
+checkpoint, lossless drafting (alone, with a static core and on a layer drafter), and clear
+errors for k > M, a router of another model and a router of an older design."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from flax import nnx
 from targets import assert_exercised, assert_round_distribution, target
 
 from specjax.config import tiny_config
-from specjax.decode.engine import draft_step, round_fn, speculative_generate
+from specjax.decode.engine import draft_step, round_fn, shortlist_rows, speculative_generate
 from specjax.decode.generate import generate, positions_for, prefill_step
 from specjax.drafters import DynaSpecDrafter, EarlyExitDrafter
 from specjax.kv_cache import KVCache
@@ -38,6 +38,17 @@ from specjax.sampling import SamplingParams, probs
 
 V = 97
 PROMPT = list(range(3, 40))
+
+
+def core_ids(config, size: int = 12) -> np.ndarray:
+  """A static core for the tiny models: EOS, then the lowest ids (what a frequency list
+  would give is irrelevant to the mechanics)."""
+  eos = list(config.eos_ids)
+  return np.asarray(eos + [t for t in range(V) if t not in eos][: size - len(eos)])
+
+
+def session_of(m):
+  return type("S", (), {"config": m.config})()
 
 
 @functools.cache
@@ -155,7 +166,8 @@ def test_dynaspec_is_lossless(arch):
   m = tiny(arch)
   b, _ = bundle(arch, k_max=1)  # one cluster of eight: the shortlist misses the target's token
   ar = generate(m.graphdef, m.state, m.config, PROMPT, max_new_tokens=40, eos_ids=()).tokens
-  for drafter in (DynaSpecDrafter(b), DynaSpecDrafter(b, EarlyExitDrafter(k=2))):
+  for drafter in (DynaSpecDrafter(b), DynaSpecDrafter(b, EarlyExitDrafter(k=2)),
+                  DynaSpecDrafter(b, EarlyExitDrafter(k=2), core=core_ids(m.config))):
     for threshold in (None, 0.0):
       out = speculative_generate(m.graphdef, m.state, m.config, PROMPT, drafter,
                                  max_new_tokens=40, gamma=4, eos_ids=(), threshold=threshold)
@@ -180,9 +192,46 @@ def test_k_is_a_decoding_setting():
   assert alphas[1] >= alphas[0]
 
 
-def test_dynaspec_sampling_round_keeps_the_target_distribution():
+def test_a_core_is_scored_beside_the_routed_clusters():
+  """With a core the draft's shortlist is core ∪ routed clusters, each token once: the
+  router's table leaves the core out, and the draft's greedy token is the full head's
+  argmax over that union, whether the core's rows are gathered per step or held."""
+  m = tiny()
+  b, _ = bundle(k_max=1)
+  core = core_ids(m.config)
+  plan = DynaSpecDrafter(b, core=core).overlay_plan(session_of(m))
+  table = np.asarray(plan.router.table)
+  np.testing.assert_array_equal(np.asarray(plan.vocab), core)
+  assert not np.isin(table, core).any()
+  np.testing.assert_array_equal(np.sort(np.concatenate([table[table >= 0], core])),
+                                np.arange(V))  # every token exactly once
+  assert b.clusters.sizes(core).sum() == V - core.size
+
+  L = m.config.num_layers
+  cache = KVCache.create(m.config, 1, 64)
+  prompt = jnp.asarray([PROMPT], jnp.int32)
+  first, cache = prefill_step(m.state, cache, prompt, jnp.int32(len(PROMPT)),
+                              DraftPlan.full(L), jax.random.key(0), graphdef=m.graphdef,
+                              sampling=SamplingParams())
+  o, _ = apply(m.state, cache, first.reshape(1, 1), positions_for(cache, 1, 1),
+               DraftPlan.full(L), graphdef=m.graphdef, write_cache=False)
+  routed = np.asarray(plan.router.shortlist(o.hidden[0, -1].astype(jnp.float32), 1))
+  union = np.concatenate([core, routed[routed >= 0]])
+  logits = np.asarray(o.logits[0, -1])
+  want = int(union[np.argmax(logits[union])])
+  held = plan.replace(head_rows=shortlist_rows(m.state, plan.vocab, None, graphdef=m.graphdef))
+  for p in (plan, held):
+    got = draft_step(m.state, cache, first[0], p, jax.random.key(2), jnp.int32(1),
+                     graphdef=m.graphdef, vocab=V, gamma=1, threshold=0.0,
+                     sampling=SamplingParams())
+    assert int(got.tokens[0]) == want
+
+
+@pytest.mark.parametrize("with_core", [False, True])
+def test_dynaspec_sampling_round_keeps_the_target_distribution(with_core):
   """Rounds whose draft scores only the router's clusters (q zero outside them, k shrinking
-  with the position) keep the target's distribution, first and second committed token."""
+  with the position), and a core beside them, keep the target's distribution, first and
+  second committed token."""
   m = tiny()
   b, _ = bundle()
   sampling = SamplingParams(temperature=2.0, top_p=1.0)
@@ -192,7 +241,8 @@ def test_dynaspec_sampling_round_keeps_the_target_distribution():
   first, cache = prefill_step(m.state, cache, prompt, jnp.int32(len(PROMPT)),
                               DraftPlan.full(L), jax.random.key(0), graphdef=m.graphdef,
                               sampling=sampling)
-  plan = DraftPlan.full(L).replace(router=b.plan_field(8))
+  plan = DynaSpecDrafter(b, core=core_ids(m.config, 6) if with_core else None
+                         ).overlay_plan(session_of(m))
   kw = dict(graphdef=m.graphdef, vocab=V, threshold=0.0, sampling=sampling)
   run = jax.jit(jax.vmap(lambda k: round_fn(m.state, cache, first[0], plan, k, gamma=3,
                                             **kw)[0]))

@@ -59,12 +59,15 @@ ARTEFACT_OPTIONS: dict[str, dict[str, Any]] = {
     "knn": {"anchors": 10},  # k-means anchors per domain
     "quantspec": {"weight_bits": None, "group": 128, "residual": 128},  # bits None: per backend
     "frspec": {"size": 32768},  # FR-Spec's shortlist: the paper's 32k
-    "dynaspec": {"clusters": 1024},  # k, a decoding setting, is the drafter's own field
+    # k, a decoding setting, is the drafter's own field; core: that many frequent tokens
+    # scored beside the routed clusters (0: none)
+    "dynaspec": {"clusters": 1024, "core": 0},
 }
 ARTEFACTS = ("profile", "int8_profile", "library", "counts", "bundle", "self_sd_plan",
              "int8_weights")
 # Constructor fields the factory fills itself (artefacts), not options.
-_FILLED = {"fixed", "profile", "library", "weights", "base", "kv_cache", "shortlist", "bundle"}
+_FILLED = {"fixed", "profile", "library", "weights", "base", "kv_cache", "shortlist", "bundle",
+           "core"}
 
 
 class DrafterNameError(SpecjaxError, ValueError):
@@ -329,10 +332,16 @@ class DrafterFactory:
       size = min(self._opts("frspec")["size"], cfg.vocab_size)
       return FRSpecDrafter(frequent_shortlist(counts, size, cfg.eos_ids), base, **kw)
     if name == "dynaspec":
-      _, bundle = self.shortlists
+      from specjax.offline.token_counts import frequent_shortlist
+
+      counts, bundle = self.shortlists
       if bundle is None:
         raise ConfigError("dynaspec needs a router bundle (artefact 'bundle')")
-      return DynaSpecDrafter(bundle, base, **kw)
+      size = self._opts("dynaspec")["core"]
+      if size and counts is None:
+        raise ConfigError("dynaspec's core needs token counts (artefact 'counts')")
+      core = frequent_shortlist(counts, min(size, cfg.vocab_size), cfg.eos_ids) if size else None
+      return DynaSpecDrafter(bundle, base, core=core, **kw)
     raise DrafterNameError(f"{name!r} is not an overlay")  # parse() prevents this
 
   def _say(self, text: str) -> None:

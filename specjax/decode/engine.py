@@ -99,17 +99,23 @@ def _choose(logits, ids, key, vocab, sampling):
 
 def _routed_choice(state, graphdef, plan, h, i, key, vocab, sampling):
   """DynaSpec: the router picks k(i) clusters from the draft's final hidden state h; the
-  head scores their tokens only. One `lax.switch` branch per distinct k, so each draft
-  position gathers a shortlist of its own static size."""
+  head scores their tokens only, beside the plan's static core (`plan.vocab`, rows held)
+  when it has one. One `lax.switch` branch per distinct k, so each draft position gathers
+  a shortlist of its own static size."""
   model = nnx.merge(graphdef, state)
   router = plan.router
   sizes = sorted(set(router.ks), reverse=True)
   branch_of = jnp.asarray([sizes.index(k) for k in router.ks], jnp.int32)
+  core = None if plan.vocab is None else (
+      plan.vocab, model.head_shortlist(h[None, None], plan.vocab, plan.weights,
+                                       plan.head_rows)[0, 0])
 
   def branch(k):
     def run(h, key):
       ids = router.shortlist(h, k)
       logits = model.head_shortlist(h[None, None], ids, plan.weights)[0, 0]
+      if core is not None:  # the router's table leaves the core's ids out: no duplicates
+        ids, logits = jnp.concatenate([core[0], ids]), jnp.concatenate([core[1], logits])
       nxt, conf, q = _choose(logits, ids, key, vocab, sampling)
       return nxt, conf, (jnp.zeros((0,), jnp.float32) if q is None else q)
     return run

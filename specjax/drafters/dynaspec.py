@@ -6,11 +6,18 @@ the draft's final hidden state inside the jitted draft step; the union of the to
 clusters is the shortlist. Verification keeps the full vocabulary, so the output is
 exactly the target's. `k` is a decoding setting, not a training one: one router serves
 every shortlist size.
+
+`core` adds a static part: token ids scored at every step (the most frequent ones, as
+FR-Spec picks them), their head rows gathered once per generation, and left out of the
+clusters. The router misses mostly tokens a model writes everywhere (spaces, newlines,
+punctuation), which a frequency list holds; measured in docs/BENCHMARKS.md (vocab-*).
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 from specjax.drafters.base import Drafter
 from specjax.drafters.overlay import OverlayDrafter
@@ -28,6 +35,7 @@ class DynaSpecDrafter(OverlayDrafter):
   base: Drafter | None = None
   positions: int = 8  # draft positions with their own k (later ones reuse the last)
   k: int | None = None  # clusters per shortlist; None: the bundle's k_max
+  core: np.ndarray | None = None  # ids always scored (`token_counts.frequent_shortlist`)
 
   def __post_init__(self):
     if self.bundle is None:
@@ -43,5 +51,7 @@ class DynaSpecDrafter(OverlayDrafter):
       raise RouterMismatchError(
           f"the router of {self.bundle.model} covers {c.assignment.size} tokens of width "
           f"{c.centroids.shape[1]}; this model has {cfg.vocab_size} of width {cfg.embed_dim}")
-    return DraftPlan.full(cfg.num_layers).replace(
-        router=self.bundle.plan_field(self.positions, self.k))
+    plan = DraftPlan.full(cfg.num_layers)
+    if self.core is not None:  # checked as a shortlist: distinct, in range, EOS in
+      plan = plan.with_shortlist(self.core, cfg.vocab_size, cfg.eos_ids)
+    return plan.replace(router=self.bundle.plan_field(self.positions, self.k, plan.vocab))

@@ -242,12 +242,22 @@ def train_router(pairs: Pairs, clusters: VocabClusters, *, k_max: int, hidden: i
   return result
 
 
-def recall_at(router: Router, pairs: Pairs, clusters: VocabClusters, k: int) -> float:
-  """Share of positions whose target top token lies in the router's top-k clusters: for
-  the all-layer draft, the share of its greedy drafts a k-cluster shortlist keeps."""
+def recall_at(router: Router, pairs: Pairs, clusters: VocabClusters, k: int,
+              core=None) -> float:
+  """Share of positions whose target top token lies in the router's top-k clusters (or in
+  `core`, ids scored at every step): for the all-layer draft, the share of its greedy
+  drafts a k-cluster shortlist keeps."""
   _, top = jax.lax.top_k(router(jnp.asarray(pairs.hidden)), k)
   labels = clusters.assignment[pairs.target]
-  return float(jnp.mean(jnp.any(top == labels[:, None], axis=-1)))
+  hit = np.array(jnp.any(top == labels[:, None], axis=-1))
+  if core is not None:
+    hit |= np.isin(pairs.target, np.asarray(core))
+  return float(np.mean(hit))
+
+
+def select(pairs: Pairs, mask: np.ndarray) -> Pairs:
+  """The pairs at the positions `mask` marks."""
+  return Pairs(pairs.hidden[mask], pairs.mass[mask], pairs.target[mask], pairs.group[mask])
 
 
 # --- storage -------------------------------------------------------------------------------
@@ -264,10 +274,12 @@ class RouterBundle:
   hidden: int
   decay: bool = False  # the paper's shrinking k schedule (`k_schedule`)
 
-  def plan_field(self, positions: int, k: int | None = None) -> RouterPlan:
-    """The router for a draft plan; `k` clusters per shortlist (default k_max)."""
+  def plan_field(self, positions: int, k: int | None = None, core=None) -> RouterPlan:
+    """The router for a draft plan; `k` clusters per shortlist (default k_max). `core`:
+    token ids the draft scores at every step anyway (`DraftPlan.vocab`); they are taken
+    out of the clusters, so that no token is scored twice."""
     graphdef, state = nnx.split(self.router)
-    return RouterPlan(graphdef, state, jnp.asarray(self.clusters.table),
+    return RouterPlan(graphdef, state, jnp.asarray(self.clusters.without(core)),
                       k_schedule(self.k_max if k is None else k, positions, self.decay))
 
 

@@ -1,11 +1,12 @@
 """Token clusters for DynaSpec: balanced spherical k-means over the LM-head rows.
 
 Rows are L2-normalised (a token's logit is h·w, so tokens whose rows point the same way
-are scored alike). k-means++ seeding, then Lloyd iterations on the unit sphere: assign each row to the centroid
-of highest cosine, re-centre, re-normalise; empty clusters restart at the worst-fitting
-rows. The final assignment is balanced — no cluster above `capacity` rows, filled in
-order of cosine from each row's nearest centroids — because the draft's shortlist is a
-padded [k · capacity] gather: one oversized cluster would pad every shortlist.
+are scored alike). k-means++ seeding, then Lloyd iterations on the unit sphere: assign
+each row to the centroid of highest cosine, re-centre, re-normalise; empty clusters
+restart at the worst-fitting rows. The final assignment is balanced — no cluster above
+`capacity` rows, filled in order of cosine from each row's nearest centroids — because
+the draft's shortlist is a padded [k · capacity] gather: one oversized cluster would pad
+every shortlist.
 """
 
 from __future__ import annotations
@@ -34,8 +35,16 @@ class VocabClusters:
   def capacity(self) -> int:
     return self.table.shape[1]
 
-  def sizes(self) -> np.ndarray:
-    return np.sum(self.table >= 0, axis=1)
+  def sizes(self, core=None) -> np.ndarray:
+    """Tokens per cluster (those outside `core`, when given)."""
+    return np.sum(self.without(core) >= 0, axis=1)
+
+  def without(self, core=None) -> np.ndarray:
+    """The table with the `core` ids (-1 padding allowed) blanked to -1."""
+    if core is None:
+      return self.table
+    core = np.asarray(core)
+    return np.where(np.isin(self.table, core[core >= 0]), -1, self.table).astype(np.int32)
 
 
 def _normalise(x):
