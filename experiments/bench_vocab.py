@@ -113,6 +113,8 @@ def main(argv=None) -> None:
   p.add_argument("--k-max", type=int, default=16, help="clusters per DynaSpec shortlist")
   p.add_argument("--router-prompts", type=int, default=320,
                  help="training prompts the router reads (no continuation needed)")
+  p.add_argument("--continuation-weight", type=float, default=1.0,
+                 help="router loss weight inside the model's own continuations")
   p.add_argument("--methods", default="full-vocab,frspec-1k,frspec-8k,frspec-32k,dynaspec,"
                  "dynaspec-k64,knapspec,dynaspec+knapspec")
   p.add_argument("--data-dir")
@@ -134,7 +136,7 @@ def main(argv=None) -> None:
   counts, bundle, curves = shortlists.build(
       model, cache_root() / "shortlists" / model.name, prompts=args.train_prompts,
       router_prompts=args.router_prompts, clusters=args.clusters, k_max=args.k_max,
-      data_dir=args.data_dir)
+      continuation_weight=args.continuation_weight, data_dir=args.data_dir)
   L = cfg.num_layers
   full = DraftPlan.full(L)
   fr = {n: frequent_shortlist(counts, min(n, cfg.vocab_size), cfg.eos_ids) for n in FR_SIZES}
@@ -262,7 +264,9 @@ def main(argv=None) -> None:
         f"(capacity {bundle.clusters.capacity}), k per draft position {list(sched)}, a "
         f"router on the draft's final hidden state distilled from the target's "
         f"distributions at {curves.get('pairs', '?')} positions of those sequences and "
-        f"{args.router_prompts} training prompts (no continuation). AR and every drafter "
+        f"{args.router_prompts} training prompts (no continuation), the positions inside "
+        f"the continuations weighted {curves.get('continuation_weight', 1.0):g}. AR and "
+        f"every drafter "
         f"in the same process. "
         f"Machine: {report.machine()}.", "",
         "Draft step (all layers; median of "

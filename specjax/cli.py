@@ -210,7 +210,8 @@ def _cmd_router_train(args: argparse.Namespace) -> int:
   counts, bundle, curves = shortlists.build(
       model, out, prompts=args.prompts, new_tokens=args.new_tokens,
       router_prompts=args.router_prompts, clusters=args.clusters, k_max=args.k_max,
-      hidden=args.hidden, epochs=args.epochs, decay=args.decay, data_dir=args.data_dir)
+      hidden=args.hidden, epochs=args.epochs, decay=args.decay,
+      continuation_weight=args.continuation_weight, data_dir=args.data_dir)
   sizes = bundle.clusters.sizes()
   print(f"router for {model.name} in {out / 'router'} (curves: {out / 'curves.png'}); "
         f"{bundle.clusters.num_clusters} clusters of {sizes.min()}..{sizes.max()} tokens",
@@ -372,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="the paper's k schedule: k_max for two positions, then shrinking")
   q.add_argument("--hidden", type=int, default=1024, help="router MLP width")
   q.add_argument("--epochs", type=int, default=10)
+  q.add_argument("--continuation-weight", type=float, default=1.0,
+                 help="loss weight of positions inside the model's own continuations (what "
+                 "a draft predicts) against prompt text's 1")
   q.add_argument("--data-dir")
   q.add_argument("--out", help="folder (default: the specjax cache, per model)")
   q.set_defaults(func=_cmd_router_train)

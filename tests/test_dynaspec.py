@@ -11,6 +11,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from targets import assert_exercised, assert_round_distribution, target
@@ -113,6 +114,40 @@ def test_router_training_lowers_validation_loss():
   _, (result, pairs) = bundle()
   assert result.val_loss[-1] < result.val_loss[0] - 0.05
   assert result.val_recall[-1] >= result.val_recall[0]
+
+
+def test_pair_weights_steer_the_router():
+  """A pair's weight scales its loss: uniform weights change nothing, and a router trained
+  with the weight on some positions fits them better than one trained without (what
+  up-weighting the model's own continuations relies on)."""
+  b, (plain, pairs) = bundle()
+  kw = dict(k_max=3, hidden=64, epochs=6, batch=32, verbose=False)
+  twice = train_router(pairs, b.clusters, weight=np.full(pairs.target.size, 2.0), **kw)
+  for x, y in zip(jax.tree.leaves(nnx.state(plain.router)),
+                  jax.tree.leaves(nnx.state(twice.router))):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+  labels = b.clusters.assignment[pairs.target]
+  focus = labels == np.bincount(labels).argmax()  # positions whose top token is in one cluster
+
+  def loss_on_focus(router):
+    ce = optax.softmax_cross_entropy(router(jnp.asarray(pairs.hidden[focus])),
+                                     jnp.asarray(pairs.mass[focus], jnp.float32))
+    return float(jnp.mean(ce))
+  steered = train_router(pairs, b.clusters, weight=np.where(focus, 50.0, 1.0), **kw)
+  assert loss_on_focus(steered.router) < 0.95 * loss_on_focus(plain.router)
+
+
+def test_continuation_weights_mark_the_positions_that_predict_own_tokens():
+  from specjax.offline.router import Pairs
+  from specjax.offline.shortlists import continuation_weights
+
+  group = np.asarray([0, 0, 0, 0, 1, 1, 2, 2], np.int32)
+  pairs = Pairs(np.zeros((8, 2)), np.zeros((8, 1)), np.zeros(8, np.int32), group)
+  # sequence 0: a prompt of 3 (its last position predicts the first own token), 1: of 1,
+  # 2: a prompt without continuation
+  np.testing.assert_array_equal(continuation_weights(pairs, [3, 1], 5.0),
+                                [1, 1, 5, 5, 5, 5, 1, 1])
+  assert continuation_weights(pairs, [3, 1], 1.0) is None
 
 
 def test_k_schedule():
@@ -274,6 +309,21 @@ def test_bundle_round_trips_bit_exactly_and_is_checked(tmp_path):
   with pytest.raises(RouterMismatchError, match="trained for tiny-llama, not other"):
     load_bundle(tmp_path / "r", model="other")
   assert is_current(tmp_path / "r") and not is_current(tmp_path / "none")
+
+
+def test_a_cached_router_trained_otherwise_is_reused_with_a_warning(tmp_path):
+  import warnings
+
+  from specjax.offline.shortlists import _warn_if_other_settings
+
+  b, _ = bundle()
+  save_bundle(tmp_path / "r", b)  # no continuation weight recorded: an older router, 1.0
+  same = dict(clusters=8, k_max=3, hidden=64, continuation_weight=1.0)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    _warn_if_other_settings(tmp_path / "r", **same)
+  with pytest.warns(UserWarning, match="continuation_weight 1.0 \\(asked 8.0\\): delete"):
+    _warn_if_other_settings(tmp_path / "r", **{**same, "continuation_weight": 8.0})
 
 
 def test_a_router_of_the_older_design_is_refused(tmp_path):

@@ -186,9 +186,12 @@ class TrainResult:
 
 def train_router(pairs: Pairs, clusters: VocabClusters, *, k_max: int, hidden: int = 1024,
                  epochs: int = 10, batch: int = 256, lr: float = 2e-3, val_share: float = 0.15,
-                 seed: int = 0, verbose: bool = True) -> TrainResult:
+                 seed: int = 0, weight: np.ndarray | None = None,
+                 verbose: bool = True) -> TrainResult:
   """AdamW on the soft cross-entropy to the target's cluster mass; the validation split is
-  by sequence, and the router returned is the epoch of lowest validation loss."""
+  by sequence, and the router returned is the epoch of lowest validation loss. `weight`
+  (float[N], default 1) weighs each pair's loss, in training and validation, e.g. up for
+  positions inside the model's own continuations, which are what a draft predicts."""
   from tqdm.auto import tqdm
 
   labels = clusters.assignment[pairs.target]
@@ -199,27 +202,31 @@ def train_router(pairs: Pairs, clusters: VocabClusters, *, k_max: int, hidden: i
   tr, va = np.flatnonzero(~is_val), np.flatnonzero(is_val)
   D, M = pairs.hidden.shape[1], clusters.num_clusters
   router = Router(D, M, hidden, rngs=nnx.Rngs(seed))
+  w = np.ones(pairs.target.size, np.float32) if weight is None else np.asarray(weight,
+                                                                               np.float32)
   opt = nnx.Optimizer(router, optax.adamw(optax.cosine_decay_schedule(lr, epochs * max(
       1, tr.size // batch))), wrt=nnx.Param)
 
-  def loss_fn(r, h, mass):
-    return optax.softmax_cross_entropy(r(h), mass.astype(jnp.float32)).mean()
+  def loss_fn(r, h, mass, w):
+    ce = optax.softmax_cross_entropy(r(h), mass.astype(jnp.float32))
+    return jnp.sum(ce * w) / jnp.sum(w)
 
   @nnx.jit
-  def step(r, o, h, mass):
-    loss, grads = nnx.value_and_grad(loss_fn)(r, h, mass)
+  def step(r, o, h, mass, w):
+    loss, grads = nnx.value_and_grad(loss_fn)(r, h, mass, w)
     o.update(r, grads)
     return loss
 
   @nnx.jit
-  def evaluate(r, h, mass, y):
+  def evaluate(r, h, mass, y, w):
     logits = r(h)
-    loss = optax.softmax_cross_entropy(logits, mass.astype(jnp.float32)).mean()
+    ce = optax.softmax_cross_entropy(logits, mass.astype(jnp.float32))
+    loss = jnp.sum(ce * w) / jnp.sum(w)
     _, top = jax.lax.top_k(logits, k_max)
     return loss, jnp.mean(jnp.any(top == y[:, None], axis=-1))
 
   def val():
-    loss, recall = evaluate(router, pairs.hidden[va], pairs.mass[va], labels[va])
+    loss, recall = evaluate(router, pairs.hidden[va], pairs.mass[va], labels[va], w[va])
     return float(loss), float(recall)
 
   result = TrainResult(router, [float("nan")], *([v] for v in val()))
@@ -229,7 +236,7 @@ def train_router(pairs: Pairs, clusters: VocabClusters, *, k_max: int, hidden: i
     order = rng.permutation(tr)
     batches = (order[i : i + batch] for i in range(0, order.size - batch + 1, batch))
     # Losses stay on the device until the epoch ends: one host read per epoch, not per step.
-    losses = [step(router, opt, pairs.hidden[b], pairs.mass[b]) for b in batches]
+    losses = [step(router, opt, pairs.hidden[b], pairs.mass[b], w[b]) for b in batches]
     vl, vr = val()
     result.train_loss.append(float(np.mean(jax.device_get(losses))) if losses else float("nan"))
     result.val_loss.append(vl)

@@ -22,6 +22,7 @@ import numpy as np
 
 from specjax.bench import data, plots
 from specjax.offline.router import (
+  Pairs,
   RouterBundle,
   collect_pairs,
   is_current,
@@ -69,10 +70,12 @@ def sequences(model, out: Path, prompts: list[list[int]], new_tokens: int,
 
 def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
           router_prompts: int = 320, clusters: int = 1024, k_max: int = 16,
-          hidden: int = 1024, epochs: int = 10, decay: bool = False, data_dir=None,
+          hidden: int = 1024, epochs: int = 10, decay: bool = False,
+          continuation_weight: float = 1.0, data_dir=None,
           verbose: bool = True) -> tuple[np.ndarray, RouterBundle, dict]:
   """Counts and router bundle for `model` (reused from `out` when already there and of
-  this design)."""
+  this design). `continuation_weight` weighs the router's loss at the positions inside
+  the model's own continuations, the text a draft predicts, against prompt text's 1."""
   out.mkdir(parents=True, exist_ok=True)
   continued = training_prompts(model.tokenizer, prompts, data_dir)
   seqs = sequences(model, out, continued, new_tokens, verbose)
@@ -87,6 +90,8 @@ def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
   if is_current(router_dir):
     bundle = load_bundle(router_dir, model=model.name)
     curves = json.loads(curves_path.read_text()) if curves_path.exists() else {}
+    _warn_if_other_settings(router_dir, clusters=clusters, k_max=k_max, hidden=hidden,
+                            continuation_weight=continuation_weight)
     return counts, bundle, curves
   from flax import nnx
 
@@ -96,17 +101,49 @@ def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
   more = [p for p in training_prompts(model.tokenizer, router_prompts, data_dir)
           if tuple(p) not in seen]
   pairs = collect_pairs(model, seqs + more, vc, verbose=verbose, save_dir=out / "pairs")
-  result = train_router(pairs, vc, k_max=k_max, hidden=hidden, epochs=epochs,
+  weight = continuation_weights(pairs, [len(p) for p in continued], continuation_weight)
+  result = train_router(pairs, vc, k_max=k_max, hidden=hidden, epochs=epochs, weight=weight,
                         verbose=verbose)
   bundle = RouterBundle(model.name, result.router, vc, k_max, hidden, decay)
   curves = dict(train_loss=result.train_loss, val_loss=result.val_loss,
                 best_epoch=result.best_epoch, val_recall=result.val_recall,
-                pairs=int(pairs.target.size))
-  save_bundle(router_dir, bundle, pairs=curves["pairs"], sequences=len(seqs) + len(more))
+                pairs=int(pairs.target.size), continuation_weight=continuation_weight,
+                continuation_pairs=int(np.sum(weight != 1.0)) if weight is not None else None)
+  save_bundle(router_dir, bundle, pairs=curves["pairs"], sequences=len(seqs) + len(more),
+              continuation_weight=continuation_weight)
   curves_path.write_text(json.dumps(curves))
   plot_curves(curves, out / "curves.png", model.name, k_max)
   shutil.rmtree(out / "pairs", ignore_errors=True)  # kept only to resume a crashed build
   return counts, bundle, curves
+
+
+def _warn_if_other_settings(router_dir: Path, **asked) -> None:
+  """The router in the cache is reused as it is: say so when it was trained otherwise."""
+  import warnings
+
+  from specjax.models import checkpoint
+
+  meta = checkpoint.load_meta(router_dir)
+  meta.setdefault("continuation_weight", 1.0)
+  other = {k: (meta.get(k), v) for k, v in asked.items() if meta.get(k) != v}
+  if other:
+    said = ", ".join(f"{k} {was} (asked {v})" for k, (was, v) in other.items())
+    warnings.warn(f"reusing the router at {router_dir}, trained with {said}: delete that "
+                  f"folder to train one with these settings", stacklevel=3)
+
+
+def continuation_weights(pairs: Pairs, prompt_lengths: list[int], weight: float
+                         ) -> np.ndarray | None:
+  """`weight` at the pairs inside a continuation — sequence g < len(prompt_lengths), from
+  position prompt_lengths[g] − 1 on (they predict the model's own tokens) — and 1
+  elsewhere; None when `weight` is 1. Pairs come sequence by sequence, in order."""
+  if weight == 1.0:
+    return None
+  group = pairs.group
+  start = np.full(int(group.max()) + 1, np.iinfo(np.int64).max)
+  start[: len(prompt_lengths)] = prompt_lengths
+  pos = np.arange(group.size) - np.searchsorted(group, group)
+  return np.where(pos >= start[group] - 1, weight, 1.0).astype(np.float32)
 
 
 def _head_rows(module):
