@@ -80,7 +80,8 @@ def verdicts(methods: list[str], summary: dict, shorts: dict[str, float]
   for m in methods:
     if m.startswith("dynaspec") and "+" not in m and "full-vocab" in summary:
       out.append(claims.shortlist_keeps_m(
-          summary["full-vocab"]["M"], {"M": summary[m]["M"], "shortlist": shorts[m]}, fr))
+          summary["full-vocab"]["M"], {"M": summary[m]["M"], "shortlist": shorts[m]}, fr,
+          method=m))
   speedups = {m: r["speedup"] for m, r in summary.items()}
   out += [claims.composition_beats_parts(m, speedups) for m in methods if "+" in m]
   return out
@@ -276,8 +277,8 @@ def main(argv=None) -> None:
         f"Router on the evaluation prompts (held out): recall of the target's top token at "
         f"the {decode.target.size} positions that predict AR's output tokens (what the "
         f"draft predicts), alone and with FR-Spec's {CORE} most frequent tokens always "
-        f"scored (`dynaspec-core1k`), and over every prompt and output position (as runs "
-        f"before 2026-11-25 reported it):", "", rec_table, "",
+        f"scored (`dynaspec-core1k`), and over every prompt and output position (as earlier "
+        f"runs of this script reported it):", "", rec_table, "",
         image, "", claims.section(found)])
     report.write_section(f"vocab-{model.name}", body)
   report.print_json(figures)

@@ -74,6 +74,9 @@ def test_shortlists():
   fr = {8192: 2.4, 32768: 2.7}
   keeps = claims.shortlist_keeps_m(2.75, {"M": 2.7, "shortlist": 3000}, fr)
   assert keeps.outcome == REPRODUCED and "FR-Spec 8192" in keeps.evidence  # nearest size
+  assert keeps.evidence.startswith("DynaSpec keeps 98.2% of M with 3000 tokens")
+  named = claims.shortlist_keeps_m(2.75, {"M": 2.7, "shortlist": 3000}, fr, method="dynaspec-k64")
+  assert named.evidence.startswith("dynaspec-k64 keeps")  # several DynaSpec rows: which one
   loses = claims.shortlist_keeps_m(2.75, {"M": 2.28, "shortlist": 3000}, fr)
   assert loses.outcome == NOT_REPRODUCED
   s = {"full-vocab": row(0.6), "frspec-8k": row(0.65), "dynaspec": row(0.5)}

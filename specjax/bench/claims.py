@@ -178,7 +178,8 @@ def quantspec_long_context(contexts: Mapping[int, Mapping], memory_saving: float
 
 
 def shortlist_keeps_m(full_m: float, dynaspec: Mapping, frspec: Mapping[int, float],
-                      keep: float = 0.95, frspec_size: int = 32768) -> Verdict:
+                      keep: float = 0.95, frspec_size: int = 32768,
+                      method: str = "DynaSpec") -> Verdict:
   """DynaSpec vs the full-vocabulary draft and FR-Spec: its M is at least `keep` of the
   full head's with a shortlist under FR-Spec's `frspec_size`, and above FR-Spec's M at
   the nearest FR-Spec size. `dynaspec`: {M, shortlist (mean size)}; `frspec`: size -> M."""
@@ -188,7 +189,7 @@ def shortlist_keeps_m(full_m: float, dynaspec: Mapping, frspec: Mapping[int, flo
     return Verdict(PAPERS["dynaspec"][0], claim, UNDECIDED, "DynaSpec was not run")
   kept = dynaspec["M"] / full_m
   parts = [kept >= keep and dynaspec["shortlist"] < frspec_size]
-  text = f"DynaSpec keeps {kept:.1%} of M with {dynaspec['shortlist']:.0f} tokens on average"
+  text = f"{method} keeps {kept:.1%} of M with {dynaspec['shortlist']:.0f} tokens on average"
   if frspec:
     import math
 
