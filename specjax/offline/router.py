@@ -207,9 +207,12 @@ def train_router(pairs: Pairs, clusters: VocabClusters, *, k_max: int, hidden: i
   opt = nnx.Optimizer(router, optax.adamw(optax.cosine_decay_schedule(lr, epochs * max(
       1, tr.size // batch))), wrt=nnx.Param)
 
-  def loss_fn(r, h, mass, w):
-    ce = optax.softmax_cross_entropy(r(h), mass.astype(jnp.float32))
+  def weighted_ce(logits, mass, w):
+    ce = optax.softmax_cross_entropy(logits, mass.astype(jnp.float32))
     return jnp.sum(ce * w) / jnp.sum(w)
+
+  def loss_fn(r, h, mass, w):
+    return weighted_ce(r(h), mass, w)
 
   @nnx.jit
   def step(r, o, h, mass, w):
@@ -220,8 +223,7 @@ def train_router(pairs: Pairs, clusters: VocabClusters, *, k_max: int, hidden: i
   @nnx.jit
   def evaluate(r, h, mass, y, w):
     logits = r(h)
-    ce = optax.softmax_cross_entropy(logits, mass.astype(jnp.float32))
-    loss = jnp.sum(ce * w) / jnp.sum(w)
+    loss = weighted_ce(logits, mass, w)
     _, top = jax.lax.top_k(logits, k_max)
     return loss, jnp.mean(jnp.any(top == y[:, None], axis=-1))
 

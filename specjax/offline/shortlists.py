@@ -107,8 +107,7 @@ def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
   bundle = RouterBundle(model.name, result.router, vc, k_max, hidden, decay)
   curves = dict(train_loss=result.train_loss, val_loss=result.val_loss,
                 best_epoch=result.best_epoch, val_recall=result.val_recall,
-                pairs=int(pairs.target.size), continuation_weight=continuation_weight,
-                continuation_pairs=int(np.sum(weight != 1.0)) if weight is not None else None)
+                pairs=int(pairs.target.size), continuation_weight=continuation_weight)
   save_bundle(router_dir, bundle, pairs=curves["pairs"], sequences=len(seqs) + len(more),
               continuation_weight=continuation_weight)
   curves_path.write_text(json.dumps(curves))
