@@ -211,7 +211,8 @@ def _cmd_router_train(args: argparse.Namespace) -> int:
       model, out, prompts=args.prompts, new_tokens=args.new_tokens,
       router_prompts=args.router_prompts, clusters=args.clusters, k_max=args.k_max,
       hidden=args.hidden, epochs=args.epochs, decay=args.decay,
-      continuation_weight=args.continuation_weight, data_dir=args.data_dir)
+      continuation_weight=args.continuation_weight, keep_pairs=args.keep_pairs,
+      data_dir=args.data_dir)
   sizes = bundle.clusters.sizes()
   print(f"router for {model.name} in {out / 'router'} (curves: {out / 'curves.png'}); "
         f"{bundle.clusters.num_clusters} clusters of {sizes.min()}..{sizes.max()} tokens",
@@ -376,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
   q.add_argument("--continuation-weight", type=float, default=1.0,
                  help="loss weight of positions inside the model's own continuations (what "
                  "a draft predicts) against prompt text's 1")
+  q.add_argument("--keep-pairs", action="store_true",
+                 help="keep the training pairs (for experiments/router_ablation.py)")
   q.add_argument("--data-dir")
   q.add_argument("--out", help="folder (default: the specjax cache, per model)")
   q.set_defaults(func=_cmd_router_train)

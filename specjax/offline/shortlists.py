@@ -71,11 +71,14 @@ def sequences(model, out: Path, prompts: list[list[int]], new_tokens: int,
 def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
           router_prompts: int = 320, clusters: int = 1024, k_max: int = 16,
           hidden: int = 1024, epochs: int = 10, decay: bool = False,
-          continuation_weight: float = 1.0, data_dir=None,
+          continuation_weight: float = 1.0, keep_pairs: bool = False, data_dir=None,
           verbose: bool = True) -> tuple[np.ndarray, RouterBundle, dict]:
   """Counts and router bundle for `model` (reused from `out` when already there and of
   this design). `continuation_weight` weighs the router's loss at the positions inside
-  the model's own continuations, the text a draft predicts, against prompt text's 1."""
+  the model's own continuations, the text a draft predicts, against prompt text's 1.
+  `keep_pairs` keeps the router's training pairs under out/pairs (about 8 KB a token on
+  the 1.5B) for ablations that train other routers on them (`experiments/router_ablation.py`)
+  without the target's forwards again; by default they go once the router is trained."""
   out.mkdir(parents=True, exist_ok=True)
   continued = training_prompts(model.tokenizer, prompts, data_dir)
   seqs = sequences(model, out, continued, new_tokens, verbose)
@@ -112,7 +115,8 @@ def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
               continuation_weight=continuation_weight)
   curves_path.write_text(json.dumps(curves))
   plot_curves(curves, out / "curves.png", model.name, k_max)
-  shutil.rmtree(out / "pairs", ignore_errors=True)  # kept only to resume a crashed build
+  if not keep_pairs:  # otherwise kept only to resume a crashed build
+    shutil.rmtree(out / "pairs", ignore_errors=True)
   return counts, bundle, curves
 
 
