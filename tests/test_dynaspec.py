@@ -139,7 +139,7 @@ def test_pair_weights_steer_the_router():
 
 def test_continuation_weights_mark_the_positions_that_predict_own_tokens():
   from specjax.offline.router import Pairs
-  from specjax.offline.shortlists import continuation_weights
+  from specjax.offline.shortlists import continuation_weights, in_continuation
 
   group = np.asarray([0, 0, 0, 0, 1, 1, 2, 2], np.int32)
   pairs = Pairs(np.zeros((8, 2)), np.zeros((8, 1)), np.zeros(8, np.int32), group)
@@ -148,6 +148,34 @@ def test_continuation_weights_mark_the_positions_that_predict_own_tokens():
   np.testing.assert_array_equal(continuation_weights(pairs, [3, 1], 5.0),
                                 [1, 1, 5, 5, 5, 5, 1, 1])
   assert continuation_weights(pairs, [3, 1], 1.0) is None
+  np.testing.assert_array_equal(in_continuation(pairs, [3, 1]),
+                                continuation_weights(pairs, [3, 1], 5.0) == 5)
+
+
+def test_router_ablation_never_trains_on_its_held_out_sequences():
+  import sys
+  from pathlib import Path
+
+  from specjax.offline.router import Pairs
+
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+  import router_ablation as ra
+
+  group = np.repeat(np.arange(12, dtype=np.int32), 3)
+  pairs = Pairs(np.zeros((36, 2)), np.zeros((36, 1)), np.zeros(36, np.int32), group)
+  held = ra.held_out(8)  # 8 continued sequences: 0 and 4 are held out
+  np.testing.assert_array_equal(held, [0, 4])
+  assert np.unique(ra.first_sequences(pairs, 5, held).group).tolist() == [1, 2, 3, 5, 6]
+  assert np.unique(ra.first_sequences(pairs, 99, held).group).size == 10
+  assert ra.variants([320, 160], [4.0, 1.0]) == [(160, 1.0), (320, 1.0), (320, 4.0)]
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 128, 129, 520, 768, 769, 4000])
+def test_pair_forwards_pad_to_the_next_multiple_of_128(n):
+  from specjax.offline.router import _padded_length
+
+  T = _padded_length(n)
+  assert T >= n and (T == 64 if n <= 64 else T % 128 == 0 and T - n < 128)
 
 
 def test_k_schedule():

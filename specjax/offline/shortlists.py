@@ -100,10 +100,8 @@ def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
 
   rows = np.asarray(_head_rows(nnx.merge(model.graphdef, model.state)))
   vc = spherical_kmeans(rows, clusters, iterations=15, verbose=verbose)
-  seen = {tuple(p) for p in continued}
-  more = [p for p in training_prompts(model.tokenizer, router_prompts, data_dir)
-          if tuple(p) not in seen]
-  pairs = collect_pairs(model, seqs + more, vc, verbose=verbose, save_dir=out / "pairs")
+  texts = router_texts(model.tokenizer, seqs, continued, router_prompts, data_dir)
+  pairs = collect_pairs(model, texts, vc, verbose=verbose, save_dir=out / "pairs")
   weight = continuation_weights(pairs, [len(p) for p in continued], continuation_weight)
   result = train_router(pairs, vc, k_max=k_max, hidden=hidden, epochs=epochs, weight=weight,
                         verbose=verbose)
@@ -111,7 +109,7 @@ def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
   curves = dict(train_loss=result.train_loss, val_loss=result.val_loss,
                 best_epoch=result.best_epoch, val_recall=result.val_recall,
                 pairs=int(pairs.target.size), continuation_weight=continuation_weight)
-  save_bundle(router_dir, bundle, pairs=curves["pairs"], sequences=len(seqs) + len(more),
+  save_bundle(router_dir, bundle, pairs=curves["pairs"], sequences=len(texts),
               continuation_weight=continuation_weight)
   curves_path.write_text(json.dumps(curves))
   plot_curves(curves, out / "curves.png", model.name, k_max)
@@ -135,18 +133,36 @@ def _warn_if_other_settings(router_dir: Path, **asked) -> None:
                   f"folder to train one with these settings", stacklevel=3)
 
 
-def continuation_weights(pairs: Pairs, prompt_lengths: list[int], weight: float
-                         ) -> np.ndarray | None:
-  """`weight` at the pairs inside a continuation — sequence g < len(prompt_lengths), from
-  position prompt_lengths[g] − 1 on (they predict the model's own tokens) — and 1
-  elsewhere; None when `weight` is 1. Pairs come sequence by sequence, in order."""
-  if weight == 1.0:
-    return None
+def router_texts(tokenizer, continued_sequences: list[list[int]],
+                 continued_prompts: list[list[int]], router_prompts: int, data_dir=None
+                 ) -> list[list[int]]:
+  """The router's training sequences, in the order their pairs are stored: the continued
+  ones (prompt + the model's continuation), then the first `router_prompts` training
+  prompts that are not among them."""
+  seen = {tuple(p) for p in continued_prompts}
+  more = [p for p in training_prompts(tokenizer, router_prompts, data_dir)
+          if tuple(p) not in seen]
+  return list(continued_sequences) + more
+
+
+def in_continuation(pairs: Pairs, prompt_lengths: list[int]) -> np.ndarray:
+  """bool[N]: the pair lies inside a continuation — sequence g < len(prompt_lengths), from
+  position prompt_lengths[g] − 1 on (it predicts the model's own tokens). Pairs come
+  sequence by sequence, in order, each sequence whole."""
   group = pairs.group
   start = np.full(int(group.max()) + 1, np.iinfo(np.int64).max)
   start[: len(prompt_lengths)] = prompt_lengths
   pos = np.arange(group.size) - np.searchsorted(group, group)
-  return np.where(pos >= start[group] - 1, weight, 1.0).astype(np.float32)
+  return pos >= start[group] - 1
+
+
+def continuation_weights(pairs: Pairs, prompt_lengths: list[int], weight: float
+                         ) -> np.ndarray | None:
+  """`weight` at the pairs inside a continuation (`in_continuation`) and 1 elsewhere;
+  None when `weight` is 1."""
+  if weight == 1.0:
+    return None
+  return np.where(in_continuation(pairs, prompt_lengths), weight, 1.0).astype(np.float32)
 
 
 def _head_rows(module):
