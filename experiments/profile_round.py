@@ -31,6 +31,7 @@ from specjax.model import apply  # noqa: E402
 from specjax.models.loader import load_model  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402
 from specjax.sampling import SamplingParams  # noqa: E402
+from specjax.selection.cost import expected_tokens  # noqa: E402
 
 
 def verify_fn(state, cache, tokens, plan, *, graphdef):
@@ -107,10 +108,10 @@ def break_even_text(m_needed: float, gamma: int) -> str:
     return (f"A round drafting γ = {gamma} tokens with half the layers would have to commit "
             f"M ≥ {m_needed:.2f} tokens, more than the γ + 1 = {gamma + 1} a round can: no "
             "acceptance rate makes it beat AR at these step costs.")
-  lo, hi = 0.0, 1.0  # M(α) = (1 − α^(γ+1)) / (1 − α) grows with α: bisect for M(α) = need
+  lo, hi = 0.0, 1.0  # M(α) grows with α: bisect for M(α) = need
   for _ in range(60):
     mid = (lo + hi) / 2
-    lo, hi = (mid, hi) if (1 - mid ** (gamma + 1)) / (1 - mid) < m_needed else (lo, mid)
+    lo, hi = (mid, hi) if expected_tokens(mid, gamma) < m_needed else (lo, mid)
   return (f"A round drafting γ = {gamma} tokens with half the layers breaks even at "
           f"M = {m_needed:.2f} of at most {gamma + 1} tokens, an acceptance rate of "
           f"α ≈ {hi:.2f} per token if drafts are accepted independently.")

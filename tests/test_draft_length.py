@@ -99,13 +99,13 @@ def test_pilot_rounds_record_each_drafts_probability():
   config, graphdef, state = target("llama")
   d = StaticDrafter(DraftPlan.first_layers(config.num_layers, 2))
   g = speculative_generate(graphdef, state, config, [1, 2, 3, 4], d, max_new_tokens=16,
-                           gamma=3, threshold=0.6, keep_plans=True, loop="host", eos_ids=())
+                           gamma=3, threshold=0.6, record_rounds=True, loop="host", eos_ids=())
   rounds = draft_length.pilot_rounds(g)
   assert len(rounds) == g.rounds and [len(r.confidence) for r in rounds] == g.round_drafted
   for r in rounds:
     assert all(0 < p <= 1 for p in r.confidence)
     assert all(p >= 0.6 for p in r.confidence[:-1])  # early stop: only the last is unsure
-  with pytest.raises(ValueError, match="keep_plans"):
+  with pytest.raises(ValueError, match="record_rounds"):
     draft_length.pilot_rounds(speculative_generate(graphdef, state, config, [1, 2, 3, 4], d,
                                                    max_new_tokens=8, gamma=3, eos_ids=()))
 
@@ -144,3 +144,16 @@ def test_bench_auto_gamma_records_and_reuses_the_chosen_lengths(tmp_path, capsys
   records = [r for line in (out / "results.jsonl").read_text().splitlines()
              for r in json.loads(line)["records"]]
   assert {r["gamma"] for r in records if r["method"] != "ar"} == {1}
+
+
+@given(st.floats(0.0, 1.0), st.integers(1, 12))
+def test_expected_tokens_is_the_geometric_sum(alpha, gamma):
+  """One closed form prices every γ and plan choice: Σ_{i ≤ γ} α^i, γ + 1 at α = 1,
+  growing with α and with γ."""
+  from specjax.selection.cost import expected_tokens
+
+  e = float(expected_tokens(alpha, gamma))
+  assert e == pytest.approx(sum(alpha ** i for i in range(gamma + 1)), rel=1e-6, abs=1e-9)
+  assert 1.0 <= e <= gamma + 1
+  assert float(expected_tokens(min(alpha + 0.01, 1.0), gamma)) >= e - 1e-12
+  assert float(expected_tokens(alpha, gamma + 1)) >= e

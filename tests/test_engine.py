@@ -81,7 +81,7 @@ def test_every_drafter_is_lossless(arch, drafter, threshold):
 def test_swift_changes_plan_without_recompiling():
   ssd("qwen3", SwiftDrafter(trials=4, window=16), gamma=3)  # compiles what it needs
   out = ssd("qwen3", SwiftDrafter(trials=20, bo_every=6, window=16, seed=5), gamma=3,
-            keep_plans=True)
+            record_rounds=True)
   assert out.compiles == 0
   distinct = {json.dumps(p.to_json()) for p in out.plans}
   assert len(distinct) > 1  # it did switch plans mid-generation
@@ -94,10 +94,10 @@ def test_swift_replays_from_its_state(tmp_path):
   same run twice (continuing from it never changes it)."""
   plans = lambda out: [p.to_json() for p in out.plans]
   drafter = SwiftDrafter(trials=60, bo_every=5, window=16, seed=3)
-  first = ssd("qwen3", drafter, gamma=3, keep_plans=True)
-  assert plans(first) == plans(ssd("qwen3", drafter, gamma=3, keep_plans=True))
+  first = ssd("qwen3", drafter, gamma=3, record_rounds=True)
+  assert plans(first) == plans(ssd("qwen3", drafter, gamma=3, record_rounds=True))
   prior = first.drafter_state
-  runs = [ssd("qwen3", drafter, gamma=3, keep_plans=True, drafter_state=prior) for _ in "ab"]
+  runs = [ssd("qwen3", drafter, gamma=3, record_rounds=True, drafter_state=prior) for _ in "ab"]
   assert plans(runs[0]) == plans(runs[1])
   # A resumed benchmark goes on from the state its results store kept (an overlay's part
   # dropped: the overlay hands its base the base's state).
@@ -105,7 +105,7 @@ def test_swift_replays_from_its_state(tmp_path):
       {"frspec+swift": OverlayState(prior, None), "static": None})
   kept = ResultsStore(tmp_path, {"m": 1}, resume=True).load_carried()
   assert list(kept) == ["frspec+swift"]
-  resumed = ssd("qwen3", drafter, gamma=3, keep_plans=True, drafter_state=kept["frspec+swift"])
+  resumed = ssd("qwen3", drafter, gamma=3, record_rounds=True, drafter_state=kept["frspec+swift"])
   assert plans(resumed) == plans(runs[0])
   assert prior.trials == first.drafter_state.trials and runs[0].drafter_state.trials > prior.trials
   for bits in prior.xs:  # plan bits: the first and last layers always run

@@ -135,7 +135,7 @@ def test_8bit_drafts_are_lossless_on_both_loops(arch, base):
   drafter = Int8WeightsDrafter.for_model(model, base=layer[base])
   outs = [speculative_generate(model.graphdef, model.state, model.config, PROMPT, drafter,
                                max_new_tokens=48, gamma=4, threshold=0.0, eos_ids=(),
-                               loop=loop, keep_plans=loop == "host")
+                               loop=loop, record_rounds=loop == "host")
           for loop in ("host", "device")]
   for out in outs:
     assert out.tokens == ar_tokens(arch)
@@ -153,7 +153,7 @@ def test_quantspec_with_8bit_weights_is_lossless_on_its_cache():
   drafter = QuantSpecDrafter.for_model(model, base=StaticDrafter(SKIP), weight_bits=8,
                                        kv_cache=kv)
   out = speculative_generate(model.graphdef, model.state, model.config, PROMPT, drafter,
-                             max_new_tokens=48, gamma=4, eos_ids=(), keep_plans=True)
+                             max_new_tokens=48, gamma=4, eos_ids=(), record_rounds=True)
   assert out.tokens == ar.tokens
   assert out.plans[0].weight_bits == 8 and out.plans[0].kv_bits == 4
   assert_exercised(out)
@@ -173,7 +173,7 @@ def test_overlays_over_quantspec_keep_its_cache_and_stay_lossless(outer):
   ar = generate(model.graphdef, model.state, model.config, PROMPT, max_new_tokens=48,
                 eos_ids=(), kv_cache=kv)
   out = speculative_generate(model.graphdef, model.state, model.config, PROMPT, drafter,
-                             max_new_tokens=48, gamma=4, eos_ids=(), keep_plans=True)
+                             max_new_tokens=48, gamma=4, eos_ids=(), record_rounds=True)
   assert out.tokens == ar.tokens
   plan = out.plans[0]
   assert plan.kv_bits == 4 and plan.weight_bits == (8 if outer == "8bit" else 4)

@@ -183,7 +183,7 @@ def test_knn_drafter_is_lossless_and_picks_the_prompts_domain(arch):
   for domain, ids in PROMPTS.items():
     ar = generate(graphdef, state, config, ids, max_new_tokens=30, eos_ids=()).tokens
     out = speculative_generate(graphdef, state, config, ids, drafter, max_new_tokens=30,
-                               gamma=4, eos_ids=(), keep_plans=True, threshold=0.0)
+                               gamma=4, eos_ids=(), record_rounds=True, threshold=0.0)
     assert out.tokens == ar
     assert_exercised(out, deep=True)
     assert out.drafter_state.domain == domain

@@ -236,7 +236,7 @@ def test_quantspec_is_lossless_across_many_flushes(arch):
   # trained targets on every token, and this test is about rolling rejections back.
   skip = StaticDrafter(DraftPlan.from_skips(3, [1], [1]))
   out = speculative_generate(graphdef, state, config, PROMPT, drafter_for(arch, base=skip),
-                             max_new_tokens=160, gamma=4, eos_ids=(), keep_plans=True,
+                             max_new_tokens=160, gamma=4, eos_ids=(), record_rounds=True,
                              threshold=0.0)
   assert out.tokens == ar.tokens  # 42 + 160 tokens through a 2R = 32 buffer: ~10 flushes
   assert len(set(ar.tokens)) >= 8
@@ -292,7 +292,7 @@ def test_quantspec_composes_with_knapspec_and_samples():
   d = drafter_for("llama", base=ks)
   ar = generate(graphdef, state, config, PROMPT, max_new_tokens=60, eos_ids=(), kv_cache=KV)
   out = speculative_generate(graphdef, state, config, PROMPT, d, max_new_tokens=60, gamma=4,
-                             eos_ids=(), keep_plans=True)
+                             eos_ids=(), record_rounds=True)
   assert out.tokens == ar.tokens
   assert all(p.kv_bits == 4 for p in out.plans)
   assert any(not np.all(p.attn) or not np.all(p.mlp) for p in out.plans)

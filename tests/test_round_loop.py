@@ -179,7 +179,7 @@ def test_a_frozen_plan_commits_the_same_tokens_without_conditionals(name):
   drafter = DRAFTERS[name]("llama")
   run = lambda static: speculative_generate(graphdef, state, config, PROMPT, drafter,
                                             max_new_tokens=48, eos_ids=(), gamma=4,
-                                            threshold=0.0, static_plan=static, keep_plans=True)
+                                            threshold=0.0, static_plan=static, record_rounds=True)
   traced, frozen = run(False), run(True)
   assert frozen.tokens == traced.tokens and frozen.round_accepted == traced.round_accepted
   plan = frozen.plans[0]

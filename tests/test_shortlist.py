@@ -93,7 +93,7 @@ def test_frspec_is_lossless_and_drafts_only_shortlisted_ids(arch):
   common = max(set(toks) - {2}, key=toks.count)  # EOS (2) must stay in any shortlist
   shortlist = np.asarray(sorted((set(toks) | {1, 2}) - {common}))
   out = speculative_generate(graphdef, state, config, PROMPT, FRSpecDrafter(shortlist),
-                             max_new_tokens=40, gamma=4, eos_ids=(), keep_plans=True,
+                             max_new_tokens=40, gamma=4, eos_ids=(), record_rounds=True,
                              threshold=0.0)
   assert out.tokens == toks
   assert_exercised(out, deep=True)  # the missing token is never drafted: some drafts are rejected
@@ -115,7 +115,7 @@ def test_frspec_on_a_layer_drafter_is_lossless():
   for base in (EarlyExitDrafter(k=2), ClaspDrafter(skip=1, interval=3), int8):
     out = speculative_generate(graphdef, state, config, PROMPT, FRSpecDrafter(shortlist, base),
                                max_new_tokens=40, gamma=4, eos_ids=(), threshold=0.0,
-                               keep_plans=True)
+                               record_rounds=True)
     assert out.tokens == ar()
     assert_exercised(out, deep=True)
     # CLaSp changes its layers every round (host loop); the rows are gathered once.

@@ -151,7 +151,7 @@ def draft_lengths(model, drafters: dict, cfg: BenchConfig, pilot_prompts, out_di
       continue
     pilot = speculative_generate(model.graphdef, model.state, model.config, ids, d,
                                  max_new_tokens=cfg.max_new_tokens, gamma=cfg.gamma,
-                                 threshold=0.0, keep_plans=True, loop="host", eos_ids=())
+                                 threshold=0.0, record_rounds=True, loop="host", eos_ids=())
     rounds = draft_length.pilot_rounds(pilot)
     alpha = draft_length.acceptance(pilot.round_drafted, pilot.round_accepted)
     costs = draft_length.measure_step_costs(model.graphdef, model.state, model.config,

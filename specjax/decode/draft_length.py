@@ -82,9 +82,9 @@ class PilotRound:
 
 
 def pilot_rounds(generation) -> list[PilotRound]:
-  """The rounds of an `SSDGeneration` run with `keep_plans=True` on the host loop."""
+  """The rounds of an `SSDGeneration` run with `record_rounds=True` on the host loop."""
   if len(generation.round_confidence) != generation.rounds:
-    raise ConfigError("the pilot kept no draft probabilities: run it with keep_plans=True "
+    raise ConfigError("the pilot kept no draft probabilities: run it with record_rounds=True "
                       "and loop='host'")
   return [PilotRound(tuple(c), a) for c, a in zip(generation.round_confidence,
                                                    generation.round_accepted)]

@@ -339,7 +339,7 @@ class SSDGeneration:
   plans: list[DraftPlan] = dataclasses.field(default_factory=list)
   round_drafted: list[int] = dataclasses.field(default_factory=list)  # per round
   round_accepted: list[int] = dataclasses.field(default_factory=list)  # per round
-  # per round, each draft's top-1 probability (host loop with keep_plans: draft-length fits)
+  # per round, each draft's top-1 probability (host loop with record_rounds: draft-length fits)
   round_confidence: list[list[float]] = dataclasses.field(default_factory=list)
   drafter_state: object = None  # final state: the `prior` of the next generation
   compiles: int = 0  # executables compiled for this run (prefill included): 0 when cached
@@ -406,7 +406,7 @@ def speculative_generate(
     seed: int = 0,
     eos_ids: Sequence[int] | None = None,
     on_token: Callable[[int], None] | None = None,
-    keep_plans: bool = False,
+    record_rounds: bool = False,
     drafter_state=None,
     kv_cache=None,
     prefilled: Prefilled | None = None,
@@ -431,6 +431,9 @@ def speculative_generate(
   plan into the executable (`DraftPlan.freeze`: no per-layer conditional, one compile
   per plan; the default on accelerators, where each conditional is a host round trip)
   rather than trace it (one executable for every plan; the default on a CPU).
+  `record_rounds` keeps each round's plan and, on the host loop, its drafts' top-1
+  probabilities (what `draft_length.best_length_and_threshold` replays): a diagnostic,
+  one more host read per round.
   """
   threshold = drafter.threshold if threshold is None else threshold
   kv_cache = drafter.kv_cache if kv_cache is None else kv_cache
@@ -464,13 +467,13 @@ def speculative_generate(
              first, pre.key, max_new_tokens, gamma, threshold, sampling,
              set(config.eos_ids if eos_ids is None else eos_ids), on_token, kv_cache)
   if loop == "host" or (loop == "auto" and drafter.adaptive):
-    gen = _host_rounds(run, keep_plans)
+    gen = _host_rounds(run, record_rounds)
   else:
     from specjax.decode.round_loop import device_rounds
 
     if static_plan is None:
       static_plan = jax.default_backend() != "cpu"
-    gen = device_rounds(run, keep_plans, rounds_per_call, static_plan)
+    gen = device_rounds(run, record_rounds, rounds_per_call, static_plan)
   gen.compile_s += pre.compile_s + init_compile_s
   gen.compiles = pre.compiles + clock.count
   gen.prefill_s = pre.prefill_s
@@ -478,7 +481,7 @@ def speculative_generate(
   return gen
 
 
-def _host_rounds(run: _Run, keep_plans: bool) -> SSDGeneration:
+def _host_rounds(run: _Run, record_rounds: bool) -> SSDGeneration:
   """A draft call and a verify call per round, the drafter consulted between them: exact
   draft / verify times, and plans that change every round (SWIFT, CLaSp, KnapSpec)."""
   graphdef, state, config, drafter, gamma = (run.graphdef, run.state, run.config, run.drafter,
@@ -529,7 +532,7 @@ def _host_rounds(run: _Run, keep_plans: bool) -> SSDGeneration:
     c0 = clock.seconds
     plan = session.with_head_rows(drafter.plan(dstate))
     length = min(max(drafter.draft_length(dstate) or gamma, 1), gamma)
-    if keep_plans:
+    if record_rounds:
       plans.append(plan)
     key, k_draft, k_accept = jax.random.split(key, 3)
     last = jnp.asarray(tokens[-1], jnp.int32)
@@ -549,7 +552,7 @@ def _host_rounds(run: _Run, keep_plans: bool) -> SSDGeneration:
     committed = round_tokens[:n_commit].tolist()
     round_drafted.append(n_drafted)
     round_accepted.append(n_commit - 1)
-    if keep_plans:  # a diagnostic read, off the timed path's usual work
+    if record_rounds:  # a diagnostic read, off the timed path's usual work
       round_confidence.append(jax.device_get(draft.confidence)[:n_drafted].tolist())
     stats["rounds"] += 1
     stats["drafted"] += n_drafted

@@ -100,7 +100,7 @@ def decode_rounds(state: nnx.State, carry: Decoding, plan: DraftPlan, budget: ja
   return jax.lax.while_loop(cond, body, carry)
 
 
-def device_rounds(run, keep_plans: bool, rounds_per_call: int | None, static_plan: bool):
+def device_rounds(run, record_rounds: bool, rounds_per_call: int | None, static_plan: bool):
   """`engine.speculative_generate`'s device driver: the drafter's one plan (frozen into
   the executable when `static_plan`), then calls of `decode_rounds` until done, one host
   read each (`engine._Run` in, `SSDGeneration` out)."""
@@ -147,6 +147,6 @@ def device_rounds(run, keep_plans: bool, rounds_per_call: int | None, static_pla
       committed=len(tokens) - 1, compile_s=compile_s, prefill_s=0.0, draft_s=0.0,
       verify_s=0.0, selection_s=selection_s, other_s=(t2 - t1) - rounds_s,
       stopped_on_eos=tokens[-1] in run.eos, rounds_s=rounds_s, loop="device",
-      plans=[plan] * int(n) if keep_plans else [],
+      plans=[plan] * int(n) if record_rounds else [],
       round_drafted=drafted[:n].tolist(), round_accepted=accepted[:n].tolist(),
       drafter_state=run.dstate)

@@ -39,6 +39,7 @@ import numpy as np
 from specjax.drafters.base import Drafter
 from specjax.errors import ConfigError
 from specjax.plan import DraftPlan
+from specjax.selection.cost import expected_tokens
 from specjax.selection.layer_dp import run_dp, sublayer_items
 from specjax.selection.layer_probe import Window, prompt_window, push_round
 from specjax.selection.profiler import LatencyProfile, ProfileMismatchError
@@ -74,10 +75,7 @@ def tokens_per_time(alpha: np.ndarray, gamma: np.ndarray, t_draft: np.ndarray,
                     t_target: np.ndarray) -> np.ndarray:
   """Expected committed tokens per second of a round (Leviathan et al. 2023, with the
   draft and verify times measured rather than in units of a step)."""
-  alpha = np.clip(alpha, 0.0, 1.0)
-  tokens = np.where(alpha >= 1.0, gamma + 1.0,
-                    (1.0 - alpha ** (gamma + 1)) / np.maximum(1.0 - alpha, 1e-9))
-  return tokens / (gamma * t_draft + t_target)
+  return expected_tokens(alpha, gamma) / (gamma * t_draft + t_target)
 
 
 def slots_for(weights: np.ndarray, bucket: int = 16) -> int:

@@ -48,8 +48,19 @@ def draft_cost(config: ModelConfig, plan: DraftPlan, target_bits: int = 32) -> f
   return used / full
 
 
+def expected_tokens(alpha, gamma):
+  """Tokens a round of γ drafts commits when each is accepted with probability α, given
+  the ones before it (Leviathan et al. 2023): (1 − α^{γ+1}) / (1 − α), γ + 1 at α = 1.
+  Elementwise over arrays; the one closed form every γ and plan choice here prices with."""
+  eps = 1.0 - np.clip(np.asarray(alpha, np.float64), 0.0, 1.0)
+  gamma = np.asarray(gamma, np.float64)
+  with np.errstate(divide="ignore", invalid="ignore"):  # α = 0 (log 0) and α = 1 (0 / 0)
+    # −expm1((γ+1)·log α) / (1 − α): no cancellation as α → 1, where drafts are cheap
+    tokens = -np.expm1((gamma + 1.0) * np.log1p(-eps)) / eps
+  return np.where(eps <= 0.0, gamma + 1.0, tokens)
+
+
 def expected_speedup(alpha: float, gamma: int, cost: float) -> float:
-  """Tokens per round over time per round, in full-step units (Leviathan et al. 2023):
-  E[tokens] = (1 - α^{γ+1}) / (1 - α), time = γ·cost + 1 (one verification ≈ one step)."""
-  alpha = min(max(alpha, 0.0), 1.0 - 1e-9)
-  return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha) / (gamma * cost + 1.0)
+  """Tokens per round over time per round, in full-step units: `expected_tokens` over
+  γ·cost + 1 (one verification ≈ one step)."""
+  return float(expected_tokens(alpha, gamma)) / (gamma * cost + 1.0)
