@@ -86,6 +86,12 @@ def test_compositions_set_the_fields_of_each_part(plan_file):
   assert d.own_gamma and d.wants_residuals  # KnapSpec's policy passes through
   assert d.base.base.profile.draft == "8bit"  # priced at the 8-bit sub-layer times
   assert f.make("knapspec+dynaspec").base.profile.draft == "target"
+  # QuantSpec's 8-bit weights (the CPU default) price KnapSpec at 8 bits too; its 4-bit
+  # weights have no profile of their own, so the target's
+  for bits, draft in ((8, "8bit"), (4, "target")):
+    g = DrafterFactory(model(), gamma=4, verbose=False,
+                       options={"quantspec": {"weight_bits": bits}}, artefacts=f.artefacts)
+    assert g.make("knapspec+quantspec").base.profile.draft == draft
   q = f.make("frspec+quantspec")  # FR-Spec alone, under QuantSpec
   assert q.name == "quantspec" and q.base.name == "frspec" and q.kv_cache == KV
   assert f.make("8bit").weights is f.make("self_sd+8bit").weights  # one int8 copy

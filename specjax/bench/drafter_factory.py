@@ -282,8 +282,8 @@ class DrafterFactory:
 
   def _base(self, name: str, overlays: Sequence[str] = ()) -> Drafter:
     """The layer drafter; a search-based one is searched for the draft the overlays make
-    of it (Self-SD under `8bit` costs and scores its candidates at 8 bits, KnapSpec prices
-    its sub-layers at their 8-bit times)."""
+    of it (under 8-bit weights, from `8bit` or `quantspec`, Self-SD costs and scores its
+    candidates at 8 bits and KnapSpec prices its sub-layers at their 8-bit times)."""
     kw = self._kwargs(name)
     L = self.model.config.num_layers
     if name == "static":
@@ -297,16 +297,29 @@ class DrafterFactory:
       return EarlyExitDrafter(**{"k": L // 2, **kw})
     if name == "swift":
       return SwiftDrafter(**{"seed": self.seed, **kw})
+    int8 = self._int8_weights_under(overlays)
     if name == "self_sd":
-      return SelfSDDrafter(self.self_sd_plan(int8="8bit" in overlays), **kw)
+      return SelfSDDrafter(self.self_sd_plan(int8=int8), **kw)
     if name == "clasp":
       return ClaspDrafter(**kw)
     if name == "knapspec":
-      profile = self.int8_latency_profile if "8bit" in overlays else self.latency_profile
+      profile = self.int8_latency_profile if int8 else self.latency_profile
       return KnapSpecDrafter(profile=profile, **{"max_gamma": self.gamma, **kw})
     if name == "knn":
       return KNNDrafter(self.knn_library(), **kw)
     raise DrafterNameError(f"{name!r} is not a layer drafter")  # parse() prevents this
+
+  def _quantspec_weight_bits(self) -> int | None:
+    """QuantSpec's draft weight bits: its option, or the backend's default."""
+    from specjax.drafters.quantspec import default_weight_bits
+
+    bits = self._opts("quantspec")["weight_bits"]
+    return default_weight_bits() if bits is None else bits
+
+  def _int8_weights_under(self, overlays: Sequence[str]) -> bool:
+    """Whether the overlays make the draft read the int8 copy (`8bit`, or `quantspec` at 8
+    weight bits): a searched layer plan is then priced and scored at 8 bits."""
+    return "8bit" in overlays or ("quantspec" in overlays and self._quantspec_weight_bits() == 8)
 
   def _overlay(self, name: str, base: Drafter | None) -> Drafter:
     kw = self._kwargs(name)
@@ -314,12 +327,11 @@ class DrafterFactory:
     if name == "8bit":
       return Int8WeightsDrafter(weights=self.int8_weights, base=base, **kw)
     if name == "quantspec":
-      from specjax.drafters.quantspec import default_weight_bits
       from specjax.quant_kv_cache import QuantKV
 
       o = self._opts("quantspec")
       kv = QuantKV(group=o["group"], residual=o["residual"])
-      bits = default_weight_bits() if o["weight_bits"] is None else o["weight_bits"]
+      bits = self._quantspec_weight_bits()
       if bits == 8:  # the int8 copy every 8-bit name shares
         return QuantSpecDrafter(weights=self.int8_weights, base=base, kv_cache=kv, **kw)
       return QuantSpecDrafter.for_model(self.model, base=base, weight_bits=bits, kv_cache=kv)
