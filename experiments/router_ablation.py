@@ -35,6 +35,7 @@ from specjax.models.registry import cache_root  # noqa: E402
 from specjax.offline import shortlists  # noqa: E402
 from specjax.offline.router import (  # noqa: E402
   collect_pairs,
+  is_current,
   load_bundle,
   recall_at,
   select,
@@ -65,13 +66,13 @@ def first_sequences(pairs, n: int, held: np.ndarray):
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--prompts", type=int, default=64,
+  p.add_argument("--prompts", type=int, default=48,
                  help="continued training prompts the pairs were built with")
   p.add_argument("--new-tokens", type=int, default=48)
-  p.add_argument("--router-prompts", type=int, default=640,
+  p.add_argument("--router-prompts", type=int, default=320,
                  help="training prompts the pairs were built with")
-  p.add_argument("--sizes", default="160,320,640",
-                 help="training sequences per variant (comma-separated)")
+  p.add_argument("--sizes", help="training sequences per variant, comma-separated "
+                 "(default: a quarter, half and all of --router-prompts)")
   p.add_argument("--weights", default="4,16",
                  help="continuation weights tried at the largest size")
   p.add_argument("--hidden", type=int, default=1024)
@@ -79,13 +80,18 @@ def main(argv=None) -> None:
   p.add_argument("--data-dir")
   report.common_args(p, default_model="qwen2.5-coder-1.5b-instruct")
   args = p.parse_args(argv)
-  sizes = [int(s) for s in args.sizes.split(",") if s]
+  sizes = ([int(s) for s in args.sizes.split(",") if s] if args.sizes else
+           [args.router_prompts // 4, args.router_prompts // 2, args.router_prompts])
   weights = [float(w) for w in args.weights.split(",") if w]
   store = ResultsStore(Path(args.out or f"runs/router-ablation-{args.model}"),
                        report.settings(args), resume=args.resume)
 
   model = load_model(args.model, dtype=args.dtype)
   folder = cache_root() / "shortlists" / model.name
+  if not is_current(folder / "router"):
+    raise SystemExit(f"no router for {model.name}: run `specjax router train --model "
+                     f"{model.name} --prompts {args.prompts} --router-prompts "
+                     f"{args.router_prompts} --keep-pairs` first")
   bundle = load_bundle(folder / "router", model=model.name)  # its clusters label the pairs
   continued = shortlists.training_prompts(model.tokenizer, args.prompts, args.data_dir)
   seqs = shortlists.sequences(model, folder, continued, args.new_tokens)
