@@ -51,7 +51,8 @@ def ar(arch="llama", n=40):
 
 @pytest.mark.parametrize("arch,kw", [
     ("llama", dict()), ("gemma3", dict()), ("llama", dict(coupled=True)),
-    ("llama", dict(objective="cosine")), ("qwen3", dict(prune=False, window=3))])
+    ("llama", dict(objective="cosine")), ("qwen3", dict(prune=False, window=3)),
+    ("llama", dict(realised=True))])
 def test_knapspec_is_lossless(arch, kw):
   out = run(KnapSpecDrafter(profile=synthetic_profile(), interval=2, selection_budget=None,
                             **kw), arch)
@@ -100,6 +101,30 @@ def test_selection_budget_spaces_selections_and_carries_across_prompts():
   assert all(s.round > second.drafter_state.total_rounds for s in t.selections)
   with pytest.raises(ValueError, match="selection_budget"):
     KnapSpecDrafter(profile=synthetic_profile(), selection_budget=1.5)
+
+
+def test_realised_acceptance_is_tallied_per_plan_and_blended():
+  """`realised`: every round's accepted drafts and rejection land on the plan that
+  drafted it; a selection prices a plan that drafted before between its window estimate
+  and what it realised, and one that never drafted at its estimate."""
+  from specjax.drafters.knapspec import blended_alpha, plan_key, tally
+
+  out = run(KnapSpecDrafter(profile=synthetic_profile(), interval=2, selection_budget=None,
+                            realised=True), threshold=0.0)
+  tallies = out.drafter_state.tallies
+  drafted, accepted = out.round_drafted[:-1], out.round_accepted[:-1]  # the last: no update
+  assert sum(a for a, _ in tallies.values()) == sum(accepted)
+  assert sum(r for _, r in tallies.values()) == sum(a < d for d, a in zip(drafted, accepted))
+  sel = out.drafter_state.selections
+  assert plan_key(sel[-1].chosen_bits) in tallies or out.drafter_state.rounds == 0
+  priced = [c for s in sel[1:] for c in s.candidates if c["alpha"] != c["window_alpha"]]
+  assert priced  # later selections priced some candidates by their rounds
+
+  t = tally(tally({}, np.ones(4, bool), 4, 4), np.ones(4, bool), 4, 1)
+  assert t == {plan_key(np.ones(4, bool)): (5, 1)}
+  assert blended_alpha(1.0, None, 4) == 1.0
+  assert blended_alpha(1.0, (5, 1), 4) == pytest.approx(9 / 10)  # (5 + 4·1) / (6 + 4)
+  assert blended_alpha(1.0, (500, 250), 4) == pytest.approx(504 / 754)  # the rounds win
 
 
 def test_knapspec_uses_the_draft_length_it_chooses():

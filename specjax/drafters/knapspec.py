@@ -23,6 +23,16 @@ not pay a DP at every prefill. With `selection_budget=None` it reruns every `int
 rounds and at every prompt, as in the paper — on a GPU the batched DP costs about one
 forward, on a 2-core CPU ~10 draft steps.
 
+Realised acceptance (`realised=True`, not in the paper). α̂ counts agreements over a
+window of a few tokens (4 on a CPU), so many cheap candidates score α̂ = 1 and win on
+cost, then accept far less when they draft (the 1.5B's `knapspec+8bit` chose plans of
+α ≈ 0.65 over the all-layer 8-bit draft's 0.98). With `realised`, a candidate whose plan
+drafted in earlier rounds is priced at the acceptance it realised there (maximum
+likelihood under the geometric model), blended with its α̂ as `window` tokens of prior
+evidence; plans never run keep their optimistic α̂, so each selection either exploits the
+best plan measured or tries one whose estimate still promises more (a greedy bandit with
+optimistic starts). The tallies carry across prompts with the state.
+
 Ablations: `coupled` (whole layers as items), `objective="cosine"` (the most similar
 candidate within a fixed share of the capacity, fixed γ), `prune=False`.
 """
@@ -69,6 +79,8 @@ class KnapSpecState:
   since_s: float  # predicted decode seconds since the last selection
   weights: np.ndarray  # int[2L] at this cache size
   selections: list[Selection]
+  # plan bits -> (accepted drafts, rejections) over the rounds it drafted (`realised`)
+  tallies: dict[bytes, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
 
 def tokens_per_time(alpha: np.ndarray, gamma: np.ndarray, t_draft: np.ndarray,
@@ -76,6 +88,29 @@ def tokens_per_time(alpha: np.ndarray, gamma: np.ndarray, t_draft: np.ndarray,
   """Expected committed tokens per second of a round (Leviathan et al. 2023, with the
   draft and verify times measured rather than in units of a step)."""
   return expected_tokens(alpha, gamma) / (gamma * t_draft + t_target)
+
+
+def plan_key(bits: np.ndarray) -> bytes:
+  return np.asarray(bits, bool).tobytes()
+
+
+def tally(tallies: dict[bytes, tuple[int, int]], bits: np.ndarray, drafted: int,
+          accepted: int) -> dict[bytes, tuple[int, int]]:
+  """`tallies` with one round of the plan `bits` added: its accepted drafts, and a
+  rejection when the target refused one (accepted < drafted)."""
+  a, r = tallies.get(plan_key(bits), (0, 0))
+  return {**tallies, plan_key(bits): (a + accepted, r + int(accepted < drafted))}
+
+
+def blended_alpha(window_alpha: float, tallied: tuple[int, int] | None, prior: float
+                  ) -> float:
+  """A plan's acceptance: what it realised (accepted / (accepted + rejections)) with the
+  window's estimate counted as `prior` observations; the estimate alone if it never
+  drafted."""
+  if tallied is None:
+    return float(window_alpha)
+  a, r = tallied
+  return (a + prior * float(window_alpha)) / (a + r + prior)
 
 
 def slots_for(weights: np.ndarray, bucket: int = 16) -> int:
@@ -105,6 +140,7 @@ class KnapSpecDrafter(Drafter):
   objective: str = "tpt"  # or "cosine" (ablation)
   cosine_share: float = 0.5  # "cosine" objective: budget as a share of the capacity
   coupled: bool = False  # ablation: whole layers as items
+  realised: bool = False  # price plans that drafted before at their realised acceptance
 
   def __post_init__(self):
     if self.profile is None:
@@ -149,6 +185,10 @@ class KnapSpecDrafter(Drafter):
   def update(self, state: KnapSpecState, out, session) -> KnapSpecState:
     window = push_round(state.window, out, session)
     n = session.cache.size
+    if self.realised:
+      state = dataclasses.replace(state, tallies=tally(state.tallies, state.bits,
+                                                       int(out.n_drafted),
+                                                       int(out.n_commit) - 1))
     round_s = (int(out.n_drafted) * float(self.profile.draft_time(state.bits, n))
                + self.profile.t_target(n, state.gamma + 1))
     state = dataclasses.replace(state, window=window, rounds=state.rounds + 1,
@@ -185,6 +225,10 @@ class KnapSpecDrafter(Drafter):
                    agreement=self.objective == "tpt", clock=clock)
     bits, alive, cosine, alpha = jax.device_get(
         (cands.bits, cands.alive, cands.cosine, cands.agreement))
+    window_alpha = alpha
+    if self.realised:
+      alpha = np.asarray([blended_alpha(a, state.tallies.get(plan_key(b)), self.window)
+                          for a, b in zip(alpha, bits)])
     dp_seconds = time.perf_counter() - t0 - (clock.seconds - c0)
     budgets = np.flatnonzero(alive)
     if budgets.size == 0:  # everything pruned: draft with the full model's first layers
@@ -206,6 +250,7 @@ class KnapSpecDrafter(Drafter):
       tpt = None
       best_tpt = float("nan")
     records = [dict(budget=int(b), bits=bits[b].tolist(), alpha=float(alpha[b]),
+                    window_alpha=float(window_alpha[b]),
                     cosine=float(cosine[b]),
                     t_draft=float(t_draft[i]),
                     gamma=int(gammas[np.argmax(tpt[i])]) if tpt is not None else gamma,
