@@ -147,8 +147,26 @@ def main(argv=None) -> None:
         f"a draft predicts) and at all {evaluation['all'].target.size} of their positions. "
         f"Each router: hidden {args.hidden}, {args.epochs} epochs, the epoch of lowest "
         f"validation loss kept; recall of the target's top token at the top-k clusters. "
-        f"Machine: {report.machine()}.", "", table, "", image]))
+        f"The held-out sequences come from the training pool (GSM8K train, Spec-Bench "
+        f"past the evaluation prompts), so their recall runs above the evaluation "
+        f"prompts' (`bench_vocab.py`). Machine: {report.machine()}.", "", table, "",
+        findings(rows), "", image]))
   report.print_json(figures)
+
+
+def findings(rows: list[dict], k: int = KS[0]) -> str:
+  """What the table says, in words that follow its numbers: recall@k at the outputs as
+  the text grows, and what each continuation weight changed at the largest size."""
+  flat = sorted((r for r in rows if r["weight"] == 1.0), key=lambda r: r["sequences"])
+  at = lambda r: r["outputs"][str(k)]
+  text = [f"Recall@{k} at the outputs goes " + " → ".join(
+      f"{at(r):.3f} ({r['sequences']} sequences)" for r in flat) + "."]
+  top = flat[-1] if flat else None
+  for r in rows:
+    if top and r["weight"] != 1.0 and r["sequences"] == top["sequences"]:
+      text.append(f"Weighing the continuations {r['weight']:g}× moves it by "
+                  f"{at(r) - at(top):+.3f}.")
+  return " ".join(text)
 
 
 def plot_scaling(rows: list[dict], path: Path, name: str) -> None:
@@ -160,6 +178,8 @@ def plot_scaling(rows: list[dict], path: Path, name: str) -> None:
             [r["outputs"][str(k)] for r in flat], "o-",
             label=f"top-{k} clusters")
   ax.set_xscale("log", base=2)
+  ax.set_xticks([r["sequences"] for r in flat], [str(r["sequences"]) for r in flat])
+  ax.minorticks_off()
   ax.set_xlabel("router training sequences")
   ax.set_ylabel("recall at held-out outputs")
   ax.legend()
