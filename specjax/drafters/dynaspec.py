@@ -10,8 +10,10 @@ every shortlist size.
 `core` adds a static part: token ids scored at every step (the most frequent ones, as
 FR-Spec picks them), their head rows gathered once per generation, and left out of the
 clusters. It was built on the guess that the router misses frequent tokens; on
-Qwen2.5-1.5B the 1k core added 0.011 recall at 16 clusters and no acceptance, so the
-misses lie elsewhere (docs/BENCHMARKS.md, vocab-qwen2.5-coder-1.5b-instruct).
+Qwen2.5-1.5B the 1k core added 0.011 recall at 16 clusters with a 160-prompt router and
+nothing with a 640-prompt one, and no acceptance either time, so the misses lie
+elsewhere: more router training text is what raised recall (docs/BENCHMARKS.md,
+vocab- and router-ablation-qwen2.5-coder-1.5b-instruct).
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ Measured on SmolLM2-135M (1024 clusters, held-out sequences, recall of the targe
 token at top-8 / top-32 clusters): the paper's inputs and the text's next token gave
 0.57 / 0.64 from 48 sequences. h_t with soft labels gave 0.82 / 0.89, and with 300 more
 prompts 0.97 / 0.99. The full-vocabulary acceptance a shortlist keeps follows that recall.
+On Qwen2.5-1.5B recall at 16 clusters on held-out outputs grew 0.929 → 0.955 → 0.969
+from 160 to 320 to 624 training sequences (`experiments/router_ablation.py`).
 
 `k_schedule` gives k per draft position: flat by default, or the paper's decay, where k
 shrinks after the second position. `RouterPlan` carries the router into the jitted draft
