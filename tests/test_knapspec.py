@@ -120,6 +120,18 @@ def test_realised_acceptance_is_tallied_per_plan_and_blended():
   priced = [c for s in sel[1:] for c in s.candidates if c["alpha"] != c["window_alpha"]]
   assert priced  # later selections priced some candidates by their rounds
 
+  # Between DPs the choice is remade among the last DP's candidates: a plan that realised
+  # poorly loses to one whose estimate promises more, at no DP.
+  d = KnapSpecDrafter(profile=synthetic_profile(), realised=True)
+  st = out.drafter_state
+  cheap, full = np.zeros(12, bool), np.ones(12, bool)
+  cheap[[0, 1]] = True
+  cands = (np.stack([cheap, full]), np.asarray([1.0, 1.0]), np.asarray([1e-4, 1e-3]))
+  fresh = dataclasses.replace(st, candidates=cands, tallies={}, bits=cheap, gamma=6)
+  assert np.array_equal(d._rechoose(fresh, 64).bits, cheap)  # both α̂ = 1: the cheap one
+  burnt = dataclasses.replace(fresh, tallies={plan_key(cheap): (2, 40)})
+  assert np.array_equal(d._rechoose(burnt, 64).bits, full)
+
   t = tally(tally({}, np.ones(4, bool), 4, 4), np.ones(4, bool), 4, 1)
   assert t == {plan_key(np.ones(4, bool)): (5, 1)}
   assert blended_alpha(1.0, None, 4) == 1.0

@@ -29,9 +29,12 @@ cost, then accept far less when they draft (the 1.5B's `knapspec+8bit` chose pla
 α ≈ 0.65 over the all-layer 8-bit draft's 0.98). With `realised`, a candidate whose plan
 drafted in earlier rounds is priced at the acceptance it realised there (maximum
 likelihood under the geometric model), blended with its α̂ as `window` tokens of prior
-evidence; plans never run keep their optimistic α̂, so each selection either exploits the
+evidence; plans never run keep their optimistic α̂, so each choice either exploits the
 best plan measured or tries one whose estimate still promises more (a greedy bandit with
-optimistic starts). The tallies carry across prompts with the state.
+optimistic starts). The choice is remade after every round among the last DP's
+candidates, which costs a few array operations: on a CPU the DP itself costs seconds on
+the 1.5B, so the budget lets it run about once per stream, and a bandit that waited for
+it would never act. The tallies and candidates carry across prompts with the state.
 
 Ablations: `coupled` (whole layers as items), `objective="cosine"` (the most similar
 candidate within a fixed share of the capacity, fixed γ), `prune=False`.
@@ -81,6 +84,8 @@ class KnapSpecState:
   selections: list[Selection]
   # plan bits -> (accepted drafts, rejections) over the rounds it drafted (`realised`)
   tallies: dict[bytes, tuple[int, int]] = dataclasses.field(default_factory=dict)
+  # the last DP's alive candidates: bits[C, 2L], window α̂[C], draft seconds[C] (`realised`)
+  candidates: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 def tokens_per_time(alpha: np.ndarray, gamma: np.ndarray, t_draft: np.ndarray,
@@ -196,7 +201,31 @@ class KnapSpecDrafter(Drafter):
                                 since_s=state.since_s + round_s)
     if self._due(state):
       state = self._select(state, session)
+    elif self.realised and self.objective == "tpt" and state.candidates is not None:
+      state = self._rechoose(state, n)
     return state
+
+  def _rechoose(self, state: KnapSpecState, n: int) -> KnapSpecState:
+    """The best (plan, γ) among the last DP's candidates, priced by what they realised."""
+    bits, window_alpha, t_draft = state.candidates
+    pick, gamma, _, _ = self._best(bits, window_alpha, t_draft, state.tallies, n)
+    if gamma == state.gamma and np.array_equal(bits[pick], state.bits):
+      return state
+    return dataclasses.replace(state, plan=DraftPlan.from_bits(bits[pick]), bits=bits[pick],
+                               gamma=gamma)
+
+  def _best(self, bits, window_alpha, t_draft, tallies, n: int):
+    """(index, γ, TPT[C, γ], α[C]) of the candidate pair of highest tokens per time; α
+    blended with the realised acceptance under `realised`."""
+    alpha = window_alpha
+    if self.realised:
+      alpha = np.asarray([blended_alpha(a, tallies.get(plan_key(b)), self.window)
+                          for a, b in zip(window_alpha, bits)])
+    gammas = np.arange(1, self.max_gamma + 1)
+    t_target = np.asarray([self.profile.t_target(n, g + 1) for g in gammas])
+    tpt = tokens_per_time(alpha[:, None], gammas[None], t_draft[:, None], t_target[None])
+    best = np.unravel_index(np.argmax(tpt), tpt.shape)
+    return int(best[0]), int(gammas[best[1]]), tpt, alpha
 
   def _due(self, state: KnapSpecState) -> bool:
     if state.rounds < self.interval:
@@ -223,37 +252,27 @@ class KnapSpecDrafter(Drafter):
                    np.zeros_like(weights), self.tau if self.prune else -1.0,
                    graphdef=session.graphdef, items=items, slots=slots,
                    agreement=self.objective == "tpt", clock=clock)
-    bits, alive, cosine, alpha = jax.device_get(
+    bits, alive, cosine, window_alpha = jax.device_get(
         (cands.bits, cands.alive, cands.cosine, cands.agreement))
-    window_alpha = alpha
-    if self.realised:
-      alpha = np.asarray([blended_alpha(a, state.tallies.get(plan_key(b)), self.window)
-                          for a, b in zip(alpha, bits)])
     dp_seconds = time.perf_counter() - t0 - (clock.seconds - c0)
     budgets = np.flatnonzero(alive)
     if budgets.size == 0:  # everything pruned: draft with the full model's first layers
       budgets = np.asarray([slots - 1]) if alive.size else np.asarray([0])
     t_draft = self.profile.draft_time(bits[budgets], n)
-    gammas = np.arange(1, self.max_gamma + 1)
-    t_target = np.asarray([self.profile.t_target(n, g + 1) for g in gammas])
+    best, gamma, tpt, alpha = self._best(bits[budgets], window_alpha[budgets], t_draft,
+                                         state.tallies, n)  # tpt: [candidates, γ]
     if self.objective == "tpt":
-      tpt = tokens_per_time(alpha[budgets, None], gammas[None], t_draft[:, None],
-                            t_target[None])  # [candidates, γ]
-      best = np.unravel_index(np.argmax(tpt), tpt.shape)
-      pick, gamma = budgets[best[0]], int(gammas[best[1]])
-      best_tpt = float(tpt[best])
+      pick, best_tpt = budgets[best], float(np.max(tpt))
     else:
       limit = self.cosine_share * float(np.sum(weights))
       ok = budgets[budgets <= limit]
       ok = ok if ok.size else budgets[:1]
       pick, gamma = int(ok[np.argmax(cosine[ok])]), self.max_gamma
-      tpt = None
-      best_tpt = float("nan")
-    records = [dict(budget=int(b), bits=bits[b].tolist(), alpha=float(alpha[b]),
-                    window_alpha=float(window_alpha[b]),
-                    cosine=float(cosine[b]),
+      tpt, best_tpt = None, float("nan")
+    records = [dict(budget=int(b), bits=bits[b].tolist(), alpha=float(alpha[i]),
+                    window_alpha=float(window_alpha[b]), cosine=float(cosine[b]),
                     t_draft=float(t_draft[i]),
-                    gamma=int(gammas[np.argmax(tpt[i])]) if tpt is not None else gamma,
+                    gamma=int(np.argmax(tpt[i])) + 1 if tpt is not None else gamma,
                     tpt=float(np.max(tpt[i])) if tpt is not None else float("nan"))
                for i, b in enumerate(budgets)]
     chosen = bits[pick]
@@ -263,5 +282,6 @@ class KnapSpecDrafter(Drafter):
     return dataclasses.replace(state, plan=DraftPlan.from_bits(chosen), bits=chosen, gamma=gamma,
                                rounds=0,
                                selections=state.selections + [sel], dp_seconds=dp_seconds,
-                               since_s=0.0)
+                               since_s=0.0,
+                               candidates=(bits[budgets], window_alpha[budgets], t_draft))
 
