@@ -250,3 +250,22 @@ def test_bad_settings_are_clear_errors():
     run(ClaspDrafter(skip=9))
   with pytest.raises(PlanError, match="cannot skip -1"):
     ClaspDrafter(skip=-1)
+
+
+def test_prompt_window_scores_agreement_with_the_target_not_the_text():
+  """The window's next tokens after prefill are the target's own top-1 choices at those
+  positions (what α̂ must agree with), not the prompt text's next tokens."""
+  from specjax.decode.engine import Session
+  from specjax.decode.generate import prefill_prompt
+  from specjax.selection.layer_probe import prompt_window
+
+  config, graphdef, state = tiny()
+  pre = prefill_prompt(graphdef, state, config, PROMPT, sampling=SamplingParams(), seed=0,
+                       kv_cache=None, size=64)
+  session = Session(graphdef, state, config, pre.cache, list(PROMPT) + [int(pre.first[0])])
+  window = prompt_window(session, 4)
+  n = len(PROMPT)
+  want = [generate(graphdef, state, config, PROMPT[: p + 1], max_new_tokens=1,
+                   eos_ids=()).tokens[0] for p in range(n - 4, n)]
+  assert np.asarray(window.next_tokens).tolist() == want
+  assert want != PROMPT[n - 3:] + [want[-1]]  # the text would have said otherwise

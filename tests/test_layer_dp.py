@@ -43,7 +43,7 @@ def setup(arch: str = "llama", layers: int = 3, W: int = 3):
                           sampling=SamplingParams())
   start = len(PROMPT) - W - 1
   span = jnp.asarray(PROMPT[start : start + W], jnp.int32)
-  res = full_residuals(state, cache, span, jnp.int32(start), graphdef=graphdef)
+  res, _ = full_residuals(state, cache, span, jnp.int32(start), graphdef=graphdef)
   window = Window(tokens=span, positions=jnp.arange(start, start + W, dtype=jnp.int32),
                   next_tokens=jnp.asarray(PROMPT[start + 1 : start + W + 1], jnp.int32),
                   residuals=res, valid=jnp.ones((W,), bool))

@@ -88,15 +88,16 @@ def window_cosine(x: jax.Array, target: jax.Array, valid: jax.Array) -> jax.Arra
 
 
 def _residuals_fn(state, cache, tokens, start, *, graphdef):
+  """(residuals [2L, T, D], the full model's top-1 next token [T]) of `tokens` at `start`."""
   from specjax.decode.generate import positions_for
   from specjax.model import apply
 
   view = cache.with_length(start)
   L = len(cache.k)
   out, _ = apply(state, view, tokens[None], positions_for(view, tokens.shape[0], 1),
-                 DraftPlan.full(L), graphdef=graphdef, logits="none", return_residuals=True,
+                 DraftPlan.full(L), graphdef=graphdef, logits="all", return_residuals=True,
                  write_cache=False)
-  return out.residuals[:, 0]
+  return out.residuals[:, 0], jnp.argmax(out.logits[0], axis=-1).astype(jnp.int32)
 
 
 full_residuals = jax.jit(_residuals_fn, static_argnames=("graphdef",))
@@ -105,21 +106,27 @@ full_residuals = jax.jit(_residuals_fn, static_argnames=("graphdef",))
 def prompt_window(session, size: int) -> Window:
   """A window over the last `size` tokens already in the cache (the prompt right after
   prefill), with their full-model residuals from one teacher-forced pass that reads
-  the cache and writes nothing. Shorter prompts leave the first rows invalid."""
+  the cache and writes nothing. Shorter prompts leave the first rows invalid.
+
+  Each row's next token is the target's own top-1 there, not the prompt text's next
+  token: KnapSpec's α̂ is agreement with the target, and against the text even the full
+  model agreed about half the time (on Qwen2.5-1.5B every candidate's α̂ came out
+  deflated, the all-layer plan's to 0.5)."""
   end = int(session.cache.length)  # context[end] is the first generated token
   ctx = session.context
   n = min(size, end)
   start = end - n
   span = jnp.asarray(ctx[start:end] + [0] * (size - n), jnp.int32)  # padding after: causal
   args = (session.state, session.dense_cache(), span, jnp.int32(start))
-  res = compiled(full_residuals, *args, graphdef=session.graphdef, clock=session.clock)(*args)
+  res, top = compiled(full_residuals, *args, graphdef=session.graphdef,
+                      clock=session.clock)(*args)
   pad = size - n  # valid rows go last, as push_round expects
   positions = np.concatenate([np.full(pad, start, np.int32),
                               np.arange(start, end, dtype=np.int32)])
   rows = jnp.asarray(positions - start)
   return Window(tokens=jnp.asarray([ctx[p] for p in positions], jnp.int32),
                 positions=jnp.asarray(positions),
-                next_tokens=jnp.asarray([ctx[p + 1] for p in positions], jnp.int32),
+                next_tokens=top[rows],
                 residuals=res[:, rows], valid=jnp.asarray(np.arange(size) >= pad))
 
 
