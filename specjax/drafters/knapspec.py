@@ -24,9 +24,10 @@ rounds and at every prompt, as in the paper — on a GPU the batched DP costs ab
 forward, on a 2-core CPU ~10 draft steps.
 
 Realised acceptance (`realised=True`, not in the paper). α̂ counts agreements over a
-window of a few tokens (4 on a CPU), so many cheap candidates score α̂ = 1 and win on
-cost, then accept far less when they draft (the 1.5B's `knapspec+8bit` chose plans of
-α ≈ 0.65 over the all-layer 8-bit draft's 0.98). With `realised`, a candidate whose plan
+window of a few tokens (4 on a CPU), so cheap candidates can score α̂ = 1 and win on
+cost, then accept far less when they draft. On the 1.5B, `knapspec+8bit` drafted at
+α 0.87 with α̂ alone and at 0.97 with `realised` (M 2.91 → 3.16; docs/BENCHMARKS.md,
+knapspec-8bit-realised-*). With `realised`, a candidate whose plan
 drafted in earlier rounds is priced at the acceptance it realised there (maximum
 likelihood under the geometric model), blended with its α̂ as `window` tokens of prior
 evidence; plans never run keep their optimistic α̂, so each choice either exploits the
