@@ -83,15 +83,15 @@ def main(argv=None) -> None:
   sizes = ([int(s) for s in args.sizes.split(",") if s] if args.sizes else
            [args.router_prompts // 4, args.router_prompts // 2, args.router_prompts])
   weights = [float(w) for w in args.weights.split(",") if w]
+  folder = cache_root() / "shortlists" / args.model
+  if not is_current(folder / "router"):  # said before a model load of seconds to minutes
+    raise SystemExit(f"no router for {args.model}: run `specjax router train --model "
+                     f"{args.model} --prompts {args.prompts} --router-prompts "
+                     f"{args.router_prompts} --keep-pairs` first")
   store = ResultsStore(Path(args.out or f"runs/router-ablation-{args.model}"),
                        report.settings(args), resume=args.resume)
 
   model = load_model(args.model, dtype=args.dtype)
-  folder = cache_root() / "shortlists" / model.name
-  if not is_current(folder / "router"):
-    raise SystemExit(f"no router for {model.name}: run `specjax router train --model "
-                     f"{model.name} --prompts {args.prompts} --router-prompts "
-                     f"{args.router_prompts} --keep-pairs` first")
   bundle = load_bundle(folder / "router", model=model.name)  # its clusters label the pairs
   continued = shortlists.training_prompts(model.tokenizer, args.prompts, args.data_dir)
   seqs = shortlists.sequences(model, folder, continued, args.new_tokens)

@@ -398,3 +398,19 @@ def test_router_ablation_findings_follow_the_numbers():
   text = ra.findings([row(320, 1.0, 0.95), row(160, 1.0, 0.93), row(320, 4.0, 0.94)])
   assert text == ("Recall@16 at the outputs goes 0.930 (160 sequences) → 0.950 (320 "
                   "sequences). Weighing the continuations 4× moves it by -0.010.")
+
+
+def test_router_ablation_without_a_router_names_the_command(tmp_path, monkeypatch):
+  """No router built yet: the script says which `router train` to run, before it loads
+  the model or makes its results folder."""
+  import sys
+  from pathlib import Path
+
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+  import router_ablation as ra
+
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  with pytest.raises(SystemExit, match="specjax router train --model gemma3-270m --prompts "
+                     "48 --router-prompts 320 --keep-pairs"):
+    ra.main(["--model", "gemma3-270m", "--out", str(tmp_path / "runs")])
+  assert not (tmp_path / "runs").exists()
