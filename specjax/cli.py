@@ -318,7 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--auto-gamma", action="store_true",
                  help="per drafter, the γ <= --gamma and early-stop threshold (unless --threshold "
                  "is given) of highest tokens per time, replaying its rounds on a pilot prompt "
-                 "with its draft/verify costs measured here")
+                 "with its draft/verify costs measured here (the threshold alone for drafters "
+                 "that pick their own γ, as KnapSpec)")
   p.add_argument("--threshold", type=float, default=None,
                  help="draft early-stop top-1 prob (default: each drafter's, 0.8 / KnapSpec 0.7)")
   p.add_argument("--temperature", type=float, default=0.0)

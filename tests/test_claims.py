@@ -39,6 +39,8 @@ def test_knapspec_lead_over_context():
   assert claims.beats_rivals_as_context_grows(behind, CONTEXTS).outcome == NOT_REPRODUCED
   dips = summaries((1.0, 0.5, 1.2), (0.9, 0.9, 0.9), (0.8, 0.9, 1.0))  # +0.1, -0.4, +0.2
   assert claims.beats_rivals_as_context_grows(dips, CONTEXTS).outcome == PARTLY
+  level = summaries((0.88, 0.88, 0.88), (0.9, 0.9, 0.9), (0.8, 0.9, 0.9))  # -0.02 throughout
+  assert claims.beats_rivals_as_context_grows(level, CONTEXTS).outcome == NOT_REPRODUCED
   no_rival = {w: {"knapspec": row(1.0)} for w in CONTEXTS}
   assert claims.beats_rivals_as_context_grows(no_rival, CONTEXTS).outcome == UNDECIDED
 

@@ -73,6 +73,11 @@ def test_threshold_follows_what_unsure_drafts_do():
   # 0.3), keeping the long rounds the sure ones earn; no shorter γ does as well.
   assert best_length_and_threshold(_rounds(False), c, 4) == (4, 0.4)
   assert replay_tpt(_rounds(False), 4, 0.4, c) > replay_tpt(_rounds(False), 4, 0.0, c)
+  # One sure draft, then an unsure one that is rejected: the free fit drafts one token; a
+  # drafter that keeps its own γ (KnapSpec) gets the τ that cuts its rounds there instead.
+  second_rejected = [PilotRound((0.95, 0.3, 0.95, 0.95), 1)] * 10
+  assert best_length_and_threshold(second_rejected, c, 4) == (1, 0.0)
+  assert best_length_and_threshold(second_rejected, c, 4, fixed_gamma=True) == (4, 0.4)
   with pytest.raises(ValueError, match="no rounds"):
     best_length_and_threshold([], c, 4)
   with pytest.raises(ValueError, match="gamma_max"):
@@ -122,12 +127,13 @@ def test_step_costs_measured_on_a_model_are_ratios_to_the_ar_step():
 def test_bench_auto_gamma_records_and_reuses_the_chosen_lengths(tmp_path, capsys):
   root = write_spec_bench(tmp_path / "data")
   out = tmp_path / "run"
-  argv = ["bench", *ARGS, "--drafters", "early_exit,8bit", "--auto-gamma", "--data-dir",
-          str(root), "--out", str(out)]
+  argv = ["bench", *ARGS, "--drafters", "early_exit,8bit,knapspec+8bit", "--auto-gamma",
+          "--data-dir", str(root), "--out", str(out)]
   assert main(argv) == 0
   saved = json.loads((out / "draft_lengths.json").read_text())
-  assert set(saved) == {"early_exit", "8bit"}
+  assert set(saved) == {"early_exit", "8bit", "knapspec+8bit"}
   assert all(v["threshold"] in draft_length.THRESHOLDS for v in saved.values())
+  assert saved["knapspec+8bit"]["gamma"] == 3  # KnapSpec picks its own γ: τ alone is fitted
   records = [r for line in (out / "results.jsonl").read_text().splitlines()
              for r in json.loads(line)["records"]]
   assert records

@@ -138,8 +138,9 @@ def draft_lengths(model, drafters: dict, cfg: BenchConfig, pilot_prompts, out_di
   γ = cfg.gamma without early stop, on a prompt outside the evaluation set, replayed under
   each (γ, τ) with the step costs measured under the pilot's plan. τ stays cfg.threshold
   when one was given. Kept in `draft_lengths.json`, so a resumed run reuses them. Drafters
-  that choose their draft length themselves, or draft from a quantised cache (whose step
-  costs this measurement does not cover), keep cfg.gamma and their threshold."""
+  that choose their draft length themselves (KnapSpec) keep cfg.gamma as their longest and
+  get τ alone; drafters that draft from a quantised cache (whose step costs this
+  measurement does not cover) keep cfg.gamma and their threshold."""
   from specjax.decode import draft_length
 
   path = out_dir / "draft_lengths.json"
@@ -147,7 +148,7 @@ def draft_lengths(model, drafters: dict, cfg: BenchConfig, pilot_prompts, out_di
   ids = harness.prompt_ids(model.tokenizer, pilot_prompts[0].turns[:1])
   thresholds = draft_length.THRESHOLDS if cfg.threshold is None else (cfg.threshold,)
   for name, d in drafters.items():
-    if name in saved or d.own_gamma or d.kv_cache is not None:
+    if name in saved or d.kv_cache is not None or (d.own_gamma and cfg.threshold is not None):
       continue
     pilot = speculative_generate(model.graphdef, model.state, model.config, ids, d,
                                  max_new_tokens=cfg.max_new_tokens, gamma=cfg.gamma,
@@ -157,7 +158,8 @@ def draft_lengths(model, drafters: dict, cfg: BenchConfig, pilot_prompts, out_di
     costs = draft_length.measure_step_costs(model.graphdef, model.state, model.config,
                                             pilot.plans[0],
                                             gammas=sorted({1, max(1, cfg.gamma // 2), cfg.gamma}))
-    gamma, tau = draft_length.best_length_and_threshold(rounds, costs, cfg.gamma, thresholds)
+    gamma, tau = draft_length.best_length_and_threshold(rounds, costs, cfg.gamma, thresholds,
+                                                        fixed_gamma=d.own_gamma)
     tpt = draft_length.replay_tpt(rounds, gamma, tau, costs)
     saved[name] = {"gamma": gamma, "threshold": tau, "replayed_tpt": round(tpt, 4),
                    "alpha": round(alpha, 4), "draft_cost": round(costs.draft, 4),
@@ -268,7 +270,7 @@ def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict,
   drafter list on the same model keeps its own table)."""
   n = overall.get(metrics.AR, {}).get("prompts", 0)
   threshold = (cfg.threshold if cfg.threshold is not None else
-               "fitted with γ" if cfg.auto_gamma else
+               "fitted with γ (alone for KnapSpec, which picks its own γ)" if cfg.auto_gamma else
                "per drafter (0.8; KnapSpec 0.7; 8bit and QuantSpec 0)")
   gamma = (f"γ and early-stop threshold per drafter (γ ≤ {cfg.gamma}) of highest tokens per "
            f"time, replaying its rounds on a pilot prompt with its step costs measured here "

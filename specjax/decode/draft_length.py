@@ -110,14 +110,18 @@ def replay_tpt(rounds: Sequence[PilotRound], gamma: int, threshold: float,
 
 
 def best_length_and_threshold(rounds: Sequence[PilotRound], costs: StepCosts, gamma_max: int,
-                              thresholds: Sequence[float] = THRESHOLDS) -> tuple[int, float]:
+                              thresholds: Sequence[float] = THRESHOLDS, *,
+                              fixed_gamma: bool = False) -> tuple[int, float]:
   """(γ ≤ gamma_max, τ in `thresholds`) of highest replayed TPT; among equals the shorter γ
-  and the lower τ."""
+  and the lower τ. `fixed_gamma`: τ alone, at γ = gamma_max, for a drafter that picks its
+  own γ (KnapSpec) but inherits an early stop fitted to another draft (its 0.7 cuts the
+  near-exact drafts of KnapSpec × 8-bit)."""
   if gamma_max < 1:
     raise ConfigError(f"gamma_max must be >= 1, got {gamma_max}")
   if not rounds:
     raise ConfigError("the pilot run has no rounds to replay")
-  grid = [(g, t) for g in range(1, gamma_max + 1) for t in thresholds]
+  lengths = (gamma_max,) if fixed_gamma else range(1, gamma_max + 1)
+  grid = [(g, t) for g in lengths for t in thresholds]
   return max(grid, key=lambda gt: (replay_tpt(rounds, *gt, costs), -gt[0], -gt[1]))
 
 
