@@ -8,8 +8,16 @@ is never booked to whoever happens to be timing at that moment.
 
 The cache is bounded (least recently used out): every CPU executable holds its own
 memory mappings of JIT-compiled code, and a process that keeps thousands of them (a long
-sweep, or the test suite) reaches the kernel's `vm.max_map_count` (65530 by default), at
-which point XLA's next compile segfaults instead of raising.
+sweep, the test suite, the 1.5B's long-context run) reaches the kernel's
+`vm.max_map_count` (65530 by default), at which point XLA's next compile fails
+("LLVM ERROR: Unable to allocate section memory") or segfaults instead of raising. A
+1.5B-model step holds far more mappings than a small one, so the bound is on the
+process's mappings as well as on the count. Evicting is not enough by itself: jax keeps
+every executable it compiled on its own cached lowering, so an evicted one keeps its
+memory until `jax.clear_caches()` (measured: not one mapping came back). An eviction
+therefore drops a batch of the oldest (down to three quarters of the bound, or half the
+cache when the mappings are over budget) and then jax's caches; what this cache still
+holds stays valid, and plain `jax.jit` calls compile again on their next use.
 """
 
 from __future__ import annotations
@@ -21,8 +29,28 @@ from typing import Any
 
 import jax
 
-MAX_EXECUTABLES = 64  # a real model's step holds ~400 mappings on CPU
+MAX_EXECUTABLES = 64  # a small real model's step holds ~400 mappings on CPU
 _CACHE: OrderedDict[tuple, Any] = OrderedDict()
+
+
+def _max_map_count() -> int:
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read())
+  except (OSError, ValueError):
+    return 65530  # the Linux default; other systems have no such limit to hit
+
+
+MAX_MAPPINGS = _max_map_count() // 2  # the rest is headroom for the next compiles
+
+
+def _mappings() -> int:
+  """This process's memory mappings (0 where /proc is absent)."""
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      return sum(1 for _ in f)
+  except OSError:
+    return 0
 
 
 @dataclasses.dataclass
@@ -54,9 +82,20 @@ def compiled(fn, *args, clock: CompileClock | None = None, **static) -> Any:
     clock.seconds += time.perf_counter() - t
     clock.count += 1
   _CACHE[key] = exe
-  while len(_CACHE) > MAX_EXECUTABLES:
-    _CACHE.popitem(last=False)
+  if len(_CACHE) > MAX_EXECUTABLES or _mappings() > MAX_MAPPINGS:
+    _evict()
   return exe
+
+
+def _evict() -> None:
+  """Drop a batch of the least recently used executables, then jax's caches (which would
+  otherwise keep them alive); the newest entry always stays."""
+  keep = (MAX_EXECUTABLES * 3) // 4
+  if _mappings() > MAX_MAPPINGS:
+    keep = min(keep, len(_CACHE) // 2)
+  while len(_CACHE) > max(keep, 1):
+    _CACHE.popitem(last=False)
+  jax.clear_caches()
 
 
 def clear() -> None:

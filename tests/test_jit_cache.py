@@ -29,7 +29,7 @@ def test_cache_is_lru_bounded_and_books_every_compile_on_its_clock(monkeypatch):
   exes = [jit_cache.compiled(fn, jnp.ones((8 + i, 4)), jnp.float32(1), clock=clock)
           for i in range(6)]
   assert clock.count == 6 and clock.seconds > 0
-  assert len(jit_cache._CACHE) == 4
+  assert len(jit_cache._CACHE) == 4  # the 5th compile evicted the oldest two (to 3/4)
   # The newest shapes are hits (same object, nothing booked); the oldest was evicted and
   # compiles again, booked on the clock of whoever asked this time.
   assert jit_cache.compiled(fn, jnp.ones((13, 4)), jnp.float32(2), clock=clock) is exes[5]
@@ -39,6 +39,26 @@ def test_cache_is_lru_bounded_and_books_every_compile_on_its_clock(monkeypatch):
   x = jnp.arange(12.0).reshape(3, 4)
   assert jnp.allclose(jit_cache.compiled(fn, x, jnp.float32(2))(x, jnp.float32(2)),
                       _step(x, 2.0))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux only")
+def test_eviction_gives_back_code_mappings(monkeypatch):
+  """jax keeps each executable on its cached lowering: the bound holds only because an
+  eviction drops jax's caches too (before, 30 compiles kept all 30 executables mapped)."""
+  monkeypatch.setattr(jit_cache, "MAX_EXECUTABLES", 4)
+  jit_cache.clear()
+  gc.collect()
+  base = _maps()
+  fns = [jax.jit(lambda x, i=i: _step(x, i)) for i in range(30)]
+  jit_cache.compiled(fns[0], jnp.ones((5, 3)))
+  one = _maps() - base
+  for fn in fns[1:]:
+    jit_cache.compiled(fn, jnp.ones((5, 3)))
+  gc.collect()
+  assert one > 3 and _maps() - base < 8 * one  # at most the bound's 4, not 30
+  monkeypatch.setattr(jit_cache, "MAX_MAPPINGS", 0)  # over budget: half the cache goes
+  jit_cache.compiled(jax.jit(lambda x: _step(x, 99)), jnp.ones((5, 3)))
+  assert len(jit_cache._CACHE) == 2  # 4 held; over budget keeps the newer half
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux only")
