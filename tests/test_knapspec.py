@@ -17,7 +17,7 @@ from specjax.decode.engine import speculative_generate
 from specjax.decode.generate import generate
 from specjax.drafters import ClaspDrafter, KnapSpecDrafter
 from specjax.drafters.knapspec import slots_for, tokens_per_time
-from specjax.plan import PlanError
+from specjax.plan import DraftPlan, PlanError
 from specjax.quant import quantize_weights_int8
 from specjax.sampling import SamplingParams
 from specjax.selection import profiler
@@ -103,6 +103,29 @@ def test_selection_budget_spaces_selections_and_carries_across_prompts():
     KnapSpecDrafter(profile=synthetic_profile(), selection_budget=1.5)
 
 
+def test_a_carried_choice_is_priced_again_at_the_new_context():
+  """A carried state's last DP candidates are re-priced at each prompt's cache size, and
+  (`realised`) after each round: where attention grows costly with context, a plan that
+  skips attention overtakes the full plan it lost to at a short context, with no DP (the
+  budget keeps DPs rare on a CPU; the 1.5B's long prompts drafted with a plan chosen at
+  52 tokens before this)."""
+  d = KnapSpecDrafter(profile=synthetic_profile(a=1e-7, b=1e-6, c=1e-4), max_gamma=4)
+  mlp_only, full = np.zeros(12, bool), np.ones(12, bool)
+  mlp_only[1::2] = True  # sub-layers alternate attention, MLP
+  st = run(d, n=8).drafter_state
+  st = dataclasses.replace(st, candidates=(np.stack([full, mlp_only]), np.asarray([1.0, 0.85])),
+                           bits=mlp_only, gamma=4, plan=DraftPlan.from_bits(mlp_only))
+  assert np.array_equal(d._rechoose(st, 64).bits, full)  # attention cheap: the exact plan
+  assert np.array_equal(d._rechoose(st, 4096).bits, mlp_only)  # attention dear: skip it
+  # The next prompt (a short one) drafts with the choice priced at its own cache size,
+  # not the carried one.
+  config, graphdef, state = tiny()
+  out = speculative_generate(graphdef, state, config, PROMPT, d, max_new_tokens=12, gamma=5,
+                             eos_ids=(), drafter_state=st, record_rounds=True, loop="host")
+  assert out.tokens == ar(n=12)
+  assert np.array_equal(out.plans[0].to_bits(), full)
+
+
 def test_realised_acceptance_is_tallied_per_plan_and_blended():
   """`realised`: every round's accepted drafts and rejection land on the plan that
   drafted it; a selection prices a plan that drafted before between its window estimate
@@ -126,7 +149,7 @@ def test_realised_acceptance_is_tallied_per_plan_and_blended():
   st = out.drafter_state
   cheap, full = np.zeros(12, bool), np.ones(12, bool)
   cheap[[0, 1]] = True
-  cands = (np.stack([cheap, full]), np.asarray([1.0, 1.0]), np.asarray([1e-4, 1e-3]))
+  cands = (np.stack([cheap, full]), np.asarray([1.0, 1.0]))
   fresh = dataclasses.replace(st, candidates=cands, tallies={}, bits=cheap, gamma=6)
   assert np.array_equal(d._rechoose(fresh, 64).bits, cheap)  # both α̂ = 1: the cheap one
   burnt = dataclasses.replace(fresh, tallies={plan_key(cheap): (2, 40)})

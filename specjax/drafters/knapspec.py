@@ -85,8 +85,9 @@ class KnapSpecState:
   selections: list[Selection]
   # plan bits -> (accepted drafts, rejections) over the rounds it drafted (`realised`)
   tallies: dict[bytes, tuple[int, int]] = dataclasses.field(default_factory=dict)
-  # the last DP's alive candidates: bits[C, 2L], window α̂[C], draft seconds[C] (`realised`)
-  candidates: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+  # the last DP's alive candidates: bits[C, 2L] and window α̂[C], chosen among again after
+  # each round (`realised`) and at each new prompt's cache size (a carried state)
+  candidates: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def tokens_per_time(alpha: np.ndarray, gamma: np.ndarray, t_draft: np.ndarray,
@@ -175,8 +176,14 @@ class KnapSpecDrafter(Drafter):
         and prior.weights.shape == weights.shape):
       # Keep drafting with the carried selection, at any cache size: every plan is
       # lossless, and the budget decides when a DP over this size's weights pays. (A
-      # forced DP at each new size once took 61 % of a 48-token prompt's decode.)
-      return dataclasses.replace(prior, window=window, weights=weights, selections=[])
+      # forced DP at each new size once took 61 % of a 48-token prompt's decode.) The
+      # last DP's candidates are priced again at this size, which costs no DP: a long
+      # prompt's attention weighs more, and a plan chosen at 52 tokens drafted whole
+      # 1k-4k prompts on the 1.5B before this.
+      state = dataclasses.replace(prior, window=window, weights=weights, selections=[])
+      if self.objective == "tpt" and state.candidates is not None:
+        state = self._rechoose(state, session.cache.size)
+      return state
     state = KnapSpecState(window, DraftPlan.full(cfg.num_layers),
                           np.ones(2 * cfg.num_layers, bool), self.max_gamma, 0, 0, 0.0, 0.0,
                           weights, [])
@@ -207,8 +214,10 @@ class KnapSpecDrafter(Drafter):
     return state
 
   def _rechoose(self, state: KnapSpecState, n: int) -> KnapSpecState:
-    """The best (plan, γ) among the last DP's candidates, priced by what they realised."""
-    bits, window_alpha, t_draft = state.candidates
+    """The best (plan, γ) among the last DP's candidates at cache size n, priced by what
+    they realised (`realised`) and by the profile's times at n."""
+    bits, window_alpha = state.candidates[:2]  # a state pickled before kept t_draft too
+    t_draft = self.profile.draft_time(bits, n)
     pick, gamma, _, _ = self._best(bits, window_alpha, t_draft, state.tallies, n)
     if gamma == state.gamma and np.array_equal(bits[pick], state.bits):
       return state
@@ -284,5 +293,5 @@ class KnapSpecDrafter(Drafter):
                                rounds=0,
                                selections=state.selections + [sel], dp_seconds=dp_seconds,
                                since_s=0.0,
-                               candidates=(bits[budgets], window_alpha[budgets], t_draft))
+                               candidates=(bits[budgets], window_alpha[budgets]))
 
