@@ -19,7 +19,9 @@ decode time since the last one (predicted from the profile) is large enough that
 measured cost stays within that share of it, and no sooner than `interval` rounds; the
 state carries across prompts (pass the final state as the next generation's `prior`),
 also to another cache size, whose weights the next DP uses, so a stream of prompts does
-not pay a DP at every prefill. With `selection_budget=None` it reruns every `interval`
+not pay a DP at every prefill. Until that DP, the last one's candidates are priced again
+at each new prompt's cache size (profile times only, no DP), so a long prompt can move to
+a candidate that skips more attention. With `selection_budget=None` it reruns every `interval`
 rounds and at every prompt, as in the paper — on a GPU the batched DP costs about one
 forward, on a 2-core CPU ~10 draft steps.
 
