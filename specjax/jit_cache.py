@@ -82,16 +82,21 @@ def compiled(fn, *args, clock: CompileClock | None = None, **static) -> Any:
     clock.seconds += time.perf_counter() - t
     clock.count += 1
   _CACHE[key] = exe
-  if len(_CACHE) > MAX_EXECUTABLES or _mappings() > MAX_MAPPINGS:
-    _evict()
+  # Mappings this cache does not own (the weights, other libraries) must not make every
+  # compile empty it: the mappings only count while it holds more than a quarter of its
+  # bound.
+  crowded = len(_CACHE) > MAX_EXECUTABLES // 4 and _mappings() > MAX_MAPPINGS
+  if len(_CACHE) > MAX_EXECUTABLES or crowded:
+    _evict(crowded)
   return exe
 
 
-def _evict() -> None:
-  """Drop a batch of the least recently used executables, then jax's caches (which would
-  otherwise keep them alive); the newest entry always stays."""
+def _evict(crowded: bool) -> None:
+  """Drop a batch of the least recently used executables (half the cache when the
+  process's mappings are `crowded`), then jax's caches, which would otherwise keep them
+  alive; the newest entry always stays."""
   keep = (MAX_EXECUTABLES * 3) // 4
-  if _mappings() > MAX_MAPPINGS:
+  if crowded:
     keep = min(keep, len(_CACHE) // 2)
   while len(_CACHE) > max(keep, 1):
     _CACHE.popitem(last=False)

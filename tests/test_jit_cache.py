@@ -59,6 +59,12 @@ def test_eviction_gives_back_code_mappings(monkeypatch):
   monkeypatch.setattr(jit_cache, "MAX_MAPPINGS", 0)  # over budget: half the cache goes
   jit_cache.compiled(jax.jit(lambda x: _step(x, 99)), jnp.ones((5, 3)))
   assert len(jit_cache._CACHE) == 2  # 4 held; over budget keeps the newer half
+  # Mappings it does not own never empty a cache at a quarter of its bound or below.
+  monkeypatch.setattr(jit_cache, "MAX_EXECUTABLES", 8)
+  jit_cache.clear()
+  for i in range(2):
+    jit_cache.compiled(jax.jit(lambda x, i=i: _step(x, 100 + i)), jnp.ones((5, 3)))
+  assert len(jit_cache._CACHE) == 2
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux only")
