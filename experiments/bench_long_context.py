@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import resource
 import sys
 from pathlib import Path
 
@@ -86,7 +87,9 @@ def make_drafters(model, args, out_dir: Path) -> dict:
 
 
 def knapspec_fields(name: str, g) -> dict:
-  """KnapSpec's selections: round, context, γ, the chosen masks and its candidates."""
+  """KnapSpec's selections (round, context, γ, the chosen masks and its candidates) and
+  the (plan, γ) it ended the prompt with: with no selection in the prompt, that is the
+  carried candidates' choice priced at this prompt's cache size, which it drafted with."""
   if not name.startswith("knapspec"):
     return {}
   state = g.drafter_state
@@ -95,7 +98,29 @@ def knapspec_fields(name: str, g) -> dict:
   return {"selections": [dict(round=s.round, context=s.context, gamma=s.gamma,
                               bits=np.asarray(s.chosen_bits).astype(int).tolist(),
                               predicted_tpt=s.predicted_tpt, candidates=s.candidates)
-                         for s in state.selections]}
+                         for s in state.selections],
+          "final_plan": dict(bits=np.asarray(state.bits).astype(int).tolist(),
+                             gamma=int(state.gamma))}
+
+
+def plan_rows(runs: list[dict], order: list[str]) -> list[list]:
+  """Per workload and KnapSpec drafter: the sub-layers run and γ the prompt ended with,
+  and the DP runs within it (0: the carried plan, re-priced at this context)."""
+  rows = []
+  for w in order:
+    for r in runs:
+      if r["workload"] != w or "final_plan" not in r:
+        continue
+      b = np.asarray(r["final_plan"]["bits"], int)
+      rows.append([w, r["prompt_tokens"], r["method"], f"{b[0::2].sum()}/{b.size // 2}",
+                   f"{b[1::2].sum()}/{b.size // 2}", r["final_plan"]["gamma"],
+                   len(r["selections"])])
+  return rows
+
+
+def peak_rss_gib() -> float:
+  """This process's peak resident memory (Linux reports KiB)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def prefill_selection(model, ids, drafter, args) -> dict:
@@ -203,10 +228,16 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
                 f"{max(x['predicted'] for x in c['rows']):.1f}"] for c in corr]
   corr_table = report.markdown_table(
       ["workload", "candidates", "Pearson r", "measured tok/s", "predicted TPT"], corr_rows)
+  plans = report.markdown_table(
+      ["workload", "prompt tokens", "method", "attention run", "MLP run", "γ", "DP runs"],
+      plan_rows(runs, order))
   found = verdicts(args.drafters, summary, ctx_len, {c["workload"]: c["pearson"] for c in corr},
                    metrics.summarize(runs))
   masks_png = plot_masks(runs, order, out_dir / "knapspec_masks.png")
-  print(f"\n{table}\n\nKnapSpec predicted TPT vs measured throughput\n{corr_table}\n")
+  rss = peak_rss_gib()
+  print(f"\n{table}\n\nKnapSpec's plan at each prompt's end\n{plans}\n\n"
+        f"KnapSpec predicted TPT vs measured throughput\n{corr_table}\n\n"
+        f"peak resident memory {rss:.1f} GiB\n")
   figures = {
       "model": model.name,
       "workloads": {w: {m: {k: (round(v, 4) if isinstance(v, float) else v)
@@ -215,6 +246,7 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
       "prompt_tokens": ctx_len,
       "knapspec_predicted_tpt": tpt,
       "tpt_pearson": {c["workload"]: c["pearson"] for c in corr},
+      "peak_rss_gib": round(rss, 2),
       "mismatches": sum(metrics.total_mismatches(summary[w]) for w in order),
       "verdicts": [v.to_json() for v in found],
   }
@@ -236,9 +268,13 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
         "`speedup w/o selection` removes the measured selection time (DP, search) from the "
         "decode time: what the drafts themselves achieve, i.e. the speedup if selection ran "
         "off the critical path or on a device where the batched DP is nearly free.", "",
+        "The (plan, γ) each KnapSpec prompt ended drafting with; with no DP run in the "
+        "prompt it is the carried candidates' choice priced at the prompt's cache size:",
+        "", plans, "",
         "KnapSpec: predicted tokens-per-time vs measured throughput across the candidates "
         "of one selection (each decoded as a fixed plan with its own γ):", "", corr_table,
-        "", image, "", claims.section(found)])
+        "", f"Peak resident memory of the run: {rss:.1f} GiB.", "", image, "",
+        claims.section(found)])
     report.write_section(f"long-context-{model.name}", body)
   return figures
 
@@ -308,6 +344,14 @@ def plot_masks(runs: list[dict], order: list[str], path: Path) -> Path | None:
       mlp.append(b[1::2].mean())
   ax2.scatter(xs, att, s=10, label="attention run")
   ax2.scatter(xs, mlp, s=10, marker="x", label="MLP run")
+  carried = [r for r in ks if not r["selections"] and "final_plan" in r]  # re-priced only
+  if carried:
+    b = np.asarray([r["final_plan"]["bits"] for r in carried], float)
+    n = [r["prompt_tokens"] for r in carried]
+    ax2.scatter(n, b[:, 0::2].mean(1), s=30, facecolors="none", edgecolors="C0",
+                label="attention run (carried, re-priced)")
+    ax2.scatter(n, b[:, 1::2].mean(1), s=30, marker="s", facecolors="none",
+                edgecolors="C1", label="MLP run (carried, re-priced)")
   ax2.set_xscale("log")
   ax2.set_xlabel("context tokens")
   ax2.set_ylabel("share of sub-layers run")

@@ -67,7 +67,8 @@ def test_knapspec_fields_read_through_overlays():
 
   sel = types.SimpleNamespace(round=0, context=10, gamma=3, chosen_bits=[True, False],
                               predicted_tpt=1.0, candidates=[])
-  wrapped = types.SimpleNamespace(base=types.SimpleNamespace(selections=[sel]))  # knapspec+8bit
+  base = types.SimpleNamespace(selections=[sel], bits=[True, False], gamma=3)
+  wrapped = types.SimpleNamespace(base=base)  # knapspec+8bit
   g = types.SimpleNamespace(drafter_state=wrapped)
   assert bench_long_context.knapspec_fields("knapspec+8bit", g)["selections"][0]["bits"] == [1, 0]
   assert bench_long_context.knapspec_fields("self_sd", g) == {}
@@ -110,3 +111,23 @@ def test_prefill_selection_selects_under_an_overlay_even_with_a_budget():
                                              types.SimpleNamespace(gamma=3))
   assert sel["round"] == 0 and sel["candidates"]
   assert all(len(c["bits"]) == 2 * config.num_layers for c in sel["candidates"])
+
+
+def test_plan_rows_show_the_plan_each_prompt_ended_with():
+  """A prompt without a DP drafts with the carried plan re-priced at its cache size; the
+  long-context report shows which plan that was."""
+  import types
+
+  import bench_long_context
+
+  sel = types.SimpleNamespace(round=0, context=10, gamma=3, chosen_bits=[True, True],
+                              predicted_tpt=1.0, candidates=[])
+  state = types.SimpleNamespace(selections=[sel], bits=[False, True], gamma=5)
+  fields = bench_long_context.knapspec_fields(
+      "knapspec+8bit", types.SimpleNamespace(drafter_state=types.SimpleNamespace(base=state)))
+  assert fields["final_plan"] == {"bits": [0, 1], "gamma": 5}
+  runs = [dict(workload="ctx-1024", prompt_tokens=1000, method="knapspec+8bit", **fields),
+          dict(workload="ctx-1024", prompt_tokens=1000, method="self_sd")]
+  assert bench_long_context.plan_rows(runs, ["ctx-1024"]) == [
+      ["ctx-1024", 1000, "knapspec+8bit", "0/1", "1/1", 5, 1]]
+  assert bench_long_context.peak_rss_gib() > 0
