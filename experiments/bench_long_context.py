@@ -231,8 +231,9 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
   plans = report.markdown_table(
       ["workload", "prompt tokens", "method", "attention run", "MLP run", "γ", "DP runs"],
       plan_rows(runs, order))
+  profile = DrafterFactory(model, gamma=args.gamma, verbose=False).latency_profile
   found = verdicts(args.drafters, summary, ctx_len, {c["workload"]: c["pearson"] for c in corr},
-                   metrics.summarize(runs))
+                   metrics.summarize(runs), attention_shares(profile, ctx_len.values()))
   masks_png = plot_masks(runs, order, out_dir / "knapspec_masks.png")
   rss = peak_rss_gib()
   print(f"\n{table}\n\nKnapSpec's plan at each prompt's end\n{plans}\n\n"
@@ -263,7 +264,7 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
         f"every prompt. AR and every drafter in the same process. "
         f"Machine: {report.machine()}.", "", table, "",
         "Latency profile (`specjax profile`, medians; what KnapSpec's weights come from):",
-        "", profiler.table(DrafterFactory(model, gamma=args.gamma).latency_profile), "",
+        "", profiler.table(profile), "",
         *int8_profile_lines(model, args),
         "`speedup w/o selection` removes the measured selection time (DP, search) from the "
         "decode time: what the drafts themselves achieve, i.e. the speedup if selection ran "
@@ -289,8 +290,14 @@ def int8_profile_lines(model, args) -> list[str]:
           profiler.table(prof), ""]
 
 
+def attention_shares(profile, lengths) -> dict[int, float]:
+  """Attention's share of a layer's time at each prompt length, from the latency profile:
+  how much a context-aware price can move a plan there."""
+  return {int(n): profile.t_attn(n) / (profile.t_attn(n) + profile.t_mlp(n)) for n in lengths}
+
+
 def verdicts(drafters: list[str], summary: dict, ctx_len: dict, pearson: dict,
-             overall: dict) -> list[claims.Verdict]:
+             overall: dict, attention_share: dict | None = None) -> list[claims.Verdict]:
   """Each layer drafter against AR on every workload; KnapSpec against its rivals over
   context and its TPT prediction; each composition against its parts over all workloads."""
   out = []
@@ -303,7 +310,8 @@ def verdicts(drafters: list[str], summary: dict, ctx_len: dict, pearson: dict,
   ks = next((m for m in drafters if m.startswith("knapspec") and "+" not in m), None)
   if ks:
     contexts = {w: n for w, n in ctx_len.items() if w.startswith("ctx-")}
-    out.append(claims.beats_rivals_as_context_grows(summary, contexts, method=ks))
+    out.append(claims.beats_rivals_as_context_grows(summary, contexts, method=ks,
+                                                    attention_share=attention_share))
     out.append(claims.predicted_tpt_tracks(pearson))
   return out
 

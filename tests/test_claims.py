@@ -41,6 +41,9 @@ def test_knapspec_lead_over_context():
   assert claims.beats_rivals_as_context_grows(dips, CONTEXTS).outcome == PARTLY
   level = summaries((0.88, 0.88, 0.88), (0.9, 0.9, 0.9), (0.8, 0.9, 0.9))  # -0.02 throughout
   assert claims.beats_rivals_as_context_grows(level, CONTEXTS).outcome == NOT_REPRODUCED
+  shares = {n: share for n, share in zip(sorted(CONTEXTS.values()), (0.14, 0.17, 0.2))}
+  v = claims.beats_rivals_as_context_grows(level, CONTEXTS, attention_share=shares)
+  assert "attention at 14% → 17% → 20% of a layer's time" in v.evidence
   no_rival = {w: {"knapspec": row(1.0)} for w in CONTEXTS}
   assert claims.beats_rivals_as_context_grows(no_rival, CONTEXTS).outcome == UNDECIDED
 

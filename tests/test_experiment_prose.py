@@ -60,6 +60,25 @@ def test_long_context_verdicts():
   assert [v.outcome for v in knap] == [claims.PARTLY, claims.REPRODUCED, claims.REPRODUCED]
 
 
+def test_attention_share_comes_from_the_profile_and_reaches_the_verdict():
+  import bench_long_context
+  from test_knapspec import synthetic_profile
+
+  prof = synthetic_profile()
+  shares = bench_long_context.attention_shares(prof, [1024, 4096])
+  for n, share in shares.items():
+    assert abs(share - prof.t_attn(n) / (prof.t_attn(n) + prof.t_mlp(n))) < 1e-12
+  assert shares[4096] > shares[1024]  # attention's time grows with the cache
+  r = lambda s: {"speedup": s, "M": 2.0, "alpha": 0.5}
+  summary = {w: {"self_sd": r(0.8), "clasp": r(0.9), "knapspec": r(1.0)}
+             for w in ("ctx-1024", "ctx-4096")}
+  found = bench_long_context.verdicts(["self_sd", "clasp", "knapspec"], summary,
+                                      {"ctx-1024": 1024, "ctx-4096": 4096}, {}, summary,
+                                      shares)
+  assert any(f"attention at {shares[1024]:.0%} → {shares[4096]:.0%}" in v.evidence
+             for v in found)
+
+
 def test_knapspec_fields_read_through_overlays():
   import types
 
