@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
 from specjax.bench import claims, data, harness, metrics, plots  # noqa: E402
-from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
+from specjax.bench.drafter_factory import ARTEFACT_OPTIONS, DrafterFactory  # noqa: E402
 from specjax.bench.harness import RunSettings  # noqa: E402
 from specjax.bench.results_store import ResultsStore  # noqa: E402
 from specjax.drafters import KNNDrafter  # noqa: E402
@@ -66,7 +66,8 @@ def run(args) -> dict:
   model = load_model(args.model, dtype=args.dtype)
   factory = lambda search=None: DrafterFactory(
       model, gamma=args.gamma, seed=args.seed, search_iterations=args.search_iterations,
-      work_dir=out_dir, data_dir=args.data_dir, search_prompts=search)
+      work_dir=out_dir, data_dir=args.data_dir, search_prompts=search,
+      options={"knn": {"search_prompts": args.knn_search_prompts}})
   lib = factory().knn_library()
   build, held = domain_prompts(args.data_dir, lib.domains)
   ood = data.load_humaneval(limit=max(args.classify_per_domain, args.ood))
@@ -165,15 +166,16 @@ def finish(model, lib, args, out_dir: Path, records: list[dict]) -> dict:
   verdict = claims.knn_stable_and_ahead(summary)
   figures["verdicts"] = [verdict.to_json()]
   if args.write_docs:
-    image = report.copy_image(plot, f"knn_streams_{model.name}.png")
-    report.write_section(f"knn-streams-{model.name}", "\n".join([
+    image = report.copy_image(plot, f"knn_streams_{model.name}{study_suffix(args)}.png")
+    report.write_section(f"knn-streams-{model.name}{study_suffix(args)}", "\n".join([
         f"## KNN-SSD on task streams ({model.name})", "",
         f"Streams of {args.stream_length} held-out prompts over {len(lib.domains)} domains "
         f"({', '.join(lib.domains)}), switching domain after each prompt with probability r; "
         f"{args.max_new_tokens} new tokens, greedy, γ ≤ {args.gamma}; Self-SD searches of "
         f"{args.search_iterations} iterations (SSD-F: on the stream's first prompt; SSD-M: "
         f"one representative prompt per domain; KNN-SSD library: `specjax knn build`, "
-        f"{lib.anchors.shape[0]} anchors). AR and every method in the same process; "
+        f"{lib.anchors.shape[0]} anchors, each domain's skip set searched on "
+        f"{args.knn_search_prompts} of its prompts). AR and every method in the same process; "
         f"`speedup` is total tokens over total decode time, the median is over prompts. "
         f"`lookup share` is KNN-SSD's lookup time over its decode time (the prompt "
         f"embedding itself is pooled inside the prefill executable). Machine: "
@@ -188,6 +190,13 @@ def finish(model, lib, args, out_dir: Path, records: list[dict]) -> dict:
         f"above are KNN-SSD and SSD-M on {args.ood} of them.", "", image, "",
         claims.section([verdict])]))
   return figures
+
+
+def study_suffix(args) -> str:
+  """'' for the model's section; a library searched on another number of prompts per
+  domain (the search-prompt-count study) writes a section and a plot of its own."""
+  n = args.knn_search_prompts
+  return "" if n == ARTEFACT_OPTIONS["knn"]["search_prompts"] else f"-search-prompts{n}"
 
 
 def plot_streams(summary: dict, medians: dict, args, path: Path) -> Path | None:
@@ -213,6 +222,9 @@ def main(argv=None) -> None:
   p.add_argument("--max-new-tokens", type=int, default=48)
   p.add_argument("--gamma", type=int, default=4)
   p.add_argument("--search-iterations", type=int, default=40)
+  p.add_argument("--knn-search-prompts", type=int,
+                 default=ARTEFACT_OPTIONS["knn"]["search_prompts"],
+                 help="prompts each domain's skip set is searched on (its own library)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--data-dir")
   report.common_args(p)

@@ -150,3 +150,13 @@ def test_plan_rows_show_the_plan_each_prompt_ended_with():
   assert bench_long_context.plan_rows(runs, ["ctx-1024"]) == [
       ["ctx-1024", 1000, "knapspec+8bit", "0/1", "1/1", 5, 1]]
   assert bench_long_context.peak_rss_gib() > 0
+
+
+def test_knn_search_prompt_study_writes_its_own_section():
+  import types
+
+  import bench_knn_streams
+
+  assert bench_knn_streams.study_suffix(types.SimpleNamespace(knn_search_prompts=3)) == ""
+  assert (bench_knn_streams.study_suffix(types.SimpleNamespace(knn_search_prompts=7))
+          == "-search-prompts7")

@@ -250,3 +250,39 @@ def test_domains_split_build_from_held_out_and_reject_unknown_ones():
   assert {p.category for p in held["mt_bench"]} == set(MT_BENCH_CATEGORIES)
   with pytest.raises(ValueError, match="unknown domain 'poetry'"):
     knn_build.domain_prompts(SHARED, ("poetry",))
+
+
+def test_libraries_with_other_search_settings_share_the_embeddings(tmp_path, monkeypatch):
+  """A library searched on more prompts per domain (the search-prompt-count study) embeds
+  nothing again: the prompts' embeddings are kept apart from the parts."""
+  config, graphdef, state = tiny("llama")
+  model = types.SimpleNamespace(name="tiny-llama", graphdef=graphdef, state=state,
+                                config=config, tokenizer=CharTokenizer())
+  domains = {"letters": [Prompt(f"l{i}", "letters", ("abcdefgh" * (3 + i),)) for i in range(4)]}
+  kw = dict(anchors=3, iterations=2, verbose=False)
+  knn_build.build(model, domains, tmp_path / "lib", search_prompts=1, **kw)
+
+  def fail(*a, **k):
+    raise AssertionError("embedded again")
+
+  monkeypatch.setattr(knn_build, "embed_all", fail)
+  more = knn_build.build(model, domains, tmp_path / "lib-search-prompts2", search_prompts=2,
+                         embeddings=knn_build.parts_dir(tmp_path / "lib"), **kw)
+  assert len(more.meta["letters"]["search_ids"]) == 2
+
+
+def test_factory_keeps_a_library_per_search_setting(tmp_path, monkeypatch):
+  from specjax.bench.drafter_factory import DrafterFactory
+  from specjax.offline import knn_library
+
+  model = types.SimpleNamespace(name="tiny-llama", config=tiny("llama")[0])
+  seen = {}
+  monkeypatch.setattr(knn_library, "default_dir", lambda name: tmp_path / name)
+  monkeypatch.setattr(knn_build, "domain_prompts", lambda data_dir: ({}, {}))
+  monkeypatch.setattr(knn_build, "build", lambda m, d, path, **kw: seen.update(path=path, **kw))
+  DrafterFactory(model, options={"knn": {"search_prompts": 7}}, verbose=False).knn_library()
+  assert seen["path"] == tmp_path / "tiny-llama-search-prompts7"
+  assert seen["search_prompts"] == 7 and seen["anchors"] == 10
+  assert seen["embeddings"] == knn_build.parts_dir(tmp_path / "tiny-llama")
+  DrafterFactory(model, verbose=False).knn_library()
+  assert seen["path"] == tmp_path / "tiny-llama" and seen["search_prompts"] == 3

@@ -56,7 +56,8 @@ _CLASSES: dict[str, type[Drafter]] = {
 ARTEFACT_OPTIONS: dict[str, dict[str, Any]] = {
     "static": {"plan": None},  # a plan file saved by a search
     "self_sd": {"iterations": None},  # Bayesian-optimisation steps (default: the factory's)
-    "knn": {"anchors": 10},  # k-means anchors per domain
+    # k-means anchors per domain; representative prompts each domain's search scores on
+    "knn": {"anchors": 10, "search_prompts": 3},
     "quantspec": {"weight_bits": None, "group": 128, "residual": 128},  # bits None: per backend
     "frspec": {"size": 32768},  # FR-Spec's shortlist: the paper's 32k
     # k, a decoding setting, is the drafter's own field; core: that many frequent tokens
@@ -214,16 +215,19 @@ class DrafterFactory:
     return counts, bundle
 
   def knn_library(self):
-    """The model's KNN-SSD library for these anchors; built now (and kept) when absent.
-    Another model's library is refused, not replaced."""
+    """The model's KNN-SSD library for these anchors and search prompts; built now (and
+    kept) when absent, a library with other settings in a folder of its own that shares
+    the default one's prompt embeddings. Another model's library is refused, not
+    replaced."""
     from specjax.offline import knn_build, knn_library
 
     if "library" in self.artefacts:
       return self.artefacts["library"]
-    anchors = self._opts("knn")["anchors"]
-    path = knn_library.default_dir(self.model.name)
-    if anchors != ARTEFACT_OPTIONS["knn"]["anchors"]:
-      path = path.with_name(f"{path.name}-anchors{anchors}")
+    o = self._opts("knn")
+    default = knn_library.default_dir(self.model.name)
+    path = default.with_name(default.name + "".join(
+        f"-{key.replace('_', '-')}{o[key]}" for key in ("anchors", "search_prompts")
+        if o[key] != ARTEFACT_OPTIONS["knn"][key]))
     cfg = self.model.config
     if (path / "meta.json").exists():
       try:
@@ -235,8 +239,10 @@ class DrafterFactory:
               f"(`specjax knn build --model {self.model.name}` does the same)")
     build, _ = knn_build.domain_prompts(self.data_dir)
     return knn_build.build(self.model, {d: ps[:40] for d, ps in build.items()}, path,
-                           anchors=anchors, iterations=self.search_iterations,
-                           gamma=self.gamma, seed=self.seed, verbose=self.verbose)
+                           anchors=o["anchors"], search_prompts=o["search_prompts"],
+                           iterations=self.search_iterations, gamma=self.gamma,
+                           seed=self.seed, verbose=self.verbose,
+                           embeddings=knn_build.parts_dir(default))
 
   def self_sd_plan(self, int8: bool = False):
     """A Self-SD skip set searched on `search_prompts`, kept in `work_dir` under a name

@@ -113,11 +113,15 @@ def parts_dir(library: Path) -> Path:
 
 
 def build(model, domains: Mapping[str, Sequence[data.Prompt]], out: Path | None = None, *,
-          verbose: bool = True, **kw) -> SkipLibrary:
-  """Build (or resume) the library for `domains` and save it at `out`."""
+          verbose: bool = True, embeddings: Path | None = None, **kw) -> SkipLibrary:
+  """Build (or resume) the library for `domains` and save it at `out`. `embeddings`: the
+  folder that keeps the prompts' embeddings (default: beside the parts), so libraries
+  that differ only in their search settings embed once."""
   out = Path(out or default_dir(model.name))
   parts_path = parts_dir(out)
   parts_path.mkdir(parents=True, exist_ok=True)
+  embeddings = Path(embeddings) if embeddings else parts_path
+  embeddings.mkdir(parents=True, exist_ok=True)
   parts = {}
   for name in tqdm(list(domains), desc="knn library", unit="domain", disable=not verbose):
     path = parts_path / f"{name}.npz"
@@ -130,7 +134,7 @@ def build(model, domains: Mapping[str, Sequence[data.Prompt]], out: Path | None 
     if not domains[name]:
       raise LibraryError(f"domain {name!r} has no prompts: every domain needs some to pick "
                          f"anchors and search a skip set on")
-    x = cached_embeddings(model, name, domains[name], parts_path, verbose)
+    x = cached_embeddings(model, name, domains[name], embeddings, verbose)
     parts[name] = build_domain(model, name, domains[name], x, verbose=verbose, **kw)
     parts[name]["settings"] = settings
     _write_part(path, parts[name])
