@@ -208,6 +208,7 @@ def main() -> None:
       "int8_draft_step_over_ar": {str(int(f * 100)): round(r["int8_draft_over_ar"][f], 4)
                                   for f in INT8_FRACTIONS},
       "int8_kernel": kernel_status(),
+      "f32_few_row_kernel": kernel_status("f32_matmul"),
       "verify_over_ar": round(r["verify_over_ar"], 4),
       "ar_step_ms": round(r["ar_ms"], 3),
       "verify_ms": round(r["verify_ms"], 3),
@@ -233,7 +234,9 @@ def main() -> None:
         f"Steps at context {args.context} as a ratio to the AR step ({r['ar_ms']:.1f} ms, "
         f"the dense model at T = 1): verification of γ + 1 tokens, and a draft step under "
         f"random plans with a given share of the {2 * L} sub-layers active (medians, "
-        f"round-robin):",
+        f"round-robin). Verification's matmuls take the few-row float32 kernel "
+        f"(`cpu_kernels.f32_matmul`: {kernel_status('f32_matmul')}); "
+        f"`SPECJAX_CPU_KERNELS=int8_matmul` measures XLA's dots instead:",
         "",
         report.markdown_table(["step", "time ÷ AR step"], step_rows),
         "",

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax import cpu_kernels
 from specjax.cache_view import LayerView, QuantRead, Segment
 from specjax.config import ModelConfig
 from specjax.kv_cache import DraftBuffer, KVCache
@@ -106,7 +107,10 @@ class Attention(nnx.Module):
     if weights is not None and weights.qkv is not None:
       qkv = weights.qkv.matmul(x).reshape(x.shape[:2] + self.qkv.shape[1:])
     else:
-      qkv = jnp.einsum("btd,dnh->btnh", x, self.qkv[...])
+      w = self.qkv[...]
+      flat = w.reshape(w.shape[0], -1)  # [D, (N + 2K)·H], a bitcast
+      qkv = (cpu_kernels.f32_matmul(x, flat).reshape(x.shape[:2] + w.shape[1:])
+             if cpu_kernels.few_rows(x, flat) else jnp.einsum("btd,dnh->btnh", x, w))
     if self.config.qkv_bias:
       qkv = qkv + self.qkv_bias[...]
     q, k, v = qkv[:, :, :N], qkv[:, :, N : N + K], qkv[:, :, N + K :]
@@ -177,7 +181,7 @@ class Attention(nnx.Module):
     out = out.astype(self.o.dtype)
     if weights is not None and weights.o is not None:
       return weights.o.matmul(out)
-    return out @ self.o[...].reshape(N * H, D)
+    return _dense(out, self.o[...].reshape(N * H, D))
 
   def _attend_kernel(self, q, positions, segments, read: QuantRead,
                      weights: LayerWeights | None = None) -> jax.Array:
@@ -219,9 +223,15 @@ def _from_rows(out: jax.Array, T: int) -> jax.Array:
   return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, K * G * H)
 
 
+def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x @ w[I, O]: XLA's dot, or on a CPU the few-row kernel for a verification's few
+  tokens (`cpu_kernels.few_rows`), where XLA's GEMM streams the weights too slowly."""
+  return cpu_kernels.f32_matmul(x, w) if cpu_kernels.few_rows(x, w) else x @ w
+
+
 def _matmul(x: jax.Array, own: nnx.Param, quantised=None) -> jax.Array:
   """x @ a layer's matrix: its own parameter, or a draft's quantised copy of it."""
-  return x @ own[...] if quantised is None else quantised.matmul(x)
+  return _dense(x, own[...]) if quantised is None else quantised.matmul(x)
 
 
 class MLP(nnx.Module):
@@ -341,9 +351,12 @@ class Transformer(nnx.Module):
     h = self.final_norm(hidden)
     if weights is not None and weights.head is not None:
       return weights.head.matmul(h.astype(jnp.float32))
+    w = self.embedding[...] if self.config.tie_embeddings else self.lm_head[...]
+    if cpu_kernels.few_rows(h, w):
+      return cpu_kernels.f32_matmul(h, w, self.config.tie_embeddings)
     if self.config.tie_embeddings:
-      return jnp.einsum("btd,vd->btv", h, self.embedding[...], preferred_element_type=jnp.float32)
-    return jnp.einsum("btd,dv->btv", h, self.lm_head[...], preferred_element_type=jnp.float32)
+      return jnp.einsum("btd,vd->btv", h, w, preferred_element_type=jnp.float32)
+    return jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
 
   def shortlist_rows(self, ids: jax.Array, weights: DraftWeights | None = None
                      ) -> jax.Array | Int8Matrix:

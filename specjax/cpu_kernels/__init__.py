@@ -1,16 +1,24 @@
 """C++ kernels that XLA:CPU lacks, compiled on first use and called through `jax.ffi`.
 
-One kernel today: `int8_matmul`, a matmul against int8 weights with one scale per output
-channel, for 8-bit drafts. XLA:CPU widens an int8 matrix to float32 in memory before its
-dot (31 ms for SmolLM2's LM head at T = 1, against 2.3 ms in float32), so without the
-kernel an 8-bit draft costs more than the full model; with it, 0.7 ms.
+Two kernels:
 
-The source is compiled once per machine with the host's C++ compiler (`$CXX`, else
+* `int8_matmul`, a matmul against int8 weights with one scale per output channel, for
+  8-bit drafts. XLA:CPU widens an int8 matrix to float32 in memory before its dot (31 ms
+  for SmolLM2's LM head at T = 1, against 2.3 ms in float32), so without the kernel an
+  8-bit draft costs more than the full model; with it, 0.7 ms.
+* `f32_matmul`, a float32 matmul for a few rows (a verification forward of γ + 1 tokens)
+  that reads each weight once for all of them. XLA:CPU's M ≥ 2 GEMM streams the weights
+  more slowly than its M = 1 GEMV, which priced a 5-token verification at 1.3–1.5 AR
+  steps; `few_rows` says when the model takes it.
+
+Each source is compiled once per machine with the host's C++ compiler (`$CXX`, else
 g++) for its own CPU (`-march=native`) and cached under `cache_root()/kernels`, keyed by
 the source, the jax version and the CPU's flags. Where no compiler is found, or
-`SPECJAX_CPU_KERNELS=0`, `int8_matmul` falls back to the XLA path (same numbers, slower)
-and `kernel_status()` says why. On a GPU the XLA path is the right one: XLA:GPU fuses
-the convert into its GEMM.
+`SPECJAX_CPU_KERNELS=0`, the kernels fall back to the XLA path (same numbers, slower)
+and `kernel_status()` says why; `SPECJAX_CPU_KERNELS` may also list the kernels to use
+(`int8_matmul,f32_matmul`), to measure one against XLA. On a GPU the XLA path is the
+right one: XLA:GPU fuses the int8 convert into its GEMM, and its GEMMs stream weights
+at bandwidth.
 """
 
 from __future__ import annotations
@@ -30,8 +38,16 @@ import jax.numpy as jnp
 
 from specjax.errors import SpecjaxError
 
-_SOURCE = Path(__file__).with_name("int8_matmul.cc")
-_TARGET = "specjax_int8_matmul"
+# kernel -> (source, {ffi target: exported handler symbol})
+_KERNELS = {
+    "int8_matmul": ("int8_matmul.cc", {"specjax_int8_matmul": "Int8Matmul"}),
+    "f32_matmul": ("f32_matmul.cc", {"specjax_f32_matmul_io": "F32MatmulIO",
+                                     "specjax_f32_matmul_oi": "F32MatmulOI"}),
+}
+_SOURCE = Path(__file__).with_name(_KERNELS["int8_matmul"][0])
+# The most rows `f32_matmul` takes: verification forwards (γ ≤ 8, so T ≤ 9) and a little
+# more; past this XLA's GEMM has the reuse it needs.
+FEW_ROWS = 16
 # Let the vectoriser reorder the dot's sums (2.5x faster than without), but not -ffast-math:
 # with it GCC links crtfastmath.o into the shared object, whose loading switches the
 # whole process to flush-to-zero (a test of subnormal floats caught it).
@@ -76,21 +92,25 @@ def _build(source: Path, compiler: str) -> Path:
 
 
 @functools.cache
-def kernel_status() -> str:
-  """'ready', or why `int8_matmul` takes the XLA path on this machine."""
-  if os.environ.get("SPECJAX_CPU_KERNELS", "1") == "0":
-    return "disabled by SPECJAX_CPU_KERNELS=0"
+def kernel_status(kernel: str = "int8_matmul") -> str:
+  """'ready', or why `kernel` takes the XLA path on this machine."""
+  chosen = os.environ.get("SPECJAX_CPU_KERNELS", "1")
+  if chosen == "0" or chosen != "1" and kernel not in chosen.split(","):
+    return f"disabled by SPECJAX_CPU_KERNELS={chosen}"
   compiler = os.environ.get("CXX", "g++")
   if shutil.which(compiler) is None:
     return f"no C++ compiler ({compiler!r} not found; install g++ or set $CXX)"
+  source, targets = _KERNELS[kernel]
   try:
-    lib = ctypes.cdll.LoadLibrary(str(_build(_SOURCE, compiler)))
+    lib = ctypes.cdll.LoadLibrary(str(_build(Path(__file__).with_name(source), compiler)))
   except (KernelBuildError, OSError) as err:
-    warnings.warn(f"specjax: the int8 CPU kernel did not build, 8-bit drafts take the slow "
+    warnings.warn(f"specjax: the CPU kernel {kernel} did not build, it takes the slower "
                   f"XLA path:\n{err}", stacklevel=2)
     errors = [line for line in str(err).splitlines() if "error" in line] or [repr(err)]
     return f"build failed: {errors[0]}"
-  jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.Int8Matmul), platform="cpu")
+  for target, symbol in targets.items():
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                platform="cpu")
   return "ready"
 
 
@@ -100,10 +120,36 @@ def int8_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
   The kernel runs on a CPU backend once built; anywhere else, the XLA expression."""
   if jax.default_backend() == "cpu" and kernel_status() == "ready":
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (codes.shape[0],), jnp.float32)
-    call = jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")
+    call = jax.ffi.ffi_call("specjax_int8_matmul", out, vmap_method="sequential")
     return call(x.astype(jnp.float32), codes, scale.astype(jnp.float32))
   y = jnp.einsum("...i,oi->...o", x, codes.astype(x.dtype), preferred_element_type=jnp.float32)
   return y * scale
 
 
-__all__ = ["KernelBuildError", "int8_matmul", "kernel_status"]
+def few_rows(x: jax.Array, w: jax.Array) -> bool:
+  """Whether `x @ w` should take `f32_matmul`: float32 on a CPU backend, 2 to FEW_ROWS
+  rows (at one row XLA's GEMV is at memory bandwidth already), the kernel built."""
+  rows = x.size // x.shape[-1] if x.shape[-1] else 0
+  return (2 <= rows <= FEW_ROWS and x.dtype == w.dtype == jnp.float32 and w.ndim == 2
+          and jax.default_backend() == "cpu" and kernel_status("f32_matmul") == "ready")
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def f32_matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
+  """x[..., I] @ w[I, O] (w[O, I] when `transposed`: a tied embedding) -> [..., O], by the
+  few-row kernel (see `few_rows`). Differentiable: the tangents take XLA's dots."""
+  O = w.shape[0] if transposed else w.shape[1]
+  out = jax.ShapeDtypeStruct(x.shape[:-1] + (O,), jnp.float32)
+  target = "specjax_f32_matmul_oi" if transposed else "specjax_f32_matmul_io"
+  return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w)
+
+
+@f32_matmul.defjvp
+def _f32_matmul_jvp(transposed, primals, tangents):
+  (x, w), (dx, dw) = primals, tangents
+  spec = "...i,oi->...o" if transposed else "...i,io->...o"
+  return f32_matmul(x, w, transposed), jnp.einsum(spec, dx, w) + jnp.einsum(spec, x, dw)
+
+
+__all__ = ["FEW_ROWS", "KernelBuildError", "f32_matmul", "few_rows", "int8_matmul",
+           "kernel_status"]

@@ -1,0 +1,100 @@
+"""The few-row float32 CPU kernel (`cpu_kernels.f32_matmul`): equal to numpy for any shape
+and either weight layout, taken only where it is meant to be (2–16 float32 rows on a CPU),
+differentiable, and a verification forward through it equal to XLA's."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specjax import cpu_kernels
+from specjax.config import tiny_config
+from specjax.kv_cache import KVCache
+from specjax.model import apply, init_model
+from specjax.plan import DraftPlan
+
+pytestmark = pytest.mark.skipif(cpu_kernels.kernel_status("f32_matmul") != "ready",
+                                reason="no C++ compiler: the XLA path is the only one")
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.sampled_from([(2,), (5,), (1, 9), (3, 3), (16,)]), inner=st.integers(1, 90),
+       outer=st.integers(1, 600), transposed=st.booleans(), seed=st.integers(0, 2**16))
+def test_kernel_equals_numpy(rows, inner, outer, transposed, seed):
+  """Inner sizes off the 16-lane width, outputs off the 32-column tile and the chunks,
+  more rows than one pass takes (9, 16 > 8): every tail matches."""
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=rows + (inner,)).astype(np.float32)
+  w = rng.normal(size=(outer, inner) if transposed else (inner, outer)).astype(np.float32)
+  want = x @ (w.T if transposed else w)
+  got = jax.jit(cpu_kernels.f32_matmul, static_argnums=2)(x, w, transposed)
+  assert got.shape == rows + (outer,)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.sqrt(inner))
+
+
+@pytest.mark.parametrize("shape, dtype, taken", [
+    ((1, 1, 8), jnp.float32, False),  # one row: XLA's GEMV is at bandwidth already
+    ((1, 5, 8), jnp.float32, True),
+    ((2, 8, 8), jnp.float32, True),
+    ((1, 17, 8), jnp.float32, False),  # a prefill: XLA's GEMM has its reuse
+    ((1, 5, 8), jnp.bfloat16, False),
+])
+def test_few_rows_takes_only_verification_sized_float32_calls(shape, dtype, taken):
+  x = jnp.zeros(shape, dtype)
+  assert cpu_kernels.few_rows(x, jnp.zeros((8, 4), dtype)) is taken
+
+
+def test_disabled_kernels_are_never_taken(monkeypatch):
+  monkeypatch.setattr(cpu_kernels, "kernel_status", lambda *a: "disabled")
+  assert not cpu_kernels.few_rows(jnp.zeros((1, 5, 8)), jnp.zeros((8, 4)))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gradients_take_xla_dots(transposed):
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(4, 24)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(40, 24) if transposed else (24, 40)), jnp.float32)
+  loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+  kernel = loss(lambda x, w: cpu_kernels.f32_matmul(x, w, transposed))
+  xla = loss(lambda x, w: x @ (w.T if transposed else w))
+  for got, want in zip(jax.grad(kernel, (0, 1))(x, w), jax.grad(xla, (0, 1))(x, w)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_a_verification_forward_equals_xla(arch, monkeypatch):
+  """A 5-token forward after a prefill (every kernel call site: q/k/v, o, MLP, the tied or
+  untied head) gives XLA's logits to float32 rounding."""
+  config = tiny_config(arch)
+  graphdef, state = nnx.split(init_model(config, seed=1))
+  plan = DraftPlan.full(config.num_layers)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, (1, 12)))
+
+  def logits():
+    cache = KVCache.create(config, 1, 32)
+    _, cache = apply(state, cache, tokens[:, :7], jnp.arange(7)[None], plan,
+                     graphdef=graphdef)
+    out, _ = apply(state, cache, tokens[:, 7:], jnp.arange(7, 12)[None], plan,
+                   graphdef=graphdef)
+    return np.asarray(out.logits)
+
+  fast = logits()
+  monkeypatch.setattr(cpu_kernels, "few_rows", lambda *a: False)
+  np.testing.assert_allclose(fast, logits(), rtol=1e-4, atol=1e-4)
+
+
+def test_the_environment_can_name_the_kernels_to_use(monkeypatch):
+  """`SPECJAX_CPU_KERNELS=int8_matmul` keeps the int8 kernel and sends few-row float32
+  dots to XLA: how bench_forward measures the kernel against XLA."""
+  monkeypatch.setenv("SPECJAX_CPU_KERNELS", "int8_matmul")
+  cpu_kernels.kernel_status.cache_clear()
+  try:
+    assert cpu_kernels.kernel_status("f32_matmul").startswith("disabled")
+    assert cpu_kernels.kernel_status("int8_matmul") == "ready"
+  finally:
+    cpu_kernels.kernel_status.cache_clear()
