@@ -27,7 +27,7 @@ using Matrix = ffi::Buffer<ffi::F32, 2>;  // an alias: a comma would split the m
 constexpr int kLanes = 16;     // floats per 512-bit vector
 constexpr int kMaxRows = 8;    // rows of x per pass over the weights
 constexpr int kIOWidth = 32;   // [I, O]: output columns per register tile (2 vectors)
-constexpr int64_t kIOChunk = 512;  // [I, O]: columns per claimed chunk (2 KiB of a row)
+constexpr int64_t kIOChunk = 512;  // [I, O]: most columns per claimed chunk (2 KiB of a row)
 constexpr int64_t kOIChunk = 32;   // [O, I]: output channels per claimed chunk
 
 // 16 floats as one value: GCC lowers it to one 512-bit register, or to two or four
@@ -150,6 +150,15 @@ struct ChunkOI {
   }
 };
 
+// [I, O]: columns per chunk, at most kIOChunk, a whole number of tiles, and as even a split
+// over the workers as that allows (576 columns on 2 threads: 288 + 288, not 512 + 64).
+inline int64_t IOChunk(int64_t O, int64_t threads) {
+  const int64_t workers = std::max<int64_t>(1, threads);
+  const int64_t rounds = (O + workers * kIOChunk - 1) / (workers * kIOChunk);
+  const int64_t width = (O + workers * rounds - 1) / (workers * rounds);
+  return std::min(kIOChunk, (width + kIOWidth - 1) / kIOWidth * kIOWidth);
+}
+
 struct Work {
   const float* x;
   const float* w;
@@ -191,7 +200,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Matrix w,
   work->I = I;
   work->O = O;
   work->io = io;
-  work->chunk = io ? kIOChunk : kOIChunk;
+  work->chunk = io ? IOChunk(O, pool.num_threads()) : kOIChunk;
   work->chunks = (O + work->chunk - 1) / work->chunk;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->chunks) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Drain(); });
