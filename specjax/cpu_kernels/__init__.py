@@ -8,8 +8,8 @@ Two kernels:
   8-bit draft costs more than the full model; with it, 0.7 ms.
 * `f32_matmul`, a float32 matmul for a few rows (a verification forward of γ + 1 tokens)
   that reads each weight once for all of them. XLA:CPU's M ≥ 2 GEMM streams the weights
-  more slowly than its M = 1 GEMV, which priced a 5-token verification at 1.3–1.5 AR
-  steps; `few_rows` says when the model takes it.
+  more slowly than its M = 1 GEMV, which priced a 5-token verification at 1.3–2.2 AR
+  steps (AMD EPYC and Intel Xeon); `few_rows` says when the model takes it.
 
 Each source is compiled once per machine with the host's C++ compiler (`$CXX`, else
 g++) for its own CPU (`-march=native`) and cached under `cache_root()/kernels`, keyed by
