@@ -29,6 +29,25 @@ class SamplingParams:
     return self.temperature == 0.0
 
 
+def argmax(logits: jax.Array) -> jax.Array:
+  """`jnp.argmax(logits, axis=-1)` as int32, in two plain reductions (the max, then the
+  first index that holds it or a NaN), which XLA:CPU vectorises; its variadic
+  (value, index) reduce does not. Same answer, ties and NaNs included: the first
+  maximum, or the first NaN. Measured on an Intel Xeon: 5 × 49152 logits 986 -> 318 µs,
+  1 × 151936 597 -> 249 µs (`tests/test_sampling.py` holds it equal to `jnp.argmax`)."""
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+  hit = (logits == top) | jnp.isnan(logits)
+  return jnp.min(jnp.where(hit, ids, logits.shape[-1]), axis=-1)
+
+
+def top_probability(logits: jax.Array) -> jax.Array:
+  """max(softmax(logits)) over the last axis, which is 1 / Σ exp(logits - max): two passes
+  over the logits instead of a softmax's three and a third reduction."""
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  return 1.0 / jnp.sum(jnp.exp(logits - top), axis=-1)
+
+
 def probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
   """The distribution tokens are drawn from: softmax(logits / T), cut to the top-p nucleus.
 
@@ -36,7 +55,7 @@ def probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
   """
   logits = logits.astype(jnp.float32)
   if params.greedy:
-    return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
   p = jax.nn.softmax(logits / params.temperature, axis=-1)
   if params.top_p < 1.0:
     p = _nucleus(p, params.top_p)
@@ -56,6 +75,6 @@ def _nucleus(p: jax.Array, top_p: float) -> jax.Array:
 def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Array:
   """One token id per row of logits[..., V]."""
   if params.greedy:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return argmax(logits)
   p = probs(logits, params)
   return jax.random.categorical(key, jnp.log(p), axis=-1).astype(jnp.int32)

@@ -37,6 +37,29 @@ def test_kernel_equals_numpy(rows, inner, outer, transposed, seed):
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.sqrt(inner))
 
 
+@pytest.mark.parametrize("rows", [2, 5, 11])
+def test_wide_matrices_split_by_columns(rows):
+  """[I, O] matrices wider than 32768 columns (an untied LM head) are cut by columns, not
+  by rows: the tiles, the tail columns and the tail rows match numpy there too."""
+  rng = np.random.default_rng(rows)
+  x = rng.normal(size=(rows, 13)).astype(np.float32)
+  w = rng.normal(size=(13, 32768 + 40)).astype(np.float32)
+  got = jax.jit(cpu_kernels.f32_matmul)(x, w)
+  np.testing.assert_allclose(np.asarray(got), x @ w, rtol=1e-5, atol=1e-4)
+
+
+def test_results_do_not_depend_on_the_threads():
+  """Row chunks' partial sums are added in chunk order: bit-identical results on every
+  call, whichever thread ran which chunk."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.normal(size=(5, 1536)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(1536, 576)), jnp.float32)
+  f = jax.jit(cpu_kernels.f32_matmul)
+  first = np.asarray(f(x, w))
+  for _ in range(20):
+    np.testing.assert_array_equal(np.asarray(f(x, w)), first)
+
+
 @pytest.mark.parametrize("shape, dtype, taken", [
     ((1, 1, 8), jnp.float32, False),  # one row: XLA's GEMV is at bandwidth already
     ((1, 5, 8), jnp.float32, True),

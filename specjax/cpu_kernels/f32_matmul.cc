@@ -5,11 +5,14 @@
 // verification of a few tokens (5 tokens of a 0.5B model are ~5 GFLOP, a tenth of what
 // two AVX-512 cores do in the time their memory takes to stream 2 GB). XLA:CPU sends
 // M = 1 dots to a GEMV near memory bandwidth but M ≥ 2 dots to a GEMM that streams the
-// weights much more slowly (an M = 5 forward cost 1.3–2.2 AR steps on the CPUs we ran). Here every weight
-// is read once and used for all M rows while it sits in a register.
+// weights much more slowly (an M = 5 forward cost 1.3–2.2 AR steps on the CPUs we ran).
+// Here every weight is read once and used for all M rows while it sits in a register.
 //
-// Work is split into chunks of output channels that the caller and XLA's intra-op
-// threads claim from an atomic counter; the caller waits only for claimed chunks.
+// Work is split into chunks that the caller and XLA's intra-op threads claim from an
+// atomic counter; the caller waits only for claimed chunks. A chunk is a contiguous block
+// of the weights wherever that is possible: rows of an [I, O] matrix (partial sums, added
+// in a fixed order, so results never depend on the threads) or output channels of an
+// [O, I] one.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -45,20 +48,18 @@ inline float Sum(Vec v) {
   return s;
 }
 
-// [I, O]: columns [o0, o1) (at most kIOChunk) of y for rows x[0..MB) (row stride I).
-// The tile's sums live in `acc` (MB × kIOChunk floats, in L1); the weights are read eight
-// rows at a time, each row's segment front to back (a page at most: the TLB and the
-// prefetchers follow), and every weight vector meets MB broadcast x values in registers.
-// Eight rows, not four, halve the trips of `acc` through L1 per weight read: at MB = 5
-// that took a group from 34 to 37 GB/s of weights on one core with the weights in L2.
+// [I, O]: acc[m·stride + c] += Σ_i x[m·I + i] · w[i·O + o0 + c] over rows [i0, i1) of w
+// and columns c < o1 - o0, for rows x[0..MB). The weights are read eight rows at a time,
+// each row's segment front to back, and every weight vector meets MB broadcast x values in
+// registers; the tile's sums make one trip through `acc` per eight rows (four rows per trip
+// ran at 34 GB/s of weights on one core at MB = 5 with the weights in L2; eight, 37).
 template <int MB>
-inline void ChunkIOImpl(const float* x, const float* w, float* y, int64_t I, int64_t O,
-                        int64_t o0, int64_t o1) {
+inline void BlockIO(const float* x, const float* w, float* acc, int64_t stride, int64_t I,
+                    int64_t O, int64_t i0, int64_t i1, int64_t o0, int64_t o1) {
   constexpr int kRows = 8, kAhead = 8;  // rows per group; rows ahead to prefetch
-  alignas(64) float acc[MB][kIOChunk] = {};
   const int64_t width = o1 - o0, tiles = width / kIOWidth;
-  int64_t i = 0;
-  for (; i + kRows <= I; i += kRows) {
+  int64_t i = i0;
+  for (; i + kRows <= i1; i += kRows) {
     float xs[kRows][MB];
     for (int r = 0; r < kRows; ++r)
       for (int m = 0; m < MB; ++m) xs[r][m] = x[m * I + i + r];
@@ -66,7 +67,8 @@ inline void ChunkIOImpl(const float* x, const float* w, float* y, int64_t I, int
       const int64_t c = t * kIOWidth;
       Vec a[MB][2];
 #pragma GCC unroll 8
-      for (int m = 0; m < MB; ++m) a[m][0] = Load(&acc[m][c]), a[m][1] = Load(&acc[m][c + kLanes]);
+      for (int m = 0; m < MB; ++m)
+        a[m][0] = Load(acc + m * stride + c), a[m][1] = Load(acc + m * stride + c + kLanes);
 #pragma GCC unroll 8
       for (int r = 0; r < kRows; ++r) {
         const float* wr = w + (i + r) * O + o0 + c;
@@ -82,18 +84,44 @@ inline void ChunkIOImpl(const float* x, const float* w, float* y, int64_t I, int
         }
       }
 #pragma GCC unroll 8
-      for (int m = 0; m < MB; ++m) Store(&acc[m][c], a[m][0]), Store(&acc[m][c + kLanes], a[m][1]);
+      for (int m = 0; m < MB; ++m)
+        Store(acc + m * stride + c, a[m][0]), Store(acc + m * stride + c + kLanes, a[m][1]);
     }
     for (int64_t c = tiles * kIOWidth; c < width; ++c)  // columns past the last full tile
       for (int r = 0; r < kRows; ++r)
-        for (int m = 0; m < MB; ++m) acc[m][c] += xs[r][m] * w[(i + r) * O + o0 + c];
+        for (int m = 0; m < MB; ++m) acc[m * stride + c] += xs[r][m] * w[(i + r) * O + o0 + c];
   }
-  for (; i < I; ++i)  // rows past the last group of eight
+  for (; i < i1; ++i)  // rows past the last group of eight
     for (int64_t c = 0; c < width; ++c)
-      for (int m = 0; m < MB; ++m) acc[m][c] += x[m * I + i] * w[i * O + o0 + c];
-  for (int m = 0; m < MB; ++m)
-    for (int64_t c = 0; c < width; ++c) y[m * O + o0 + c] = acc[m][c];
+      for (int m = 0; m < MB; ++m) acc[m * stride + c] += x[m * I + i] * w[i * O + o0 + c];
 }
+
+// [I, O] by columns: y[:, o0:o1) (at most kIOChunk columns) from every row of w, the sums
+// in L1. For wide matrices (an untied LM head), where a block of rows would need
+// MB × O partial sums.
+template <int MB>
+struct ColumnsIO {
+  static void Run(const float* x, const float* w, float* y, int64_t I, int64_t O,
+                  int64_t o0, int64_t o1) {
+    alignas(64) float acc[MB][kIOChunk] = {};
+    BlockIO<MB>(x, w, &acc[0][0], kIOChunk, I, O, 0, I, o0, o1);
+    for (int m = 0; m < MB; ++m)
+      for (int64_t c = 0; c < o1 - o0; ++c) y[m * O + o0 + c] = acc[m][c];
+  }
+};
+
+// [I, O] by rows: the partial sums part[MB, O] (row stride O) of rows [i0, i1) of w. Each
+// chunk is one contiguous block of memory, which the prefetchers stream far better than
+// column strips: SmolLM2's four layer matrices at MB = 5 took 14.7 ms per 30 layers
+// against 17.2 ms by columns, on 2 cores with the weights in DRAM.
+template <int MB>
+struct RowsIO {
+  static void Run(const float* x, const float* w, float* part, int64_t I, int64_t O,
+                  int64_t i0, int64_t i1) {
+    std::fill(part, part + MB * O, 0.0f);
+    BlockIO<MB>(x, w, part, O, I, O, i0, i1, 0, O);
+  }
+};
 
 // [O, I]: output channels [o, o + R) for rows x[0..MB): R·MB dot products over R
 // contiguous weight rows, each read once; each x vector loaded meets R weight vectors.
@@ -143,14 +171,6 @@ inline void Dispatch(int64_t rows, Args... args) {
 }
 
 template <int MB>
-struct ChunkIO {
-  static void Run(const float* x, const float* w, float* y, int64_t I, int64_t O,
-                  int64_t o0, int64_t o1) {
-    ChunkIOImpl<MB>(x, w, y, I, O, o0, o1);
-  }
-};
-
-template <int MB>
 struct ChunkOI {
   // Four weight rows at a time while their 4·MB sums fit the 32 vector registers.
   static constexpr int R = MB <= 6 ? 4 : 2;
@@ -162,8 +182,8 @@ struct ChunkOI {
   }
 };
 
-// [I, O]: columns per chunk, at most kIOChunk, a whole number of tiles, and as even a split
-// over the workers as that allows (576 columns on 2 threads: 288 + 288, not 512 + 64).
+// [I, O] by columns: columns per chunk, at most kIOChunk, a whole number of tiles, and as
+// even a split over the workers as that allows (576 on 2 threads: 288 + 288, not 512 + 64).
 inline int64_t IOChunk(int64_t O, int64_t threads) {
   const int64_t workers = std::max<int64_t>(1, threads);
   const int64_t rounds = (O + workers * kIOChunk - 1) / (workers * kIOChunk);
@@ -171,32 +191,104 @@ inline int64_t IOChunk(int64_t O, int64_t threads) {
   return std::min(kIOChunk, (width + kIOWidth - 1) / kIOWidth * kIOWidth);
 }
 
+// How a matmul is cut into chunks: [I, O] by rows (partial sums, added in chunk order) or
+// by columns, [O, I] by output channels.
+enum class Split { kRowsIO, kColumnsIO, kRowsOI };
+
+// [I, O] matrices up to this many columns are cut by rows: a chunk's partial sums for the
+// eight rows of x in a pass, 8 × O floats, stay within 1 MiB of L2.
+constexpr int64_t kRowSplitMaxO = 32768;
+
 struct Work {
   const float* x;
   const float* w;
   float* y;
   int64_t M, I, O, chunk, chunks;
-  bool io;  // w is [I, O]
+  Split split;
+  std::unique_ptr<float[]> parts;  // kRowsIO: chunks × M × O partial sums
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
-  void Chunk(int64_t o0, int64_t o1) const {
+  void Chunk(int64_t c) const {
+    const int64_t bound = split == Split::kRowsIO ? I : O;
+    const int64_t lo = c * chunk, hi = std::min(bound, lo + chunk);
     for (int64_t m = 0; m < M; m += kMaxRows) {
       const int64_t rows = std::min<int64_t>(kMaxRows, M - m);
-      if (io)
-        Dispatch<ChunkIO>(rows, x + m * I, w, y + m * O, I, O, o0, o1);
-      else
-        Dispatch<ChunkOI>(rows, x + m * I, w, y + m * O, I, O, o0, o1);
+      switch (split) {
+        case Split::kRowsIO:
+          Dispatch<RowsIO>(rows, x + m * I, w, parts.get() + (c * M + m) * O, I, O, lo, hi);
+          break;
+        case Split::kColumnsIO:
+          Dispatch<ColumnsIO>(rows, x + m * I, w, y + m * O, I, O, lo, hi);
+          break;
+        case Split::kRowsOI:
+          Dispatch<ChunkOI>(rows, x + m * I, w, y + m * O, I, O, lo, hi);
+          break;
+      }
     }
   }
 
   void Drain() {
     for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      Chunk(c * chunk, std::min(O, (c + 1) * chunk));
+      Chunk(c);
       done.fetch_add(1, std::memory_order_release);
     }
   }
+
+  // kRowsIO: y = the chunks' partial sums added in chunk order, so the result does not
+  // depend on which thread ran which chunk.
+  void Reduce() const {
+    const int64_t n = M * O;
+    const float* p = parts.get();
+    std::copy(p, p + n, y);
+    for (int64_t c = 1; c < chunks; ++c)
+      for (int64_t j = 0; j < n; ++j) y[j] += p[c * n + j];
+  }
 };
+
+// [I, O] by rows: two chunks per worker, so a helper that starts late costs at most a
+// chunk; whole groups of eight rows.
+inline int64_t RowChunk(int64_t I, int64_t threads) {
+  const int64_t pieces = 2 * std::max<int64_t>(1, threads);
+  return std::max<int64_t>(8, ((I + pieces - 1) / pieces + 7) / 8 * 8);
+}
+
+// The chunks of y[M, O] = x[M, I] · w for `threads` workers.
+std::shared_ptr<Work> Plan(const float* x, const float* w, float* y, int64_t M, int64_t I,
+                           int64_t O, bool io, int64_t threads) {
+  auto work = std::make_shared<Work>();  // shared: a late helper may outlive the call
+  work->x = x;
+  work->w = w;
+  work->y = y;
+  work->M = M;
+  work->I = I;
+  work->O = O;
+  if (!io) {
+    work->split = Split::kRowsOI;
+    work->chunk = kOIChunk;
+    work->chunks = (O + kOIChunk - 1) / kOIChunk;
+  } else if (O <= kRowSplitMaxO) {
+    work->split = Split::kRowsIO;
+    work->chunk = RowChunk(I, threads);
+    work->chunks = (I + work->chunk - 1) / work->chunk;
+    work->parts.reset(new float[work->chunks * M * O]);
+  } else {
+    work->split = Split::kColumnsIO;
+    work->chunk = IOChunk(O, threads);
+    work->chunks = (O + work->chunk - 1) / work->chunk;
+  }
+  return work;
+}
+
+// Runs `work` on the caller and up to `threads` - 1 helpers that `schedule` starts.
+template <typename Schedule>
+void Run(const std::shared_ptr<Work>& work, int64_t threads, Schedule schedule) {
+  const int64_t helpers = std::min<int64_t>(threads, work->chunks) - 1;
+  for (int64_t t = 0; t < helpers; ++t) schedule([work] { work->Drain(); });
+  work->Drain();
+  while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();
+  if (work->split == Split::kRowsIO) work->Reduce();
+}
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Matrix w,
                   ffi::ResultBuffer<ffi::F32> y, bool io) {
@@ -204,20 +296,10 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Matrix w,
   auto xd = x.dimensions();
   if (xd.size() == 0 || xd[xd.size() - 1] != I)
     return ffi::Error::InvalidArgument("f32_matmul: x[..., I] against w[I, O] or w[O, I]");
-  auto work = std::make_shared<Work>();  // shared: a late helper may outlive this call
-  work->x = x.typed_data();
-  work->w = w.typed_data();
-  work->y = y->typed_data();
-  work->M = x.element_count() / I;
-  work->I = I;
-  work->O = O;
-  work->io = io;
-  work->chunk = io ? IOChunk(O, pool.num_threads()) : kOIChunk;
-  work->chunks = (O + work->chunk - 1) / work->chunk;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->chunks) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Drain(); });
-  work->Drain();
-  while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();
+  const int64_t threads = pool.num_threads();
+  Run(Plan(x.typed_data(), w.typed_data(), y->typed_data(), x.element_count() / I, I, O, io,
+           threads),
+      threads, [&pool](auto task) { pool.Schedule(std::move(task)); });
   return ffi::Error::Success();
 }
 

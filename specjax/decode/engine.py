@@ -32,7 +32,7 @@ from specjax.jit_cache import CompileClock, compiled
 from specjax.kv_cache import DraftBuffer, KVCache
 from specjax.model import apply
 from specjax.plan import DraftPlan
-from specjax.sampling import SamplingParams, probs
+from specjax.sampling import SamplingParams, argmax, probs, top_probability
 
 
 @flax.struct.dataclass
@@ -89,7 +89,7 @@ def _choose(logits, ids, key, vocab, sampling):
   over the whole vocabulary."""
   back = (lambda j: j) if ids is None else (lambda j: ids[j])
   if sampling.greedy:
-    return back(jnp.argmax(logits).astype(jnp.int32)), jnp.max(jax.nn.softmax(logits)), None
+    return back(argmax(logits)), top_probability(logits), None
   q = probs(logits, sampling)
   nxt = back(jax.random.categorical(key, jnp.log(q)).astype(jnp.int32))
   if ids is not None:
@@ -137,7 +137,7 @@ def to_vocab(plan: DraftPlan, idx: jax.Array) -> jax.Array:
 
 
 def _accept_greedy(drafts, n, logits):
-  target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [γ+1]
+  target = argmax(logits)  # [γ+1]
   gamma = drafts.shape[0]
   match = (drafts == target[:gamma]) & (jnp.arange(gamma) < n)
   a = jnp.sum(jnp.cumprod(match.astype(jnp.int32)))
@@ -163,7 +163,7 @@ def _accept_sampling(drafts, n, logits, q_rows, key, sampling):
   resid = jnp.where(total > 0, resid / jnp.where(total > 0, total, 1.0), p[a])
   fix = jax.random.categorical(k_fix, jnp.log(resid)).astype(jnp.int32)
   tokens = jnp.concatenate([drafts, jnp.zeros((1,), jnp.int32)]).at[a].set(fix)
-  return a, tokens, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return a, tokens, argmax(logits)
 
 
 @flax.struct.dataclass
