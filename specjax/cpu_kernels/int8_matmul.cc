@@ -6,6 +6,11 @@
 // T = 1: 31 ms against 2.3 ms, jax 0.10.2). Here each weight row is widened in
 // registers, so the step reads one byte per weight.
 //
+// Eight weight rows are read at a time (eight independent sums; the next eight
+// prefetched), each widened with one vpmovsxbd per 16 weights where AVX-512 is there:
+// SmolLM2's 30 layers and head at T = 1 took 11.1 -> 5.3 ms, Qwen2.5-Coder-0.5B's
+// 38 -> 22 ms (Intel Xeon, 2 cores), against one row at a time widened by GCC's vectoriser.
+//
 // Output channels are split into chunks that the caller and XLA's intra-op threads
 // claim from an atomic counter. The caller waits only for chunks a helper has claimed,
 // never for a helper to start, so a busy pool cannot deadlock it.
@@ -14,6 +19,10 @@
 #include <cstdint>
 #include <memory>
 #include <thread>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -25,20 +34,58 @@ using Weights = ffi::Buffer<ffi::S8, 2>;  // aliases: a comma would split the ma
 using Scales = ffi::Buffer<ffi::F32, 1>;
 
 constexpr int64_t kChannelsPerChunk = 64;
-constexpr int kLanes = 16;  // independent accumulators: one 512-bit vector of float32
+constexpr int kLanes = 16;  // float32 lanes of one 512-bit vector
+constexpr int kRowsPerPass = 8;  // weight rows at a time: independent sums in flight
 
-// Row m of x against weight row w (I entries), written for the vectoriser: int8 widened
-// in registers, FMA into 16 partial sums (built with -fassociative-math so it may).
-inline float RowDot(const float* x, const int8_t* w, int64_t I) {
-  float acc[kLanes] = {0};
+// Row x against R consecutive weight rows w[0..R) (I entries each) into out[0..R), the
+// int8 weights widened in registers. R independent sums keep the FMA ports busy where one
+// row's single chain waited on each FMA's latency; the next R rows (`next`) are prefetched.
+#if defined(__AVX512F__)
+// One vpmovsxbd per 16 weights: GCC's vectoriser widens int8 through int16 (two shuffles
+// and an extract on the one shuffle port), which bound the loop before memory did.
+template <int R>
+inline void DotRows(const float* x, const int8_t* w, const int8_t* next, int64_t I,
+                    float* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   int64_t i = 0;
-  for (; i + kLanes <= I; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) acc[j] += x[i + j] * static_cast<float>(w[i + j]);
-  float sum = 0;
-  for (int j = 0; j < kLanes; ++j) sum += acc[j];
-  for (; i < I; ++i) sum += x[i] * static_cast<float>(w[i]);
-  return sum;
+  for (; i + kLanes <= I; i += kLanes) {
+    if (i % 64 == 0)
+      for (int r = 0; r < R; ++r) __builtin_prefetch(next + r * I + i, 0, 2);
+    const __m512 xv = _mm512_loadu_ps(x + i);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * I + i));
+      acc[r] = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float sum = _mm512_reduce_add_ps(acc[r]);
+    for (int64_t k = i; k < I; ++k) sum += x[k] * static_cast<float>(w[r * I + k]);
+    out[r] = sum;
+  }
 }
+#else
+template <int R>
+inline void DotRows(const float* x, const int8_t* w, const int8_t* next, int64_t I,
+                    float* out) {
+  float acc[R][kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= I; i += kLanes) {
+    if (i % 64 == 0)
+      for (int r = 0; r < R; ++r) __builtin_prefetch(next + r * I + i, 0, 2);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < kLanes; ++j)
+        acc[r][j] += x[i + j] * static_cast<float>(w[r * I + i + j]);
+  }
+  for (int r = 0; r < R; ++r) {
+    float sum = 0;
+    for (int j = 0; j < kLanes; ++j) sum += acc[r][j];
+    for (int64_t k = i; k < I; ++k) sum += x[k] * static_cast<float>(w[r * I + k]);
+    out[r] = sum;
+  }
+}
+#endif
 
 struct Work {
   const float* x;
@@ -52,9 +99,19 @@ struct Work {
   void Drain() {
     for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
       const int64_t end = std::min(O, (c + 1) * kChannelsPerChunk);
-      for (int64_t o = c * kChannelsPerChunk; o < end; ++o)
-        for (int64_t m = 0; m < M; ++m)  // the weight row stays in L1 across rows of x
-          y[m * O + o] = RowDot(x + m * I, w + o * I, I) * scale[o];
+      float out[kRowsPerPass];
+      for (int64_t o = c * kChannelsPerChunk; o < end; o += kRowsPerPass) {
+        const int64_t rows = std::min<int64_t>(kRowsPerPass, end - o);
+        const int8_t* ahead = w + std::min(o + kRowsPerPass, O - rows) * I;
+        for (int64_t m = 0; m < M; ++m) {  // the weight rows stay in L1 across rows of x
+          if (rows == kRowsPerPass)
+            DotRows<kRowsPerPass>(x + m * I, w + o * I, ahead, I, out);
+          else
+            for (int64_t r = 0; r < rows; ++r)
+              DotRows<1>(x + m * I, w + (o + r) * I, ahead, I, out + r);
+          for (int64_t r = 0; r < rows; ++r) y[m * O + o + r] = out[r] * scale[o + r];
+        }
+      }
       done.fetch_add(1, std::memory_order_release);
     }
   }
