@@ -13,7 +13,8 @@ Two kernels:
 
 Each source is compiled once per machine with the host's C++ compiler (`$CXX`, else
 g++) for its own CPU (`-march=native`) and cached under `cache_root()/kernels`, keyed by
-the source, the jax version and the CPU's flags. Where no compiler is found, or
+the source and the headers beside it (`workers.h`: how the kernels share work with XLA's
+threads), the jax version and the CPU's flags. Where no compiler is found, or
 `SPECJAX_CPU_KERNELS=0`, the kernels fall back to the XLA path (same numbers, slower)
 and `kernel_status()` says why; `SPECJAX_CPU_KERNELS` may also list the kernels to use
 (`int8_matmul,f32_matmul`), to measure one against XLA. On a GPU the XLA path is the
@@ -73,8 +74,9 @@ def _build(source: Path, compiler: str) -> Path:
   """The shared library of `source` for this machine, compiled now unless cached."""
   from specjax.models.registry import cache_root
 
+  headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # e.g. workers.h
   key = hashlib.sha256(b"\0".join(
-      [source.read_bytes(), jax.__version__.encode(), _cpu_flags().encode(),
+      [source.read_bytes(), *headers, jax.__version__.encode(), _cpu_flags().encode(),
        compiler.encode()])).hexdigest()[:16]
   out = cache_root() / "kernels" / f"{source.stem}-{key}.so"
   if out.exists():

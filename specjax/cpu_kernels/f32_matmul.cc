@@ -9,16 +9,17 @@
 // Here every weight is read once and used for all M rows while it sits in a register.
 //
 // Work is split into chunks that the caller and XLA's intra-op threads claim from an
-// atomic counter; the caller waits only for claimed chunks. A chunk is a contiguous block
-// of the weights wherever that is possible: rows of an [I, O] matrix (partial sums, added
-// in a fixed order, so results never depend on the threads) or output channels of an
-// [O, I] one.
+// atomic counter (`workers.h`); the caller waits only for claimed chunks. A chunk is a
+// contiguous block of the weights wherever that is possible: rows of an [I, O] matrix
+// (partial sums, added in a fixed order, so results never depend on the threads) or
+// output channels of an [O, I] one.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
 #include <thread>
 
+#include "workers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -199,17 +200,27 @@ enum class Split { kRowsIO, kColumnsIO, kRowsOI };
 // eight rows of x in a pass, 8 × O floats, stay within 1 MiB of L2.
 constexpr int64_t kRowSplitMaxO = 32768;
 
-struct Work {
-  const float* x;
-  const float* w;
-  float* y;
-  int64_t M, I, O, chunk, chunks;
-  Split split;
-  std::unique_ptr<float[]> parts;  // kRowsIO: chunks × M × O partial sums
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+class Work : public specjax::Job {
+ public:
+  Work(const float* x, const float* w, float* y, int64_t M, int64_t I, int64_t O,
+       Split split, int64_t chunk, int64_t chunks)
+      : Job(chunks), x(x), w(w), y(y), M(M), I(I), O(O), split(split), chunk(chunk),
+        parts(split == Split::kRowsIO ? new float[chunks * M * O] : nullptr) {}
 
-  void Chunk(int64_t c) const {
+  // kRowsIO: y = the chunks' partial sums added in chunk order, so the result does not
+  // depend on which thread ran which chunk.
+  bool split_rows() const { return split == Split::kRowsIO; }
+
+  void Reduce() const {
+    const int64_t n = M * O;
+    const float* p = parts.get();
+    std::copy(p, p + n, y);
+    for (int64_t c = 1; c < chunks(); ++c)
+      for (int64_t j = 0; j < n; ++j) y[j] += p[c * n + j];
+  }
+
+ protected:
+  void Chunk(int64_t c) override {
     const int64_t bound = split == Split::kRowsIO ? I : O;
     const int64_t lo = c * chunk, hi = std::min(bound, lo + chunk);
     for (int64_t m = 0; m < M; m += kMaxRows) {
@@ -228,22 +239,14 @@ struct Work {
     }
   }
 
-  void Drain() {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      Chunk(c);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-
-  // kRowsIO: y = the chunks' partial sums added in chunk order, so the result does not
-  // depend on which thread ran which chunk.
-  void Reduce() const {
-    const int64_t n = M * O;
-    const float* p = parts.get();
-    std::copy(p, p + n, y);
-    for (int64_t c = 1; c < chunks; ++c)
-      for (int64_t j = 0; j < n; ++j) y[j] += p[c * n + j];
-  }
+ private:
+  const float* x;
+  const float* w;
+  float* y;
+  const int64_t M, I, O;
+  const Split split;
+  const int64_t chunk;                   // rows (kRowsIO) or output channels per chunk
+  const std::unique_ptr<float[]> parts;  // kRowsIO: chunks × M × O partial sums
 };
 
 // [I, O] by rows: two chunks per worker, so a helper that starts late costs at most a
@@ -256,38 +259,30 @@ inline int64_t RowChunk(int64_t I, int64_t threads) {
 // The chunks of y[M, O] = x[M, I] · w for `threads` workers.
 std::shared_ptr<Work> Plan(const float* x, const float* w, float* y, int64_t M, int64_t I,
                            int64_t O, bool io, int64_t threads) {
-  auto work = std::make_shared<Work>();  // shared: a late helper may outlive the call
-  work->x = x;
-  work->w = w;
-  work->y = y;
-  work->M = M;
-  work->I = I;
-  work->O = O;
-  if (!io) {
-    work->split = Split::kRowsOI;
-    work->chunk = kOIChunk;
-    work->chunks = (O + kOIChunk - 1) / kOIChunk;
-  } else if (O <= kRowSplitMaxO) {
-    work->split = Split::kRowsIO;
-    work->chunk = RowChunk(I, threads);
-    work->chunks = (I + work->chunk - 1) / work->chunk;
-    work->parts.reset(new float[work->chunks * M * O]);
-  } else {
-    work->split = Split::kColumnsIO;
-    work->chunk = IOChunk(O, threads);
-    work->chunks = (O + work->chunk - 1) / work->chunk;
+  if (!io)
+    return std::make_shared<Work>(x, w, y, M, I, O, Split::kRowsOI, kOIChunk,
+                                  (O + kOIChunk - 1) / kOIChunk);
+  if (O <= kRowSplitMaxO) {
+    const int64_t chunk = RowChunk(I, threads);
+    return std::make_shared<Work>(x, w, y, M, I, O, Split::kRowsIO, chunk,
+                                  (I + chunk - 1) / chunk);
   }
-  return work;
+  const int64_t chunk = IOChunk(O, threads);
+  return std::make_shared<Work>(x, w, y, M, I, O, Split::kColumnsIO, chunk,
+                                (O + chunk - 1) / chunk);
 }
 
-// Runs `work` on the caller and up to `threads` - 1 helpers that `schedule` starts.
+// This library's helpers, never destroyed: a pool thread may linger past exit handlers.
+specjax::Helpers& Helpers() {
+  static auto* helpers = new specjax::Helpers;
+  return *helpers;
+}
+
+// Runs `work` on the caller and up to `threads` - 1 helpers (`schedule` starts new ones).
 template <typename Schedule>
 void Run(const std::shared_ptr<Work>& work, int64_t threads, Schedule schedule) {
-  const int64_t helpers = std::min<int64_t>(threads, work->chunks) - 1;
-  for (int64_t t = 0; t < helpers; ++t) schedule([work] { work->Drain(); });
-  work->Drain();
-  while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();
-  if (work->split == Split::kRowsIO) work->Reduce();
+  Helpers().Run(work, threads, schedule);
+  if (work->split_rows()) work->Reduce();
 }
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Matrix w,

@@ -1,0 +1,114 @@
+// Work sharing for the CPU kernels: a job's chunks are claimed from an atomic counter by
+// the calling thread and by helpers on XLA's intra-op thread pool.
+//
+// Why helpers linger: a decode step makes ~120 kernel calls a few tens of µs apart, and a
+// pool thread woken for each of them started ~30 µs after it was asked (mean over a
+// SmolLM2 verification, Intel Xeon VM), time in which the caller streamed the weights
+// alone. A helper that has finished its chunks therefore waits a little (`kLinger`,
+// yielding the core) for the next job, which the caller hands it through a one-job slot
+// instead of waking another pool thread.
+//
+// The caller never waits for a helper to start: it drains every chunk no helper has
+// claimed, and waits only for claimed chunks. So a job handed to a helper that is just
+// leaving, or never run by a busy pool, costs speed, never correctness; a helper that
+// finds an old job in the slot finds no chunk left and does nothing.
+#ifndef SPECJAX_CPU_KERNELS_WORKERS_H_
+#define SPECJAX_CPU_KERNELS_WORKERS_H_
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+namespace specjax {
+
+// Chunks [0, chunks) of some work; `Chunk(c)` must be safe to run on any thread.
+class Job {
+ public:
+  explicit Job(int64_t chunks) : chunks_(chunks) {}
+  virtual ~Job() = default;
+  int64_t chunks() const { return chunks_; }
+
+  // Runs chunks until none is left to claim.
+  void Drain() {
+    for (int64_t c; (c = next_.fetch_add(1, std::memory_order_relaxed)) < chunks_;) {
+      Chunk(c);
+      done_.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  // Drains, then waits for the chunks that helpers claimed.
+  void Finish() {
+    Drain();
+    while (done_.load(std::memory_order_acquire) < chunks_) std::this_thread::yield();
+  }
+
+ protected:
+  virtual void Chunk(int64_t c) = 0;
+
+ private:
+  const int64_t chunks_;
+  std::atomic<int64_t> next_{0};
+  std::atomic<int64_t> done_{0};
+};
+
+// The helpers of one kernel library: those lingering, and the slot that hands them a job.
+class Helpers {
+ public:
+  // How long a helper waits for the next job: longer than the gaps between a step's
+  // matmuls (attention between q/k/v and o is the longest, ~0.1 ms), short enough that a
+  // pool thread is never kept from XLA's own work for long.
+  static constexpr std::chrono::microseconds kLinger{300};
+
+  // Runs `job` on the caller and up to `threads` - 1 helpers: lingering ones first, then
+  // new ones started by `schedule(task)` on the pool.
+  template <typename Schedule>
+  void Run(const std::shared_ptr<Job>& job, int64_t threads, Schedule schedule) {
+    const int64_t helpers = std::min<int64_t>(threads, job->chunks()) - 1;
+    for (int64_t t = 0; t < helpers; ++t)
+      if (!Hand(job)) schedule([this, job] { Help(job); });
+    job->Finish();
+  }
+
+ private:
+  // Offers `job` to a lingering helper; false when none is waiting or the slot is taken.
+  bool Hand(const std::shared_ptr<Job>& job) {
+    if (waiting_.load(std::memory_order_acquire) == 0) return false;
+    auto* boxed = new std::shared_ptr<Job>(job);
+    std::shared_ptr<Job>* empty = nullptr;
+    if (slot_.compare_exchange_strong(empty, boxed, std::memory_order_acq_rel)) return true;
+    delete boxed;
+    return false;
+  }
+
+  // A helper's life on a pool thread: `job`, then any job handed over within kLinger.
+  void Help(std::shared_ptr<Job> job) {
+    job->Drain();
+    job.reset();  // the caller may be waiting to free its buffers
+    waiting_.fetch_add(1, std::memory_order_acq_rel);
+    auto deadline = std::chrono::steady_clock::now() + kLinger;
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (std::shared_ptr<Job>* boxed = slot_.exchange(nullptr, std::memory_order_acq_rel)) {
+        std::shared_ptr<Job> next = std::move(*boxed);
+        delete boxed;
+        waiting_.fetch_sub(1, std::memory_order_acq_rel);
+        next->Drain();
+        next.reset();
+        waiting_.fetch_add(1, std::memory_order_acq_rel);
+        deadline = std::chrono::steady_clock::now() + kLinger;
+      } else {
+        std::this_thread::yield();
+      }
+    }
+    waiting_.fetch_sub(1, std::memory_order_acq_rel);
+  }
+
+  std::atomic<int> waiting_{0};                       // helpers lingering now
+  std::atomic<std::shared_ptr<Job>*> slot_{nullptr};  // a job for one of them
+};
+
+}  // namespace specjax
+
+#endif  // SPECJAX_CPU_KERNELS_WORKERS_H_
