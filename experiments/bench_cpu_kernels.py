@@ -1,0 +1,143 @@
+"""The CPU kernels matrix by matrix: each class of a model's matmuls (q/k/v, o, gate/up,
+down, LM head), every layer's real weights in turn, through XLA's dot and through our
+kernels, at one row (an AR or draft step) and at γ + 1 rows (a verification).
+
+    python experiments/bench_cpu_kernels.py [--model smollm2-135m-instruct] [--rows 5]
+
+Each timed call runs one class over all layers in a chain (each output feeds the next
+input, so nothing overlaps) with the weights in DRAM: a decode step's access pattern,
+not a cache-warm micro-benchmark. Medians of `--runs`, the variants round-robin.
+Reported as ms per step and as GB/s of weights read; the last line is JSON. This is the
+script behind the kernels' design notes (`specjax/cpu_kernels/*.cc`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report  # noqa: E402
+
+from specjax import cpu_kernels  # noqa: E402
+from specjax.models.loader import load_model  # noqa: E402
+from specjax.quant import _model_matrices, quantize_weights_int8  # noqa: E402
+
+CLASSES = ("qkv", "o", "gate_up", "down", "head")
+
+
+def matrices(m) -> dict:
+  """{class: ([I, O] or, for a tied head, [O, I] float32 matrices], int8 copies, tied)}."""
+  L = m.config.num_layers
+  f32 = {c: [] for c in CLASSES}
+  for _, name, w in _model_matrices(m.state, L):
+    f32[name].append(w)
+  tied = "lm_head" not in m.state
+  f32["head"] = [m.state["embedding"][...] if tied else m.state["lm_head"][...]]
+  q = quantize_weights_int8(m.state, L)
+  int8 = {c: [getattr(layer, c) for layer in q.layers] for c in CLASSES[:-1]} | {
+      "head": [q.head]}
+  return {c: (f32[c], int8[c], tied and c == "head") for c in CLASSES}
+
+
+def chain(matmul):
+  """A jitted pass over `ws` that feeds each output back into the next input."""
+  def run(x, ws):
+    total = jnp.zeros((), jnp.float32)
+    for w in ws:
+      y = matmul(x, w)
+      total = total + y[..., 0].sum()
+      x = x + total * 1e-12  # a data dependency: the next matmul waits for this one
+    return total
+  return jax.jit(run)
+
+
+def variants(f32: list, int8: list, tied: bool, rows: int, inner: int) -> dict:
+  """{name: (callable, operands)} for one matrix class."""
+  xla = (lambda x, w: jnp.einsum("ti,oi->to", x, w)) if tied else (lambda x, w: x @ w)
+  kernel = lambda x, w: cpu_kernels.f32_matmul(x, w, tied)
+  x1 = jnp.asarray(np.random.default_rng(0).normal(size=(1, inner)), jnp.float32)
+  xr = jnp.asarray(np.random.default_rng(1).normal(size=(rows, inner)), jnp.float32)
+  out = {"xla T=1": (chain(xla), (x1, f32)), f"xla T={rows}": (chain(xla), (xr, f32))}
+  if cpu_kernels.kernel_status("f32_matmul") == "ready":
+    out[f"f32 kernel T={rows}"] = (chain(kernel), (xr, f32))
+    out["f32 kernel T=1"] = (chain(kernel), (x1, f32))
+  if cpu_kernels.kernel_status("int8_matmul") == "ready":
+    out["int8 kernel T=1"] = (chain(lambda x, q: q.matmul(x)), (x1, int8))
+  return out
+
+
+def time_class(vs: dict, runs: int) -> dict:
+  """Median seconds of each variant, round-robin after one warm-up (compiles) call."""
+  for fn, args in vs.values():
+    fn(*args).block_until_ready()
+  times = {name: [] for name in vs}
+  for _ in range(runs):
+    for name, (fn, args) in vs.items():
+      t = time.perf_counter()
+      fn(*args).block_until_ready()
+      times[name].append(time.perf_counter() - t)
+  return {name: statistics.median(v) for name, v in times.items()}
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--rows", type=int, default=5, help="a verification's γ + 1 rows")
+  ap.add_argument("--runs", type=int, default=9)
+  report.common_args(ap, results=False)
+  args = ap.parse_args()
+
+  m = load_model(args.model, dtype="float32")
+  mats = matrices(m)
+  names: list[str] = []
+  figures = {"model": args.model, "machine": report.machine(), "rows": args.rows,
+             "kernels": {k: cpu_kernels.kernel_status(k) for k in ("f32_matmul", "int8_matmul")},
+             "ms": {}, "f32_mb": {}}
+  for c in CLASSES:
+    f32, int8, tied = mats[c]
+    inner = f32[0].shape[1] if tied else f32[0].shape[0]
+    t = time_class(variants(f32, int8, tied, args.rows, inner), args.runs)
+    names = list(t)
+    figures["ms"][c] = {k: round(v * 1e3, 3) for k, v in t.items()}
+    figures["f32_mb"][c] = round(sum(w.nbytes for w in f32) / 1e6, 1)
+    print(f"{c}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in t.items()), flush=True)
+  totals = {k: sum(figures["ms"][c][k] for c in CLASSES) for k in names}
+  figures["total_ms"] = {k: round(v, 3) for k, v in totals.items()}
+
+  def cell(c: str, k: str) -> str:
+    ms = figures["ms"][c][k]
+    mb = figures["f32_mb"][c] / (4 if k.startswith("int8") else 1)
+    return f"{ms:.2f} ({mb / ms:.0f})"
+
+  rows = [[c, f"{figures['f32_mb'][c]:.0f}"] + [cell(c, k) for k in names] for c in CLASSES]
+  rows.append(["all", f"{sum(figures['f32_mb'].values()):.0f}"]
+              + [f"{totals[k]:.2f}" for k in names])
+  table = report.markdown_table(["matrices", "f32 MB"] + names, rows)
+  print(table)
+  if args.write_docs:
+    report.write_section(f"cpu-kernels-{args.model}", "\n".join([
+        f"## CPU kernels matrix by matrix ({args.model})",
+        "",
+        f"Machine: {figures['machine']}. Commit {report.git_revision()}. Kernels: "
+        f"f32_matmul {figures['kernels']['f32_matmul']}, int8_matmul "
+        f"{figures['kernels']['int8_matmul']}.",
+        "",
+        f"Each class of matmuls over all {m.config.num_layers} layers' real weights in a "
+        f"chain (weights in DRAM), ms per step and, in brackets, GB/s of weights read "
+        f"(int8: a quarter of the f32 bytes); medians of {args.runs} round-robin runs. "
+        f"T = 1 is an AR or draft step, T = {args.rows} a verification of γ + 1 tokens:",
+        "",
+        table,
+    ]))
+  report.print_json(figures)
+
+
+if __name__ == "__main__":
+  main()
