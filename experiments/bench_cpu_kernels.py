@@ -6,7 +6,8 @@ kernels, at one row (an AR or draft step) and at γ + 1 rows (a verification).
 
 Each timed call runs one class over all layers in a chain (each output feeds the next
 input, so nothing overlaps), after reading 1 GiB of other data so that the weights come
-from DRAM: a decode step's access pattern, not a cache-warm micro-benchmark. Medians of `--runs`, the variants round-robin.
+from DRAM: a decode step's access pattern, not a cache-warm micro-benchmark. Medians
+of `--runs`, the variants round-robin.
 Reported as ms per step and as GB/s of weights read; the last line is JSON. This is the
 script behind the kernels' design notes (`specjax/cpu_kernels/*.cc`).
 """
@@ -141,7 +142,8 @@ def main() -> None:
         f"{figures['kernels']['int8_matmul']}.",
         "",
         f"Each class of matmuls over all {m.config.num_layers} layers' real weights in a "
-        f"chain, after a 1 GiB read that evicts them from the caches; ms per step and, in brackets, GB/s of weights read "
+        f"chain, after a 1 GiB read that evicts them from the caches; ms per step and, in "
+        f"brackets, GB/s of weights read "
         f"(int8: a quarter of the f32 bytes); medians of {args.runs} round-robin runs. "
         f"T = 1 is an AR or draft step, T = {args.rows} a verification of γ + 1 tokens:",
         "",

@@ -52,8 +52,8 @@ inline float Sum(Vec v) {
 // [I, O]: acc[m·stride + c] += Σ_i x[m·I + i] · w[i·O + o0 + c] over rows [i0, i1) of w
 // and columns c < o1 - o0, for rows x[0..MB). The weights are read eight rows at a time,
 // each row's segment front to back, and every weight vector meets MB broadcast x values in
-// registers; the tile's sums make one trip through `acc` per eight rows (four rows per trip
-// ran at 34 GB/s of weights on one core at MB = 5 with the weights in L2; eight, 37).
+// registers; the tile's sums make one trip through `acc` per eight rows: half the loads
+// and stores of `acc` per weight read that four rows made.
 template <int MB>
 inline void BlockIO(const float* x, const float* w, float* acc, int64_t stride, int64_t I,
                     int64_t O, int64_t i0, int64_t i1, int64_t o0, int64_t o1) {
@@ -113,8 +113,8 @@ struct ColumnsIO {
 
 // [I, O] by rows: the partial sums part[MB, O] (row stride O) of rows [i0, i1) of w. Each
 // chunk is one contiguous block of memory, which the prefetchers stream far better than
-// column strips: SmolLM2's four layer matrices at MB = 5 took 14.7 ms per 30 layers
-// against 17.2 ms by columns, on 2 cores with the weights in DRAM.
+// column strips: SmolLM2's four layer matrices at MB = 5 take 22.1 ms over 30 layers,
+// less than XLA's dot at one row (24.5 ms; `experiments/bench_cpu_kernels.py`).
 template <int MB>
 struct RowsIO {
   static void Run(const float* x, const float* w, float* part, int64_t I, int64_t O,
@@ -127,8 +127,8 @@ struct RowsIO {
 // [O, I]: output channels [o, o + R) for rows x[0..MB): R·MB dot products over R
 // contiguous weight rows, each read once; each x vector loaded meets R weight vectors.
 // The next R rows are prefetched as these are read: at MB ≥ 2 the loop issues its loads
-// too slowly for the hardware prefetchers to keep DRAM busy (SmolLM2's head at MB = 5:
-// 6.3 ms without, 4.9 ms with, against 3.8 ms at MB = 1).
+// too slowly for the hardware prefetchers to keep DRAM busy. With the prefetch, SmolLM2's
+// head at MB = 5 costs 1.25× XLA's dot at one row (`experiments/bench_cpu_kernels.py`).
 template <int MB, int R>
 inline void RowsOI(const float* x, const float* w, float* y, int64_t I, int64_t O,
                    int64_t o) {
