@@ -291,7 +291,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Matrix w,
   auto xd = x.dimensions();
   if (xd.size() == 0 || xd[xd.size() - 1] != I)
     return ffi::Error::InvalidArgument("f32_matmul: x[..., I] against w[I, O] or w[O, I]");
-  const int64_t threads = pool.num_threads();
+  const int64_t threads = specjax::ThreadsFor(I * O * 4, pool.num_threads());
   Run(Plan(x.typed_data(), w.typed_data(), y->typed_data(), x.element_count() / I, I, O, io,
            threads),
       threads, [&pool](auto task) { pool.Schedule(std::move(task)); });

@@ -136,7 +136,7 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Weights
     return ffi::Error::InvalidArgument("int8_matmul: x[..., I], w[O, I], scale[O] expected");
   auto work = std::make_shared<Work>(x.typed_data(), w.typed_data(), scale.typed_data(),
                                      y->typed_data(), x.element_count() / I, I, O);
-  Helpers().Run(work, pool.num_threads(),
+  Helpers().Run(work, specjax::ThreadsFor(I * O, pool.num_threads()),
                 [&pool](auto task) { pool.Schedule(std::move(task)); });
   return ffi::Error::Success();
 }

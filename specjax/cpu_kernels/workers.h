@@ -24,6 +24,14 @@
 
 namespace specjax {
 
+// The threads for a job that reads `bytes` of weights: below 256 KiB the caller works alone.
+// Waking (or keeping) a helper costs more than such a job, and a helper lingering after
+// thousands of tiny calls (a test model's steps) takes a core from other processes.
+inline int64_t ThreadsFor(int64_t bytes, int64_t pool_threads) {
+  constexpr int64_t kParallelBytes = int64_t{256} << 10;
+  return bytes < kParallelBytes ? 1 : pool_threads;
+}
+
 // Chunks [0, chunks) of some work; `Chunk(c)` must be safe to run on any thread.
 class Job {
  public:
