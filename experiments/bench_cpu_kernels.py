@@ -29,7 +29,7 @@ import report  # noqa: E402
 
 from specjax import cpu_kernels  # noqa: E402
 from specjax.models.loader import load_model  # noqa: E402
-from specjax.quant import _model_matrices, quantize_weights_int8  # noqa: E402
+from specjax.quant import model_matrices, quantize_weights_int8  # noqa: E402
 
 CLASSES = ("qkv", "o", "gate_up", "down", "head")
 
@@ -38,7 +38,7 @@ def matrices(m) -> dict:
   """{class: ([I, O] or, for a tied head, [O, I] float32 matrices], int8 copies, tied)}."""
   L = m.config.num_layers
   f32 = {c: [] for c in CLASSES}
-  for _, name, w in _model_matrices(m.state, L):
+  for _, name, w in model_matrices(m.state, L):
     f32[name].append(w)
   tied = "lm_head" not in m.state
   f32["head"] = [m.state["embedding"][...] if tied else m.state["lm_head"][...]]

@@ -225,7 +225,7 @@ class DraftWeights:
     return sum(leaf.nbytes for leaf in jax.tree.leaves(self))
 
 
-def _model_matrices(state, num_layers: int):
+def model_matrices(state, num_layers: int):
   """(layer, name, [In, Out] matrix) of every matmul weight of an `nnx.State`."""
   for l in range(num_layers):
     block = state["blocks"][l]
@@ -240,7 +240,7 @@ def _model_matrices(state, num_layers: int):
 def quantize_mlp_weights(state, num_layers: int, group: int = 128) -> DraftWeights:
   """QuantSpec's 4-bit draft weights: every layer's MLP matrices, groups of `group` rows."""
   layers = [dict() for _ in range(num_layers)]
-  for l, name, w in _model_matrices(state, num_layers):
+  for l, name, w in model_matrices(state, num_layers):
     if name in ("gate_up", "down"):
       layers[l][name] = Int4Matrix.quantize(w, group)
   return DraftWeights(tuple(LayerWeights(**kw) for kw in layers), bits=4)
@@ -249,7 +249,7 @@ def quantize_mlp_weights(state, num_layers: int, group: int = 128) -> DraftWeigh
 def quantize_weights_int8(state, num_layers: int) -> DraftWeights:
   """8-bit copies of every matmul the draft runs: attention projections, MLP, LM head."""
   layers = [dict() for _ in range(num_layers)]
-  for l, name, w in _model_matrices(state, num_layers):
+  for l, name, w in model_matrices(state, num_layers):
     layers[l][name] = Int8Matrix.quantize(w)
   if "lm_head" in state:
     head = Int8Matrix.quantize(state["lm_head"][...])

@@ -207,10 +207,10 @@ class Work : public specjax::Job {
       : Job(chunks), x(x), w(w), y(y), M(M), I(I), O(O), split(split), chunk(chunk),
         parts(split == Split::kRowsIO ? new float[chunks * M * O] : nullptr) {}
 
-  // kRowsIO: y = the chunks' partial sums added in chunk order, so the result does not
-  // depend on which thread ran which chunk.
   bool split_rows() const { return split == Split::kRowsIO; }
 
+  // kRowsIO: y = the chunks' partial sums added in chunk order, so the result does not
+  // depend on which thread ran which chunk.
   void Reduce() const {
     const int64_t n = M * O;
     const float* p = parts.get();
@@ -272,19 +272,6 @@ std::shared_ptr<Work> Plan(const float* x, const float* w, float* y, int64_t M, 
                                 (O + chunk - 1) / chunk);
 }
 
-// This library's helpers, never destroyed: a pool thread may linger past exit handlers.
-specjax::Helpers& Helpers() {
-  static auto* helpers = new specjax::Helpers;
-  return *helpers;
-}
-
-// Runs `work` on the caller and up to `threads` - 1 helpers (`schedule` starts new ones).
-template <typename Schedule>
-void Run(const std::shared_ptr<Work>& work, int64_t threads, Schedule schedule) {
-  Helpers().Run(work, threads, schedule);
-  if (work->split_rows()) work->Reduce();
-}
-
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Matrix w,
                   ffi::ResultBuffer<ffi::F32> y, bool io) {
   const int64_t I = w.dimensions()[io ? 0 : 1], O = w.dimensions()[io ? 1 : 0];
@@ -292,9 +279,10 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Matrix w,
   if (xd.size() == 0 || xd[xd.size() - 1] != I)
     return ffi::Error::InvalidArgument("f32_matmul: x[..., I] against w[I, O] or w[O, I]");
   const int64_t threads = specjax::ThreadsFor(I * O * 4, pool.num_threads());
-  Run(Plan(x.typed_data(), w.typed_data(), y->typed_data(), x.element_count() / I, I, O, io,
-           threads),
-      threads, [&pool](auto task) { pool.Schedule(std::move(task)); });
+  auto work = Plan(x.typed_data(), w.typed_data(), y->typed_data(), x.element_count() / I,
+                   I, O, io, threads);
+  specjax::RunOnPool(pool, work, threads);
+  if (work->split_rows()) work->Reduce();
   return ffi::Error::Success();
 }
 

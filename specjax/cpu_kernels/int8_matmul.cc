@@ -38,6 +38,7 @@ using Scales = ffi::Buffer<ffi::F32, 1>;
 constexpr int64_t kChannelsPerChunk = 64;
 constexpr int kLanes = 16;  // float32 lanes of one 512-bit vector
 constexpr int kRowsPerPass = 8;  // weight rows at a time: independent sums in flight
+constexpr int kPrefetchL2 = 2;   // prefetcht1, as in f32_matmul.cc
 
 // Row x against R consecutive weight rows w[0..R) (I entries each) into out[0..R), the
 // int8 weights widened in registers. R independent sums keep the FMA ports busy where one
@@ -53,7 +54,7 @@ inline void DotRows(const float* x, const int8_t* w, const int8_t* next, int64_t
   int64_t i = 0;
   for (; i + kLanes <= I; i += kLanes) {
     if (i % 64 == 0)
-      for (int r = 0; r < R; ++r) __builtin_prefetch(next + r * I + i, 0, 2);
+      for (int r = 0; r < R; ++r) __builtin_prefetch(next + r * I + i, 0, kPrefetchL2);
     const __m512 xv = _mm512_loadu_ps(x + i);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -75,7 +76,7 @@ inline void DotRows(const float* x, const int8_t* w, const int8_t* next, int64_t
   int64_t i = 0;
   for (; i + kLanes <= I; i += kLanes) {
     if (i % 64 == 0)
-      for (int r = 0; r < R; ++r) __builtin_prefetch(next + r * I + i, 0, 2);
+      for (int r = 0; r < R; ++r) __builtin_prefetch(next + r * I + i, 0, kPrefetchL2);
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < kLanes; ++j)
         acc[r][j] += x[i + j] * static_cast<float>(w[r * I + i + j]);
@@ -122,12 +123,6 @@ class Work : public specjax::Job {
   const int64_t M, I, O;
 };
 
-// This library's helpers, never destroyed: a pool thread may linger past exit handlers.
-specjax::Helpers& Helpers() {
-  static auto* helpers = new specjax::Helpers;
-  return *helpers;
-}
-
 ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Weights w,
                           Scales scale, ffi::ResultBuffer<ffi::F32> y) {
   const int64_t O = w.dimensions()[0], I = w.dimensions()[1];
@@ -136,8 +131,7 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Weights
     return ffi::Error::InvalidArgument("int8_matmul: x[..., I], w[O, I], scale[O] expected");
   auto work = std::make_shared<Work>(x.typed_data(), w.typed_data(), scale.typed_data(),
                                      y->typed_data(), x.element_count() / I, I, O);
-  Helpers().Run(work, specjax::ThreadsFor(I * O, pool.num_threads()),
-                [&pool](auto task) { pool.Schedule(std::move(task)); });
+  specjax::RunOnPool(pool, work, specjax::ThreadsFor(I * O, pool.num_threads()));
   return ffi::Error::Success();
 }
 

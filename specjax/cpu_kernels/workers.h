@@ -117,6 +117,14 @@ class Helpers {
   std::atomic<std::shared_ptr<Job>*> slot_{nullptr};  // a job for one of them
 };
 
+// Runs `job` on the caller and up to `threads` - 1 helpers on `pool` (XLA's FFI thread
+// pool, or anything with `Schedule(task)`), through this library's one set of helpers.
+template <typename Pool>
+void RunOnPool(Pool& pool, const std::shared_ptr<Job>& job, int64_t threads) {
+  static auto* helpers = new Helpers;  // never destroyed: a helper may linger past exit
+  helpers->Run(job, threads, [&pool](auto task) { pool.Schedule(std::move(task)); });
+}
+
 }  // namespace specjax
 
 #endif  // SPECJAX_CPU_KERNELS_WORKERS_H_
