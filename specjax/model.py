@@ -224,8 +224,8 @@ def _from_rows(out: jax.Array, T: int) -> jax.Array:
 
 
 def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x @ w[I, O]: XLA's dot, or on a CPU the few-row kernel for a verification's few
-  tokens (`cpu_kernels.few_rows`), where XLA's GEMM streams the weights too slowly."""
+  """x @ w[I, O]: XLA's dot, or on a CPU the few-row kernel for a decode step's one to
+  a few tokens (`cpu_kernels.few_rows`), which streams the weights faster than XLA's dots."""
   return cpu_kernels.f32_matmul(x, w) if cpu_kernels.few_rows(x, w) else x @ w
 
 

@@ -6,10 +6,12 @@ Two kernels:
   8-bit drafts. XLA:CPU widens an int8 matrix to float32 in memory before its dot (31 ms
   for SmolLM2's LM head at T = 1, against 2.3 ms in float32), so without the kernel an
   8-bit draft costs more than the full model; with it, 0.7 ms.
-* `f32_matmul`, a float32 matmul for a few rows (a verification forward of γ + 1 tokens)
-  that reads each weight once for all of them. XLA:CPU's M ≥ 2 GEMM streams the weights
-  more slowly than its M = 1 GEMV, which priced a 5-token verification at 1.3–2.2 AR
-  steps (AMD EPYC and Intel Xeon); `few_rows` says when the model takes it.
+* `f32_matmul`, a float32 matmul for one to a few rows (an AR or draft step, a
+  verification forward of γ + 1 tokens) that reads each weight once for all of them.
+  XLA:CPU's M ≥ 2 GEMM streams the weights more slowly than its M = 1 GEMV, which priced
+  a 5-token verification at 1.3–2.2 AR steps (AMD EPYC and Intel Xeon), and its GEMV
+  reaches 13–30 GB/s on a decode step's matrices where the kernel reaches 23–29; `few_rows`
+  says when the model takes it.
 
 Each source is compiled once per machine with the host's C++ compiler (`$CXX`, else
 g++) for its own CPU (`-march=native`) and cached under `cache_root()/kernels`, keyed by
@@ -129,10 +131,11 @@ def int8_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def few_rows(x: jax.Array, w: jax.Array) -> bool:
-  """Whether `x @ w` should take `f32_matmul`: float32 on a CPU backend, 2 to FEW_ROWS
-  rows (at one row XLA's GEMV is at memory bandwidth already), the kernel built."""
+  """Whether `x @ w` should take `f32_matmul`: float32 on a CPU backend, 1 to FEW_ROWS
+  rows, the kernel built. One row included: the kernel streams an AR or draft step's
+  weights faster than XLA's GEMV does (`experiments/bench_cpu_kernels.py`)."""
   rows = x.size // x.shape[-1] if x.shape[-1] else 0
-  return (2 <= rows <= FEW_ROWS and x.dtype == w.dtype == jnp.float32 and w.ndim == 2
+  return (1 <= rows <= FEW_ROWS and x.dtype == w.dtype == jnp.float32 and w.ndim == 2
           and jax.default_backend() == "cpu" and kernel_status("f32_matmul") == "ready")
 
 

@@ -1,5 +1,6 @@
-// y[M, O] = x[M, I] · w for a few rows M (2 ≤ M ≤ 16: a verification forward of γ + 1
-// tokens), float32, with w stored [I, O] (`F32MatmulIO`) or [O, I] (`F32MatmulOI`).
+// y[M, O] = x[M, I] · w for a few rows M (1 ≤ M ≤ 16: an AR or draft step, a verification
+// forward of γ + 1 tokens), float32, with w stored [I, O] (`F32MatmulIO`) or [O, I]
+// (`F32MatmulOI`).
 //
 // Why a kernel: a decode step is bound by reading the weights once, and so is a
 // verification of a few tokens (5 tokens of a 0.5B model are ~5 GFLOP, a tenth of what
