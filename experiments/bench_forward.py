@@ -234,8 +234,8 @@ def main() -> None:
         f"Steps at context {args.context} as a ratio to the AR step ({r['ar_ms']:.1f} ms, "
         f"the dense model at T = 1): verification of γ + 1 tokens, and a draft step under "
         f"random plans with a given share of the {2 * L} sub-layers active (medians, "
-        f"round-robin). Verification's matmuls take the few-row float32 kernel "
-        f"(`cpu_kernels.f32_matmul`: {kernel_status('f32_matmul')}); "
+        f"round-robin). The float32 matmuls of every step (AR, draft, verification) take "
+        f"the few-row kernel (`cpu_kernels.f32_matmul`: {kernel_status('f32_matmul')}); "
         f"`SPECJAX_CPU_KERNELS=int8_matmul` measures XLA's dots instead:",
         "",
         report.markdown_table(["step", "time ÷ AR step"], step_rows),
