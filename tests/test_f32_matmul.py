@@ -60,6 +60,27 @@ def test_results_do_not_depend_on_the_threads():
     np.testing.assert_array_equal(np.asarray(f(x, w)), first)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_vmap_over_x_is_one_call_with_more_rows(transposed):
+  """The layer probes vmap one-token forwards over tokens and candidates: the batch joins
+  the rows of a single kernel call (w read once), not one call per element."""
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=(3, 4, 1, 24)).astype(np.float32)  # [C, W, T, I]
+  w = rng.normal(size=(40, 24) if transposed else (24, 40)).astype(np.float32)
+  f = jax.jit(jax.vmap(jax.vmap(lambda x: cpu_kernels.f32_matmul(x, w, transposed))))
+  np.testing.assert_allclose(np.asarray(f(x)), x @ (w.T if transposed else w), rtol=1e-5,
+                             atol=1e-4)
+  hlo = f.lower(x).compile().as_text()
+  assert hlo.count("custom_call_target=\"specjax_f32_matmul") == 1 and "while" not in hlo
+
+
+def test_weights_batched_by_vmap_are_refused():
+  x = jnp.ones((2, 1, 8), jnp.float32)
+  w = jnp.ones((2, 8, 4), jnp.float32)
+  with pytest.raises(Exception, match="one weight matrix"):
+    jax.vmap(cpu_kernels.f32_matmul)(x, w).block_until_ready()
+
+
 @pytest.mark.parametrize("shape, dtype, taken", [
     ((1, 1, 8), jnp.float32, True),  # an AR or draft step
     ((1, 5, 8), jnp.float32, True),

@@ -146,7 +146,9 @@ def f32_matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Arra
   O = w.shape[0] if transposed else w.shape[1]
   out = jax.ShapeDtypeStruct(x.shape[:-1] + (O,), jnp.float32)
   target = "specjax_f32_matmul_oi" if transposed else "specjax_f32_matmul_io"
-  return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w)
+  # Under vmap (the layer probes' tokens and candidates), x's batch becomes more rows of
+  # one call that reads w once, not one call per element reading w each time.
+  return jax.ffi.ffi_call(target, out, vmap_method="expand_dims")(x, w)
 
 
 @f32_matmul.defjvp

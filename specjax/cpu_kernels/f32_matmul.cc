@@ -5,9 +5,11 @@
 // Why a kernel: a decode step is bound by reading the weights once, and so is a
 // verification of a few tokens (5 tokens of a 0.5B model are ~5 GFLOP, a tenth of what
 // two AVX-512 cores do in the time their memory takes to stream 2 GB). XLA:CPU sends
-// M = 1 dots to a GEMV near memory bandwidth but M ≥ 2 dots to a GEMM that streams the
-// weights much more slowly (an M = 5 forward cost 1.3–2.2 AR steps on the CPUs we ran).
-// Here every weight is read once and used for all M rows while it sits in a register.
+// M ≥ 2 dots to a GEMM that streams the weights much more slowly than its M = 1 GEMV (an
+// M = 5 forward cost 1.3–2.2 AR steps on the CPUs we ran), and its GEMV reaches 13–30 GB/s
+// on a small model's matrices where this kernel reaches 23–29 at one row
+// (`experiments/bench_cpu_kernels.py`). Here every weight is read once and used for all
+// M rows while it sits in a register.
 //
 // Work is split into chunks that the caller and XLA's intra-op threads claim from an
 // atomic counter (`workers.h`); the caller waits only for claimed chunks. A chunk is a
@@ -27,7 +29,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using Matrix = ffi::Buffer<ffi::F32, 2>;  // an alias: a comma would split the macro below
+// w[..., I, O] or w[..., O, I], any leading dims of size 1: a vmap over x (CLaSp's and
+// KnapSpec's probes) adds one to w (`vmap_method="expand_dims"` in `__init__.py`).
+using Matrix = ffi::Buffer<ffi::F32>;
 
 constexpr int kLanes = 16;     // floats per 512-bit vector
 constexpr int kMaxRows = 8;    // rows of x per pass over the weights
@@ -275,7 +279,11 @@ std::shared_ptr<Work> Plan(const float* x, const float* w, float* y, int64_t M, 
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Matrix w,
                   ffi::ResultBuffer<ffi::F32> y, bool io) {
-  const int64_t I = w.dimensions()[io ? 0 : 1], O = w.dimensions()[io ? 1 : 0];
+  auto wd = w.dimensions();
+  const size_t r = wd.size();
+  if (r < 2 || w.element_count() != wd[r - 2] * wd[r - 1])
+    return ffi::Error::InvalidArgument("f32_matmul: one weight matrix (w batched by vmap?)");
+  const int64_t I = wd[io ? r - 2 : r - 1], O = wd[io ? r - 1 : r - 2];
   auto xd = x.dimensions();
   if (xd.size() == 0 || xd[xd.size() - 1] != I)
     return ffi::Error::InvalidArgument("f32_matmul: x[..., I] against w[I, O] or w[O, I]");
