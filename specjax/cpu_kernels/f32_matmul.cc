@@ -33,19 +33,40 @@ namespace {
 // KnapSpec's probes) adds one to w (`vmap_method="expand_dims"` in `__init__.py`).
 using Matrix = ffi::Buffer<ffi::F32>;
 
-constexpr int kLanes = 16;     // floats per 512-bit vector
+// The vector registers of the target: a tile of sums must fit them with the weight
+// vectors it meets and a broadcast, or GCC spills the sums to the stack on every weight
+// read. AVX2 has half AVX-512's registers, each half as wide: tiles sized for AVX-512 ran
+// five rows 2.8x slower than one on an AMD EPYC (`experiments/bench_cpu_kernels.py`).
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64, kRegisters = 32;
+#elif defined(__AVX__)
+constexpr int kVecBytes = 32, kRegisters = 16;
+#elif defined(__aarch64__)
+constexpr int kVecBytes = 16, kRegisters = 32;
+#else
+constexpr int kVecBytes = 16, kRegisters = 16;
+#endif
+constexpr int kLanes = kVecBytes / 4;  // floats per vector
 constexpr int kMaxRows = 8;    // rows of x per pass over the weights
-constexpr int kIOWidth = 32;   // [I, O]: output columns per register tile (2 vectors)
+constexpr int kIOWidth = 32;   // [I, O]: the widest register tile, 128 bytes of a row
 constexpr int64_t kIOChunk = 512;  // [I, O]: most columns per claimed chunk (2 KiB of a row)
 constexpr int64_t kOIChunk = 32;   // [O, I]: output channels per claimed chunk
+
+// The most vectors (or weight rows) n, a power of two up to `most`, such that MB·n sums,
+// n weight vectors and one broadcast fit the registers: the tile for MB rows of x.
+constexpr int FitRegisters(int MB, int most) {
+  for (int n = most; n > 1; n /= 2)
+    if ((MB + 1) * n + 1 <= kRegisters) return n;
+  return 1;
+}
+
 // Prefetches go to L2 (prefetcht1): there they wait for their use without taking L1's few
 // fill buffers from the loads in flight (measured a little faster than prefetcht0).
 constexpr int kPrefetchL2 = 2;
 
-// 16 floats as one value: GCC lowers it to one 512-bit register, or to two or four
-// narrower ones without AVX-512, so the tiles below stay in registers on every x86.
-typedef float Vec __attribute__((vector_size(64)));
-typedef float VecU __attribute__((vector_size(64), aligned(4)));  // unaligned access
+// One vector register of floats, through GCC's vector extensions.
+typedef float Vec __attribute__((vector_size(kVecBytes)));
+typedef float VecU __attribute__((vector_size(kVecBytes), aligned(4)));  // unaligned access
 inline Vec Load(const float* p) { return *reinterpret_cast<const VecU*>(p); }
 inline void Store(float* p, Vec v) { *reinterpret_cast<VecU*>(p) = v; }
 inline float Sum(Vec v) {
@@ -58,42 +79,48 @@ inline float Sum(Vec v) {
 // and columns c < o1 - o0, for rows x[0..MB). The weights are read eight rows at a time,
 // each row's segment front to back, and every weight vector meets MB broadcast x values in
 // registers; the tile's sums make one trip through `acc` per eight rows: half the loads
-// and stores of `acc` per weight read that four rows made.
+// and stores of `acc` per weight read that four rows made. A tile is V vectors wide, at
+// most 128 bytes of a row, as many as the registers hold beside MB rows of sums.
 template <int MB>
 inline void BlockIO(const float* x, const float* w, float* acc, int64_t stride, int64_t I,
                     int64_t O, int64_t i0, int64_t i1, int64_t o0, int64_t o1) {
   constexpr int kRows = 8, kAhead = 8;  // rows per group; rows ahead to prefetch
-  const int64_t width = o1 - o0, tiles = width / kIOWidth;
+  constexpr int V = FitRegisters(MB, kIOWidth / kLanes), kWidth = V * kLanes;
+  const int64_t width = o1 - o0, tiles = width / kWidth;
   int64_t i = i0;
   for (; i + kRows <= i1; i += kRows) {
     float xs[kRows][MB];
     for (int r = 0; r < kRows; ++r)
       for (int m = 0; m < MB; ++m) xs[r][m] = x[m * I + i + r];
     for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t c = t * kIOWidth;
-      Vec a[MB][2];
+      const int64_t c = t * kWidth;
+      Vec a[MB][V];
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m)
-        a[m][0] = Load(acc + m * stride + c), a[m][1] = Load(acc + m * stride + c + kLanes);
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) a[m][v] = Load(acc + m * stride + c + v * kLanes);
 #pragma GCC unroll 8
       for (int r = 0; r < kRows; ++r) {
         const float* wr = w + (i + r) * O + o0 + c;
-        if (i + r + kAhead < I) {  // the same columns of a later row: a new stream
-          __builtin_prefetch(wr + kAhead * O, 0, kPrefetchL2);
-          __builtin_prefetch(wr + kAhead * O + kLanes, 0, kPrefetchL2);
-        }
-        const Vec w0 = Load(wr), w1 = Load(wr + kLanes);
+        if (i + r + kAhead < I)  // the same columns of a later row: a new stream
+#pragma GCC unroll 4
+          for (int b = 0; b < V * kVecBytes; b += 64)  // each cache line of the tile
+            __builtin_prefetch(reinterpret_cast<const char*>(wr + kAhead * O) + b, 0,
+                               kPrefetchL2);
+        Vec wv[V];
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) wv[v] = Load(wr + v * kLanes);
 #pragma GCC unroll 8
-        for (int m = 0; m < MB; ++m) {
-          a[m][0] += xs[r][m] * w0;
-          a[m][1] += xs[r][m] * w1;
-        }
+        for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+          for (int v = 0; v < V; ++v) a[m][v] += xs[r][m] * wv[v];
       }
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m)
-        Store(acc + m * stride + c, a[m][0]), Store(acc + m * stride + c + kLanes, a[m][1]);
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) Store(acc + m * stride + c + v * kLanes, a[m][v]);
     }
-    for (int64_t c = tiles * kIOWidth; c < width; ++c)  // columns past the last full tile
+    for (int64_t c = tiles * kWidth; c < width; ++c)  // columns past the last full tile
       for (int r = 0; r < kRows; ++r)
         for (int m = 0; m < MB; ++m) acc[m * stride + c] += xs[r][m] * w[(i + r) * O + o0 + c];
   }
@@ -178,8 +205,8 @@ inline void Dispatch(int64_t rows, Args... args) {
 
 template <int MB>
 struct ChunkOI {
-  // Four weight rows at a time while their 4·MB sums fit the 32 vector registers.
-  static constexpr int R = MB <= 6 ? 4 : 2;
+  // Up to four weight rows at a time, while their R·MB sums fit the vector registers.
+  static constexpr int R = FitRegisters(MB, 4);
   static void Run(const float* x, const float* w, float* y, int64_t I, int64_t O,
                   int64_t o0, int64_t o1) {
     int64_t o = o0;
