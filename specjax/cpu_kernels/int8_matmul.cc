@@ -21,7 +21,7 @@
 #include <memory>
 #include <thread>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -36,7 +36,6 @@ using Weights = ffi::Buffer<ffi::S8, 2>;  // aliases: a comma would split the ma
 using Scales = ffi::Buffer<ffi::F32, 1>;
 
 constexpr int64_t kChannelsPerChunk = 64;
-constexpr int kLanes = 16;  // float32 lanes of one 512-bit vector
 constexpr int kRowsPerPass = 8;  // weight rows at a time: independent sums in flight
 constexpr int kPrefetchL2 = 2;   // prefetcht1, as in f32_matmul.cc
 
@@ -49,6 +48,7 @@ constexpr int kPrefetchL2 = 2;   // prefetcht1, as in f32_matmul.cc
 template <int R>
 inline void DotRows(const float* x, const int8_t* w, const int8_t* next, int64_t I,
                     float* out) {
+  constexpr int kLanes = 16;  // float32 lanes of one 512-bit vector
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   int64_t i = 0;
@@ -68,10 +68,39 @@ inline void DotRows(const float* x, const int8_t* w, const int8_t* next, int64_t
     out[r] = sum;
   }
 }
+#elif defined(__AVX2__)
+// The same with one vpmovsxbd per 8 weights. The vectoriser's path below, on an AMD EPYC
+// (AVX2), made an 8-bit draft of SmolLM2 with every sub-layer on cost 0.66 AR steps.
+template <int R>
+inline void DotRows(const float* x, const int8_t* w, const int8_t* next, int64_t I,
+                    float* out) {
+  constexpr int kLanes = 8;  // float32 lanes of one 256-bit vector
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + kLanes <= I; i += kLanes) {
+    if (i % 64 == 0)
+      for (int r = 0; r < R; ++r) __builtin_prefetch(next + r * I + i, 0, kPrefetchL2);
+    const __m256 xv = _mm256_loadu_ps(x + i);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + r * I + i));
+      acc[r] = _mm256_fmadd_ps(xv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    float sum = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    for (int64_t k = i; k < I; ++k) sum += x[k] * static_cast<float>(w[r * I + k]);
+    out[r] = sum;
+  }
+}
 #else
 template <int R>
 inline void DotRows(const float* x, const int8_t* w, const int8_t* next, int64_t I,
                     float* out) {
+  constexpr int kLanes = 16;  // sums per row: the vectoriser's lanes
   float acc[R][kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= I; i += kLanes) {
