@@ -21,7 +21,7 @@
 #include <memory>
 #include <thread>
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -39,59 +39,64 @@ constexpr int64_t kChannelsPerChunk = 64;
 constexpr int kRowsPerPass = 8;  // weight rows at a time: independent sums in flight
 constexpr int kPrefetchL2 = 2;   // prefetcht1, as in f32_matmul.cc
 
+#if defined(__AVX512F__)
+#define SPECJAX_INT8_SIMD 1
+// One vpmovsxbd per 16 weights: GCC's vectoriser widens int8 through int16 (two shuffles
+// and an extract on the one shuffle port), which bound the loop before memory did.
+struct Simd {
+  static constexpr int kLanes = 16;  // float32 lanes of one 512-bit vector
+  using F = __m512;
+  static F Zero() { return _mm512_setzero_ps(); }
+  static F Floats(const float* p) { return _mm512_loadu_ps(p); }
+  static F Widened(const int8_t* p) {  // 16 int8 weights as floats
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static F Fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }  // a·b + c
+  static float Sum(F v) { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SPECJAX_INT8_SIMD 1
+// The same at 8 weights per vpmovsxbd. The vectoriser's path, on an AMD EPYC (AVX2), made
+// an 8-bit draft of SmolLM2 with every sub-layer on cost 0.66 AR steps; this one 0.56.
+struct Simd {
+  static constexpr int kLanes = 8;  // float32 lanes of one 256-bit vector
+  using F = __m256;
+  static F Zero() { return _mm256_setzero_ps(); }
+  static F Floats(const float* p) { return _mm256_loadu_ps(p); }
+  static F Widened(const int8_t* p) {  // 8 int8 weights as floats
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static F Fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }  // a·b + c
+  static float Sum(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+};
+#endif
+
 // Row x against R consecutive weight rows w[0..R) (I entries each) into out[0..R), the
 // int8 weights widened in registers. R independent sums keep the FMA ports busy where one
 // row's single chain waited on each FMA's latency; the next R rows (`next`) are prefetched.
-#if defined(__AVX512F__)
-// One vpmovsxbd per 16 weights: GCC's vectoriser widens int8 through int16 (two shuffles
-// and an extract on the one shuffle port), which bound the loop before memory did.
+#if SPECJAX_INT8_SIMD
 template <int R>
 inline void DotRows(const float* x, const int8_t* w, const int8_t* next, int64_t I,
                     float* out) {
-  constexpr int kLanes = 16;  // float32 lanes of one 512-bit vector
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  constexpr int kLanes = Simd::kLanes;
+  Simd::F acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = Simd::Zero();
   int64_t i = 0;
   for (; i + kLanes <= I; i += kLanes) {
     if (i % 64 == 0)
       for (int r = 0; r < R; ++r) __builtin_prefetch(next + r * I + i, 0, kPrefetchL2);
-    const __m512 xv = _mm512_loadu_ps(x + i);
+    const Simd::F xv = Simd::Floats(x + i);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * I + i));
-      acc[r] = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), acc[r]);
-    }
+    for (int r = 0; r < R; ++r) acc[r] = Simd::Fma(xv, Simd::Widened(w + r * I + i), acc[r]);
   }
   for (int r = 0; r < R; ++r) {
-    float sum = _mm512_reduce_add_ps(acc[r]);
-    for (int64_t k = i; k < I; ++k) sum += x[k] * static_cast<float>(w[r * I + k]);
-    out[r] = sum;
-  }
-}
-#elif defined(__AVX2__)
-// The same with one vpmovsxbd per 8 weights. The vectoriser's path below, on an AMD EPYC
-// (AVX2), made an 8-bit draft of SmolLM2 with every sub-layer on cost 0.66 AR steps.
-template <int R>
-inline void DotRows(const float* x, const int8_t* w, const int8_t* next, int64_t I,
-                    float* out) {
-  constexpr int kLanes = 8;  // float32 lanes of one 256-bit vector
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + kLanes <= I; i += kLanes) {
-    if (i % 64 == 0)
-      for (int r = 0; r < R; ++r) __builtin_prefetch(next + r * I + i, 0, kPrefetchL2);
-    const __m256 xv = _mm256_loadu_ps(x + i);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + r * I + i));
-      acc[r] = _mm256_fmadd_ps(xv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    float sum = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    float sum = Simd::Sum(acc[r]);
     for (int64_t k = i; k < I; ++k) sum += x[k] * static_cast<float>(w[r * I + k]);
     out[r] = sum;
   }
