@@ -33,7 +33,7 @@ run: setup
 	  --out runs/bench-smollm2-135m-instruct --resume
 
 test: setup-test
-	$(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile --no-loadscope-reorder
 
 bench-forward: setup
 	$(BIN)/python experiments/bench_forward.py --write-docs
