@@ -55,6 +55,9 @@ FEW_ROWS = 16
 # with it GCC links crtfastmath.o into the shared object, whose loading switches the
 # whole process to flush-to-zero (a test of subnormal floats caught it).
 _REASSOCIATE = ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
+# How every kernel is compiled (for this CPU); `experiments/bench_f32_tile.py` builds its
+# harness the same way.
+COMPILE_FLAGS = ("-O3", "-march=native", *_REASSOCIATE, "-std=c++17")
 
 
 class KernelBuildError(SpecjaxError, RuntimeError):
@@ -86,8 +89,8 @@ def _build(source: Path, compiler: str) -> Path:
   out.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
     built = Path(tmp) / out.name
-    cmd = [compiler, "-O3", "-march=native", *_REASSOCIATE, "-std=c++17", "-shared", "-fPIC",
-           "-w", f"-I{jax.ffi.include_dir()}", str(source), "-o", str(built)]
+    cmd = [compiler, *COMPILE_FLAGS, "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}",
+           str(source), "-o", str(built)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
       raise KernelBuildError(f"{' '.join(cmd)}\n{proc.stderr[-2000:]}")

@@ -1,0 +1,91 @@
+"""The f32 kernel's [I, O] tile alone on one core, against what the core's FMA units can do.
+
+    python experiments/bench_f32_tile.py [--shape 576,3072] [--rows 1,2,4,5,8]
+
+`bench_cpu_kernels.py` times real steps, where DRAM, threads and XLA blur the picture; this
+times the inner loop of `specjax/cpu_kernels/f32_matmul.cc` (`RowsIO`, one thread, the
+matrix warm in the caches) built with the package's compiler flags, so a change to the
+tile can be judged in seconds, and its assembly read beside it (`--asm`). The default
+shape is one SmolLM2 gate_up matrix (7 MB: in L3 on the CPUs we use). Reports µs per
+matmul, GB/s of weights and the share of the core's FMA rate (a register-only FMA loop);
+the last line is JSON. This found GCC's reassociated trees in the five-row tile (then at a
+third of that rate; docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report  # noqa: E402
+
+from specjax import cpu_kernels  # noqa: E402
+
+HARNESS = Path(__file__).with_name("f32_tile_harness.cc")
+KERNELS = Path(cpu_kernels.__file__).parent
+
+
+def build(out: Path, asm: Path | None = None) -> None:
+  """The harness, compiled with the flags the package builds its kernels with."""
+  import jax
+
+  compiler = os.environ.get("CXX", "g++")
+  flags = [*cpu_kernels.COMPILE_FLAGS, "-w", f"-I{KERNELS}", f"-I{jax.ffi.include_dir()}",
+           str(HARNESS)]
+  subprocess.run([compiler, *flags, "-o", str(out)], check=True)
+  if asm is not None:
+    subprocess.run([compiler, *flags, "-S", "-o", str(asm)], check=True)
+
+
+def parse(lines: list[str]) -> tuple[int, float, dict[int, float]]:
+  """(floats per vector, peak G vector FMAs/s, {rows: µs per matmul}) from the harness."""
+  lanes, peak, times = 0, 0.0, {}
+  for line in lines:
+    word, *rest = line.split()
+    if word == "lanes":
+      lanes = int(rest[0])
+    elif word == "peak":
+      peak = float(rest[0])
+    elif word == "rows":
+      times[int(rest[0])] = float(rest[1])
+  return lanes, peak, times
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--shape", default="576,3072", help="I,O of the [I, O] matrix")
+  ap.add_argument("--rows", default="1,2,3,4,5,8", help="rows of x (1 to 8)")
+  ap.add_argument("--reps", type=int, default=200, help="calls per timed batch (7 batches)")
+  ap.add_argument("--asm", type=Path, help="also write the harness's assembly here")
+  args = ap.parse_args()
+  I, O = (int(v) for v in args.shape.split(","))
+  rows = [int(r) for r in args.rows.split(",")]
+  if not all(1 <= r <= 8 for r in rows):
+    raise SystemExit("--rows: each between 1 and 8 (one pass of the kernel)")
+
+  with tempfile.TemporaryDirectory() as tmp:
+    exe = Path(tmp) / "harness"
+    build(exe, args.asm)
+    out = subprocess.run([str(exe), str(I), str(O), str(args.reps), *map(str, rows)],
+                         check=True, capture_output=True, text=True).stdout
+  lanes, peak, times = parse(out.splitlines())
+  table_rows, figures = [], {"machine": report.machine(), "shape": [I, O],
+                             "peak_gvfma": round(peak, 3), "rows": {}}
+  for r, us in times.items():
+    gbs = I * O * 4 / us / 1e3
+    gvfma = I * O / lanes * r / us / 1e3
+    figures["rows"][r] = {"us": us, "gb_s": round(gbs, 2), "share_of_peak": round(gvfma / peak, 3)}
+    table_rows.append([r, f"{us:.1f}", f"{gbs:.1f}", f"{gvfma:.2f}", f"{gvfma / peak:.0%}"])
+  print(f"{figures['machine']}; [I, O] = [{I}, {O}], one thread, {lanes} floats per vector; "
+        f"register-only FMA loop: {peak:.2f} G vector FMAs/s")
+  print(report.markdown_table(["rows", "µs", "GB/s", "G vector FMAs/s", "of peak"], table_rows))
+  report.print_json(figures)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,38 @@
+"""experiments/bench_f32_tile.py: the f32 kernel's tile built alone, timed per row count
+against the core's FMA rate, ends in one JSON line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+
+import bench_f32_tile  # noqa: E402
+
+
+def test_parse_reads_lanes_peak_and_each_row_count():
+  lanes, peak, times = bench_f32_tile.parse(["lanes 8", "peak 6.031", "rows 1 233.5",
+                                             "rows 5 372.0"])
+  assert (lanes, peak, times) == (8, 6.031, {1: 233.5, 5: 372.0})
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_a_small_matrix_is_timed_at_every_row_count(monkeypatch, capsys):
+  monkeypatch.setattr(sys, "argv", ["bench_f32_tile.py", "--shape", "40,72", "--rows", "1,5,8",
+                                    "--reps", "3"])
+  bench_f32_tile.main()
+  figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert figures["shape"] == [40, 72] and figures["peak_gvfma"] > 0
+  assert set(figures["rows"]) == {"1", "5", "8"}
+  assert all(r["us"] > 0 and r["share_of_peak"] > 0 for r in figures["rows"].values())
+
+
+def test_rows_beyond_one_pass_are_refused(monkeypatch):
+  monkeypatch.setattr(sys, "argv", ["bench_f32_tile.py", "--rows", "5,9"])
+  with pytest.raises(SystemExit, match="between 1 and 8"):
+    bench_f32_tile.main()
