@@ -75,23 +75,24 @@ inline void Store(float* p, Vec v) { *reinterpret_cast<VecU*>(p) = v; }
 // broadcasts of a group on the stack: the tile ran at a third of the FMA units' rate, and
 // a gate_up matrix of SmolLM2 took 611 µs at five rows from L3 against 372 µs this way
 // (one core, AMD EPYC). AVX-512 keeps the plain expression its tiles were measured with.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 inline Vec Fma(Vec x, Vec w, Vec a) {
-#if defined(__FMA__) && !defined(__AVX512F__)
   asm("vfmadd231ps %2, %1, %0" : "+x"(a) : "x"(x), "x"(w));
   return a;
-#else
-  return a + x * w;
-#endif
 }
 inline Vec Broadcast(const float* p) {
   Vec v;
-#if defined(__AVX2__) && !defined(__AVX512F__)
   asm("vbroadcastss %1, %0" : "=x"(v) : "m"(*p));
-#else
-  for (int j = 0; j < kLanes; ++j) v[j] = *p;
-#endif
   return v;
 }
+#else
+inline Vec Fma(Vec x, Vec w, Vec a) { return a + x * w; }
+inline Vec Broadcast(const float* p) {
+  Vec v;
+  for (int j = 0; j < kLanes; ++j) v[j] = *p;
+  return v;
+}
+#endif
 inline float Sum(Vec v) {
   float s = 0;
   for (int j = 0; j < kLanes; ++j) s += v[j];
