@@ -1,7 +1,8 @@
 """Parity with HF transformers, a reference nobody here wrote.
 
 Random-init HF models of every family (Qwen3 has no GGUF here) converted to specjax,
-and the three real GGUF models loaded by both libraries from the same file.
+and (with `SPECJAX_LIVE_HF=1`) the real GGUF models loaded by both libraries from the same
+file; `test_golden.py` checks the latter against their recorded outputs on every run.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jax.numpy as jnp  # noqa: E402
-from conftest import real_model  # noqa: E402
+from conftest import LIVE, real_model  # noqa: E402
 from hf_convert import config_from_hf, params_from_hf  # noqa: E402
+from make_goldens import MODELS, PROMPT  # noqa: E402
 
 from specjax.decode.generate import generate  # noqa: E402
 from specjax.kv_cache import KVCache  # noqa: E402
@@ -68,13 +70,9 @@ def test_random_init_hf_models(arch):
   np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4)
 
 
-REAL = ["smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct",
-        "qwen2.5-coder-1.5b-instruct"]  # the last is skipped unless its extra is installed
-PROMPT = "Speculative decoding drafts tokens cheaply and verifies them with the full model, so"
-
-
 @pytest.mark.real
-@pytest.mark.parametrize("name", REAL)
+@LIVE
+@pytest.mark.parametrize("name", MODELS)
 def test_real_model_matches_transformers(name, tmp_path):
   ours = real_model(name)
   from specjax.models.registry import get_spec

@@ -9,7 +9,8 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import real_model
+from conftest import LIVE, real_model
+from make_goldens import TEXTS
 
 from specjax.kv_cache import KVCache
 from specjax.model import apply
@@ -17,20 +18,12 @@ from specjax.models import registry
 from specjax.models.gguf import GGUFFormatError, config_from_gguf
 from specjax.plan import DraftPlan, PlanError
 
-TEXTS = [
-    "The capital of France is",
-    "Hello world!\n\n  indented\tcode",
-    "def f(x):\n    return x**2  # square",
-    "Ünïcödé façade — “quotes” 你好世界 🤖",
-    "<|im_start|>user\nhi<|im_end|>\n",
-    "<start_of_turn>user\nhi<end_of_turn>",
-    " leading space, don't won't I'll",
-]
 REAL = ["smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct"]
 
 
 @pytest.mark.real
 @pytest.mark.reference
+@LIVE
 @pytest.mark.parametrize("name", REAL)
 def test_tokenizer_and_template_match_transformers(name, tmp_path):
   transformers = pytest.importorskip("transformers")
