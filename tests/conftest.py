@@ -5,11 +5,15 @@ from __future__ import annotations
 import os
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 from specjax.config import tiny_config
-from specjax.model import init_model
+from specjax.kv_cache import KVCache
+from specjax.model import apply, init_model
+from specjax.plan import DraftPlan
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
@@ -41,6 +45,15 @@ def real_model(name: str):
   if not is_installed(get_spec(name)):
     pytest.skip(f"{name} weights package not installed ({get_spec(name).install})")
   return load_model(name, verbose=False)
+
+
+def prompt_logits(config, graphdef, state, ids: np.ndarray) -> np.ndarray:
+  """specjax's logits[B, T, V] of prompts ids[B, T], all tokens in one forward."""
+  T = ids.shape[1]
+  cache = KVCache.create(config, ids.shape[0], T)
+  out, _ = apply(state, cache, jnp.asarray(ids), jnp.broadcast_to(jnp.arange(T), ids.shape),
+                 DraftPlan.full(config.num_layers), graphdef=graphdef)
+  return np.asarray(out.logits)
 
 
 # Loading a GGUF through transformers takes 50-120 s a model, and its answer on a file never

@@ -71,6 +71,19 @@ def logit_summary(logits: np.ndarray) -> dict[str, np.ndarray]:
           "sampled_ids": sampled, "sampled_logits": logits[:, sampled]}
 
 
+def load_hf(gguf: Path, model: bool = True):
+  """(float32 causal LM or None, tokenizer) that transformers builds from a GGUF file."""
+  import torch
+  import transformers
+
+  with tempfile.TemporaryDirectory() as tmp:
+    (Path(tmp) / "m.gguf").symlink_to(gguf)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp, gguf_file="m.gguf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp, gguf_file="m.gguf", dtype=torch.float32).eval() if model else None
+  return hf, tok
+
+
 def record(name: str) -> None:
   import torch
   import transformers
@@ -80,11 +93,7 @@ def record(name: str) -> None:
 
   gguf = get_spec(name).locate()
   ids = load_model(name, verbose=False).tokenizer.encode(PROMPT)
-  with tempfile.TemporaryDirectory() as tmp:
-    (Path(tmp) / "m.gguf").symlink_to(gguf)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp, gguf_file="m.gguf", dtype=torch.float32).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(tmp, gguf_file="m.gguf")
+  hf, tok = load_hf(gguf)
   with torch.no_grad():
     logits = hf(torch.tensor([ids])).logits[0].float().numpy()
     greedy = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,

@@ -8,17 +8,13 @@ from __future__ import annotations
 import functools
 import json
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import real_model
+from conftest import prompt_logits, real_model
 from make_goldens import GOLDEN, MODELS, sha256
 
 from specjax.decode.generate import generate
-from specjax.kv_cache import KVCache
-from specjax.model import apply
 from specjax.models.registry import get_spec, is_installed
-from specjax.plan import DraftPlan
 
 pytestmark = pytest.mark.real
 
@@ -40,15 +36,6 @@ def golden(name: str) -> tuple[dict, dict]:
     return dict(f), meta
 
 
-def _logits(model, ids: np.ndarray) -> np.ndarray:
-  """[T, V] logits of one prompt, the whole prompt in one forward."""
-  T = len(ids)
-  cache = KVCache.create(model.config, 1, T)
-  out, _ = apply(model.state, cache, jnp.asarray(ids)[None], jnp.arange(T)[None],
-                 DraftPlan.full(model.config.num_layers), graphdef=model.graphdef)
-  return np.asarray(out.logits[0])
-
-
 @pytest.fixture(scope="module", params=MODELS)
 def model(request):
   """Each real model, loaded once for the module's tests (one in memory at a time)."""
@@ -60,7 +47,7 @@ def test_logits_and_greedy_tokens_match_transformers(model):
   full-vocabulary argmax and log-sum-exp, and transformers' 32 greedy tokens."""
   ref, _ = golden(model.name)
   ids = ref["prompt_ids"]
-  mine = _logits(model, ids)
+  mine = prompt_logits(model.config, model.graphdef, model.state, ids[None])[0]
   tol = 1e-3 * ref["scale"][:, None]
   top = np.take_along_axis(mine, ref["top_ids"], -1)
   assert np.all(np.abs(top - ref["top_logits"]) < tol), np.abs(top - ref["top_logits"]).max()
@@ -89,12 +76,10 @@ def test_tokenizer_and_chat_template_match_transformers(model):
 
 def test_a_golden_of_another_gguf_file_is_refused(monkeypatch):
   """Another file's golden fails the test and names the command that rerecords it."""
-  import test_golden
-
   name = MODELS[0]
   if not is_installed(get_spec(name)):
     pytest.skip(f"{name} weights package not installed")
-  monkeypatch.setattr(test_golden, "sha256", lambda path: "0" * 64)
+  monkeypatch.setitem(globals(), "sha256", lambda path: "0" * 64)
   golden.cache_clear()
   try:
     with pytest.raises(pytest.fail.Exception, match=f"make_goldens.py --models {name}"):

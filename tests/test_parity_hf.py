@@ -13,25 +13,13 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import jax.numpy as jnp  # noqa: E402
-from conftest import LIVE, real_model  # noqa: E402
+from conftest import LIVE, prompt_logits, real_model  # noqa: E402
 from hf_convert import config_from_hf, params_from_hf  # noqa: E402
-from make_goldens import MODELS, PROMPT  # noqa: E402
+from make_goldens import MODELS, PROMPT, load_hf  # noqa: E402
 
 from specjax.decode.generate import generate  # noqa: E402
-from specjax.kv_cache import KVCache  # noqa: E402
-from specjax.model import apply  # noqa: E402
-from specjax.plan import DraftPlan  # noqa: E402
 
 pytestmark = pytest.mark.reference
-
-
-def _specjax_logits(config, graphdef, state, ids: np.ndarray) -> np.ndarray:
-  T = ids.shape[1]
-  cache = KVCache.create(config, 1, T)
-  out, _ = apply(state, cache, jnp.asarray(ids), jnp.arange(T)[None],
-                 DraftPlan.full(config.num_layers), graphdef=graphdef)
-  return np.asarray(out.logits)
 
 
 def _hf_logits(model, ids: np.ndarray) -> np.ndarray:
@@ -66,24 +54,20 @@ def test_random_init_hf_models(arch):
   hf = _tiny_hf(arch)
   config, graphdef, state = params_from_hf(hf, config_from_hf(hf.config))
   ids = np.random.default_rng(0).integers(0, 101, (1, 20))  # > sliding window of 6
-  ours, ref = _specjax_logits(config, graphdef, state, ids), _hf_logits(hf, ids)
+  ours, ref = prompt_logits(config, graphdef, state, ids), _hf_logits(hf, ids)
   np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.real
 @LIVE
 @pytest.mark.parametrize("name", MODELS)
-def test_real_model_matches_transformers(name, tmp_path):
-  ours = real_model(name)
+def test_real_model_matches_transformers(name):
   from specjax.models.registry import get_spec
 
-  gguf_path = get_spec(name).locate()
-  (tmp_path / "m.gguf").symlink_to(gguf_path)
-  hf = transformers.AutoModelForCausalLM.from_pretrained(
-      tmp_path, gguf_file="m.gguf", dtype=torch.float32
-  ).eval()
+  ours = real_model(name)
+  hf, _ = load_hf(get_spec(name).locate())
   ids = np.asarray([ours.tokenizer.encode(PROMPT)])
-  mine, ref = _specjax_logits(ours.config, ours.graphdef, ours.state, ids), _hf_logits(hf, ids)
+  mine, ref = prompt_logits(ours.config, ours.graphdef, ours.state, ids), _hf_logits(hf, ids)
   scale = np.abs(ref).max()
   assert np.abs(mine - ref).max() < 1e-3 * scale, np.abs(mine - ref).max()
   np.testing.assert_array_equal(mine.argmax(-1), ref.argmax(-1))

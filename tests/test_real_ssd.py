@@ -31,11 +31,16 @@ def _prompts() -> list[str]:
   return [p.turns[0] for p in ps]
 
 
+def _skips(L: int) -> DraftPlan:
+  """A hand-picked Self-SD-like plan: every other attention and every third MLP of the
+  middle layers skipped."""
+  return DraftPlan.from_skips(L, skip_attn=range(10, 26, 2), skip_mlp=range(12, 28, 3))
+
+
 def test_smollm2_ssd_equals_ar_for_every_drafter():
   m = real_model("smollm2-135m-instruct")
   L = m.config.num_layers
-  self_sd = SelfSDDrafter(DraftPlan.from_skips(L, skip_attn=range(10, 26, 2),
-                                               skip_mlp=range(12, 28, 3)))
+  self_sd = SelfSDDrafter(_skips(L))
   drafters = [
       EarlyExitDrafter(k=L // 2),
       SwiftDrafter(trials=8, window=24),
@@ -57,12 +62,11 @@ def test_smollm2_ssd_equals_ar_for_every_drafter():
 
 def test_smollm2_per_round_and_shortlist_drafters_equal_ar():
   """CLaSp (re-selecting every 4 rounds), KnapSpec (every 8: 3-4 selections a prompt, each a
-  DP of about 2 s on this model) and FR-Spec's 8192-token shortlist on
-  a static skip plan: greedy SSD == greedy AR on the real model. KnapSpec reads a synthetic
-  latency profile: which plans it picks does not bear on losslessness, and the profiler has
-  its own test. FR-Spec on KnapSpec is in the tiny composition matrix
-  (`test_drafter_factory`); here on KnapSpec it ran KnapSpec's DP a second time, 56 of the
-  test's 220 s."""
+  DP of about 2 s on this model) and FR-Spec's 8192-token shortlist on a static skip plan:
+  greedy SSD == greedy AR on the real model. KnapSpec reads a synthetic latency profile:
+  which plans it picks does not bear on losslessness, and the profiler has its own test.
+  FR-Spec on KnapSpec, which would pay KnapSpec's DPs again, is in the tiny composition
+  matrix (`test_drafter_factory`)."""
   import numpy as np
   from test_knapspec import synthetic_profile
 
@@ -78,10 +82,8 @@ def test_smollm2_per_round_and_shortlist_drafters_equal_ar():
                        minlength=m.config.vocab_size)
   short = frequent_shortlist(counts, 8192, m.config.eos_ids)
   knap = KnapSpecDrafter(profile=prof, interval=8, selection_budget=None)
-  L = m.config.num_layers
-  skips = StaticDrafter(DraftPlan.from_skips(L, skip_attn=range(10, 26, 2),
-                                             skip_mlp=range(12, 28, 3)))
-  drafters = [ClaspDrafter(interval=4), knap, FRSpecDrafter(short, skips)]
+  drafters = [ClaspDrafter(interval=4), knap,
+              FRSpecDrafter(short, StaticDrafter(_skips(m.config.num_layers)))]
   mismatches = []
   for ids, ar in zip(prompts, ars):
     for d in drafters:
