@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
+
+# Every module starts with no executables (`_fresh_executables`), so the tiny models'
+# programs, the same in many modules and in both workers, used to be compiled again each
+# time. A persistent compilation cache shared by this run's workers and subprocesses (the
+# CLI, experiment scripts, notebook kernels) turns those repeats into loads from disk. It is
+# made empty for each run and removed after, so no run reads another's executables
+# (`JAX_COMPILATION_CACHE_DIR=` turns it off). Set before jax is imported: jax reads it
+# from the environment then.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _XLA_CACHE = tempfile.mkdtemp(prefix="specjax-test-xla-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+  atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)  # the creator (controller)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax
 import jax.numpy as jnp
@@ -69,22 +85,23 @@ def pytest_configure(config):
 
 
 # The slowest modules, slowest first (seconds on the 2-core AMD EPYC, XLA optimisations as
-# above, each beside the other worker's modules; `--junitxml`, 2026-11-26). `make test`
-# hands whole modules to two workers in collection order (`--dist loadfile
-# --no-loadscope-reorder`): started first, the long ones overlap; left to xdist's order
-# (most tests first), the two-test real-model module started last and ran alone for minutes.
+# above, each beside the other worker's modules, with the compilation cache; `--junitxml`,
+# 2026-11-26). `make test` hands whole modules to two workers in collection order
+# (`--dist loadfile --no-loadscope-reorder`): started first, the long ones overlap; left to
+# xdist's order (most tests first), the two-test real-model module started last and ran
+# alone for minutes.
 SLOW_MODULES = (
-    "test_real_ssd",  # 524 s
-    "test_round_loop",  # 353
-    "test_quantspec",  # 269
-    "test_engine",  # 265
-    "test_notebooks",  # 211
-    "test_dynaspec",  # 194
-    "test_drafter_factory",  # 187
-    "test_int8_weights",  # 175
-    "test_knapspec",  # 151
-    "test_model",  # 113
-    "test_golden",  # 101
+    "test_real_ssd",  # 392 s
+    "test_round_loop",  # 259
+    "test_quantspec",  # 215
+    "test_engine",  # 213
+    "test_drafter_factory",  # 172
+    "test_notebooks",  # 165
+    "test_dynaspec",  # 156
+    "test_model",  # 115
+    "test_int8_weights",  # 114
+    "test_knapspec",  # 106
+    "test_golden",  # 98
 )
 
 
