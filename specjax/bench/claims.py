@@ -160,7 +160,7 @@ def knn_stable_and_ahead(streams: Mapping[str, Mapping[str, Mapping]],
                     if "ssd_f" in rows and "ssd_m" in rows)
   return Verdict(PAPERS["knn"][0], claim, _outcome(parts),
                  f"{table}; KNN-SSD spans {min(knn.values()):.2f}–{max(knn.values()):.2f}× "
-                 f"({'within' if stable else 'beyond'} ±{spread:.0%} of its mean; a lead "
+                 f"(a range {'within' if stable else 'beyond'} {spread:.0%} of its mean; a lead "
                  f"under {TIE:.0%} is a tie)")
 
 
