@@ -6,11 +6,13 @@
 // T = 1: 31 ms against 2.3 ms, jax 0.10.2). Here each weight row is widened in
 // registers, so the step reads one byte per weight.
 //
-// Eight weight rows are read at a time (eight independent sums; the next eight
-// prefetched), each widened with one vpmovsxbd per 16 weights where AVX-512 is there.
-// That halved the cost of one row at a time widened by GCC's vectoriser (commit
-// 5d9dab8): SmolLM2's matrices at T = 1 now take 8.4 ms, against 28.4 ms for XLA's float32
-// dot (`experiments/bench_cpu_kernels.py`, Intel Xeon, 2 cores).
+// Each weight row is read front to back, a cache line per iteration into four
+// independent sums, and widened with one vpmovsxbd per 8 (AVX2) or 16 (AVX-512) weights:
+// GCC's vectoriser widened through int16 (commit 5d9dab8), at twice the cost. Rows are
+// contiguous, so a chunk of output channels is one sequential stream, prefetched 4 KiB
+// ahead. Reading eight rows side by side instead (eight streams, as until 2026-11-26)
+// left the loop at 60 % of the bandwidth a plain read reaches from DRAM on an AMD EPYC;
+// see `docs/BENCHMARKS.md`.
 //
 // Output channels are split into chunks that the caller and XLA's intra-op threads
 // claim from an atomic counter (`workers.h`). The caller waits only for chunks a helper
@@ -36,8 +38,9 @@ using Weights = ffi::Buffer<ffi::S8, 2>;  // aliases: a comma would split the ma
 using Scales = ffi::Buffer<ffi::F32, 1>;
 
 constexpr int64_t kChannelsPerChunk = 64;
-constexpr int kRowsPerPass = 8;  // weight rows at a time: independent sums in flight
-constexpr int kPrefetchL2 = 2;   // prefetcht1, as in f32_matmul.cc
+constexpr int kLine = 64;               // weights (bytes) per iteration: one cache line
+constexpr int kPrefetchAhead = 4096;    // bytes ahead along the stream
+constexpr int kPrefetchL2 = 2;          // prefetcht1, as in f32_matmul.cc
 
 #if defined(__AVX512F__)
 #define SPECJAX_INT8_SIMD 1
@@ -53,6 +56,7 @@ struct Simd {
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
   static F Fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }  // a·b + c
+  static F Add(F a, F b) { return _mm512_add_ps(a, b); }
   static float Sum(F v) { return _mm512_reduce_add_ps(v); }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -69,6 +73,7 @@ struct Simd {
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
   static F Fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }  // a·b + c
+  static F Add(F a, F b) { return _mm256_add_ps(a, b); }
   static float Sum(F v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -77,50 +82,40 @@ struct Simd {
 };
 #endif
 
-// Row x against R consecutive weight rows w[0..R) (I entries each) into out[0..R), the
-// int8 weights widened in registers. R independent sums keep the FMA ports busy where one
-// row's single chain waited on each FMA's latency; the next R rows (`next`) are prefetched.
+// x[0..I) · w[0..I) for one int8 weight row: four independent sums hide the FMA latency,
+// and the prefetch runs ahead along the stream of rows that follow this one.
 #if SPECJAX_INT8_SIMD
-template <int R>
-inline void DotRows(const float* x, const int8_t* w, const int8_t* next, int64_t I,
-                    float* out) {
-  constexpr int kLanes = Simd::kLanes;
-  Simd::F acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = Simd::Zero();
+inline float DotRow(const float* x, const int8_t* w, int64_t I) {
+  constexpr int kLanes = Simd::kLanes, kSums = 4;
+  Simd::F acc[kSums];
+  for (int k = 0; k < kSums; ++k) acc[k] = Simd::Zero();
   int64_t i = 0;
-  for (; i + kLanes <= I; i += kLanes) {
-    if (i % 64 == 0)
-      for (int r = 0; r < R; ++r) __builtin_prefetch(next + r * I + i, 0, kPrefetchL2);
-    const Simd::F xv = Simd::Floats(x + i);
+  for (; i + kLine <= I; i += kLine) {
+    __builtin_prefetch(w + i + kPrefetchAhead, 0, kPrefetchL2);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] = Simd::Fma(xv, Simd::Widened(w + r * I + i), acc[r]);
+    for (int v = 0; v < kLine / kLanes; ++v)
+      acc[v % kSums] = Simd::Fma(Simd::Floats(x + i + v * kLanes),
+                                 Simd::Widened(w + i + v * kLanes), acc[v % kSums]);
   }
-  for (int r = 0; r < R; ++r) {
-    float sum = Simd::Sum(acc[r]);
-    for (int64_t k = i; k < I; ++k) sum += x[k] * static_cast<float>(w[r * I + k]);
-    out[r] = sum;
-  }
+  for (; i + kLanes <= I; i += kLanes)
+    acc[0] = Simd::Fma(Simd::Floats(x + i), Simd::Widened(w + i), acc[0]);
+  float sum = Simd::Sum(Simd::Add(Simd::Add(acc[0], acc[1]), Simd::Add(acc[2], acc[3])));
+  for (; i < I; ++i) sum += x[i] * static_cast<float>(w[i]);
+  return sum;
 }
 #else
-template <int R>
-inline void DotRows(const float* x, const int8_t* w, const int8_t* next, int64_t I,
-                    float* out) {
+inline float DotRow(const float* x, const int8_t* w, int64_t I) {
   constexpr int kLanes = 16;  // sums per row: the vectoriser's lanes
-  float acc[R][kLanes] = {};
+  float acc[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= I; i += kLanes) {
-    if (i % 64 == 0)
-      for (int r = 0; r < R; ++r) __builtin_prefetch(next + r * I + i, 0, kPrefetchL2);
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < kLanes; ++j)
-        acc[r][j] += x[i + j] * static_cast<float>(w[r * I + i + j]);
+    if (i % kLine == 0) __builtin_prefetch(w + i + kPrefetchAhead, 0, kPrefetchL2);
+    for (int j = 0; j < kLanes; ++j) acc[j] += x[i + j] * static_cast<float>(w[i + j]);
   }
-  for (int r = 0; r < R; ++r) {
-    float sum = 0;
-    for (int j = 0; j < kLanes; ++j) sum += acc[r][j];
-    for (int64_t k = i; k < I; ++k) sum += x[k] * static_cast<float>(w[r * I + k]);
-    out[r] = sum;
-  }
+  float sum = 0;
+  for (int j = 0; j < kLanes; ++j) sum += acc[j];
+  for (; i < I; ++i) sum += x[i] * static_cast<float>(w[i]);
+  return sum;
 }
 #endif
 
@@ -134,19 +129,9 @@ class Work : public specjax::Job {
  protected:
   void Chunk(int64_t c) override {
     const int64_t end = std::min(O, (c + 1) * kChannelsPerChunk);
-    float out[kRowsPerPass];
-    for (int64_t o = c * kChannelsPerChunk; o < end; o += kRowsPerPass) {
-      const int64_t rows = std::min<int64_t>(kRowsPerPass, end - o);
-      const int8_t* ahead = w + std::min(o + kRowsPerPass, O - rows) * I;
-      for (int64_t m = 0; m < M; ++m) {  // the weight rows stay in L1 across rows of x
-        if (rows == kRowsPerPass)
-          DotRows<kRowsPerPass>(x + m * I, w + o * I, ahead, I, out);
-        else
-          for (int64_t r = 0; r < rows; ++r)
-            DotRows<1>(x + m * I, w + (o + r) * I, ahead, I, out + r);
-        for (int64_t r = 0; r < rows; ++r) y[m * O + o + r] = out[r] * scale[o + r];
-      }
-    }
+    for (int64_t o = c * kChannelsPerChunk; o < end; ++o)
+      for (int64_t m = 0; m < M; ++m)  // the weight row stays in L1 across rows of x
+        y[m * O + o] = DotRow(x + m * I, w + o * I, I) * scale[o];
   }
 
  private:
