@@ -42,6 +42,15 @@ constexpr int kLine = 64;               // weights (bytes) per iteration: one ca
 constexpr int kPrefetchAhead = 4096;    // bytes ahead along the stream
 constexpr int kPrefetchL2 = 2;          // prefetcht1, as in f32_matmul.cc
 
+// Prefetch the line `kPrefetchAhead` bytes past p. Near the end of the matrix that is past
+// the buffer: a prefetch never faults, and the address is formed as an integer, so no
+// out-of-bounds pointer is.
+inline void PrefetchAhead(const int8_t* p) {
+  __builtin_prefetch(
+      reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(p) + kPrefetchAhead), 0,
+      kPrefetchL2);
+}
+
 #if defined(__AVX512F__)
 #define SPECJAX_INT8_SIMD 1
 // One vpmovsxbd per 16 weights: GCC's vectoriser widens int8 through int16 (two shuffles
@@ -91,7 +100,7 @@ inline float DotRow(const float* x, const int8_t* w, int64_t I) {
   for (int k = 0; k < kSums; ++k) acc[k] = Simd::Zero();
   int64_t i = 0;
   for (; i + kLine <= I; i += kLine) {
-    __builtin_prefetch(w + i + kPrefetchAhead, 0, kPrefetchL2);
+    PrefetchAhead(w + i);
 #pragma GCC unroll 8
     for (int v = 0; v < kLine / kLanes; ++v)
       acc[v % kSums] = Simd::Fma(Simd::Floats(x + i + v * kLanes),
@@ -109,7 +118,7 @@ inline float DotRow(const float* x, const int8_t* w, int64_t I) {
   float acc[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= I; i += kLanes) {
-    if (i % kLine == 0) __builtin_prefetch(w + i + kPrefetchAhead, 0, kPrefetchL2);
+    if (i % kLine == 0) PrefetchAhead(w + i);
     for (int j = 0; j < kLanes; ++j) acc[j] += x[i + j] * static_cast<float>(w[i + j]);
   }
   float sum = 0;
