@@ -136,11 +136,13 @@ class StepTimes:
 
 
 def step_times(graphdef, state, config, plans: dict, *, gammas: Sequence[int] = (4,),
-               context: int = 256, repeats: int = 7) -> StepTimes:
+               context: int = 256, repeats: int = 7, chain: int = 1) -> StepTimes:
   """Time the AR step, verification at each γ in `gammas` and a draft step under every plan
   of `plans` ({key: [DraftPlan, ...]}) at `context`, round-robin so that machine noise hits
-  them alike. Compiled ahead (one draft executable per plan structure), so nothing timed
-  compiles."""
+  them alike. Compiled ahead (one draft executable per plan structure, one per plan when
+  plans are frozen), so nothing timed compiles. `chain`: calls dispatched back to back per
+  sample, one wait at the end: on a GPU a step then costs its device time, as in the device
+  loop, not the launch and the wait of a lone call."""
   from specjax.decode.engine import Draft, draft_step, verify_step
   from specjax.decode.generate import decode_step
   from specjax.jit_cache import compiled
@@ -176,8 +178,8 @@ def step_times(graphdef, state, config, plans: dict, *, gammas: Sequence[int] = 
   for _ in range(repeats + 1):  # the first pass warms up and is dropped
     for name, fn in calls:
       t = time.perf_counter()
-      jax.block_until_ready(fn())
-      times.setdefault(name, []).append(time.perf_counter() - t)
+      jax.block_until_ready([fn() for _ in range(chain)])
+      times.setdefault(name, []).append((time.perf_counter() - t) / chain)
   med = {name: statistics.median(v[1:]) for name, v in times.items()}
   return StepTimes(ar=med["ar"], verify={g: med[("verify", g)] for g in gammas},
                    drafts={name: med[("draft", name)] for name in plans})

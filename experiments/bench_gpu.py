@@ -1,0 +1,197 @@
+"""GPU step costs and AR decode speed in bf16, for real and random-init models.
+
+    python experiments/bench_gpu.py --models smollm2-135m-instruct,shape:qwen2-1.5b,shape:llama-8b \
+        --out gpu.jsonl                       # on the GPU machine: one JSON line per model
+    python experiments/bench_gpu.py --report gpu.jsonl --write-docs     # anywhere: the section
+
+Per model, at context `--context`, as ratios to the AR step (the dense model, T = 1):
+verification of γ + 1 = 5 tokens; a draft step under random plans with 25 / 50 / 75 % of
+the 2L sub-layers on, frozen into the executable (the device loop's GPU default, no
+conditional) and, at 50 %, traced (one `lax.cond` per sub-layer, the host loop's plans);
+and a draft step with every sub-layer on reading 8-bit weights (every matmul and the LM
+head, `quantize_weights_int8`) or QuantSpec's 4-bit MLP weights (`quantize_mlp_weights`):
+which of the two a GPU draft should default to. Each sample dispatches `--chain` calls
+back to back and waits once, so a step costs its device time as inside the device loop.
+Then greedy AR decoding of `--tokens` tokens (`generate`, the on-device loop), decode
+tokens/s against the HBM roofline: weight bytes per token over the bandwidth a jitted
+reduction reaches here. `shape:NAME` models are random-init at a real model's shapes
+(`SHAPES`): timing does not depend on the weights' values, and no 8B checkpoint fits this
+project. Every model's figures are appended to `--out` as they finish; the last line of
+the output is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report  # noqa: E402
+from bench_forward import PROMPT, measured_bandwidth, random_plan, weight_bytes  # noqa: E402
+
+from specjax.config import ModelConfig  # noqa: E402
+from specjax.decode.draft_length import step_times  # noqa: E402
+from specjax.decode.generate import generate  # noqa: E402
+from specjax.models.loader import load_model, resolve_dtype  # noqa: E402
+from specjax.model import init_model  # noqa: E402
+from specjax.plan import DraftPlan  # noqa: E402
+from specjax.quant import quantize_mlp_weights, quantize_weights_int8  # noqa: E402
+
+# Published shapes: Qwen2.5-1.5B (config.json of Qwen/Qwen2.5-1.5B) and Llama-3-8B
+# (Meta's params.json: 32 layers, D 4096, F 14336, 32 / 8 heads, vocab 128256).
+SHAPES = {
+    "qwen2-1.5b": ModelConfig(arch="qwen2", num_layers=28, embed_dim=1536, hidden_dim=8960,
+                              num_heads=12, num_kv_heads=2, head_dim=128, vocab_size=151936,
+                              rope_base=1e6, qkv_bias=True, tie_embeddings=True,
+                              max_context=32768),
+    "llama-8b": ModelConfig(arch="llama", num_layers=32, embed_dim=4096, hidden_dim=14336,
+                            num_heads=32, num_kv_heads=8, head_dim=128, vocab_size=128256,
+                            rope_base=5e5, tie_embeddings=False, max_context=8192),
+}
+FRACTIONS = (0.25, 0.5, 0.75)
+
+
+class Model:
+  """What the measurements need of a model: config, graphdef, state, prompt ids."""
+
+  def __init__(self, name: str, dtype):
+    self.name = name
+    if name.startswith("shape:"):
+      self.config = SHAPES[name.removeprefix("shape:")]
+      self.graphdef, self.state = nnx.split(init_model(self.config, seed=0, dtype=dtype))
+      self.ids = list(range(1, 33))  # random weights: any 32 ids will do
+    else:
+      m = load_model(name, dtype=dtype)
+      self.config, self.graphdef, self.state = m.config, m.graphdef, m.state
+      self.ids = m.tokenizer.encode_prompt(PROMPT)
+
+
+def step_costs(m: Model, context: int, repeats: int, chain: int, gamma: int = 4) -> dict:
+  """Step times in ms and as ratios to the AR step (see the module docstring)."""
+  L = m.config.num_layers
+  rng = np.random.default_rng(0)
+  full = DraftPlan.full(L)
+  plans = {f: [random_plan(L, f, rng).freeze()] for f in FRACTIONS}
+  plans["traced 0.5"] = [random_plan(L, 0.5, rng)]
+  t0 = time.perf_counter()
+  plans["8-bit"] = [full.replace(weights=quantize_weights_int8(m.state, L)).freeze()]
+  plans["4-bit MLP"] = [full.replace(weights=quantize_mlp_weights(m.state, L)).freeze()]
+  quant_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  t = step_times(m.graphdef, m.state, m.config, plans, gammas=(gamma,), context=context,
+                 repeats=repeats, chain=chain)
+  return {"ar_ms": t.ar * 1e3, "verify_ms": t.verify[gamma] * 1e3,
+          "verify_over_ar": t.verify[gamma] / t.ar,
+          "draft_over_ar": {str(k): v / t.ar for k, v in t.drafts.items()},
+          "draft_ms": {str(k): v * 1e3 for k, v in t.drafts.items()},
+          "gamma": gamma, "quantize_s": quant_s, "compile_and_time_s": time.perf_counter() - t0}
+
+
+def ar_decode(m: Model, tokens: int, runs: int) -> dict:
+  """Median decode tokens/s of greedy AR (`generate`), and its share of the roofline."""
+  gens = [generate(m.graphdef, m.state, m.config, m.ids, max_new_tokens=tokens, eos_ids=())
+          for _ in range(runs + 1)][1:]  # the first compiles
+  decode = float(np.median([g.decode_tokens_per_s for g in gens]))
+  bandwidth = measured_bandwidth()
+  roofline = bandwidth / weight_bytes(m)
+  return {"decode_tok_s": decode, "bandwidth_gb_s": bandwidth / 1e9,
+          "weight_mb": weight_bytes(m) / 1e6, "roofline_tok_s": roofline,
+          "share_of_roofline": decode / roofline}
+
+
+def measure(name: str, args) -> dict:
+  dtype = resolve_dtype(args.dtype)
+  t0 = time.perf_counter()
+  m = Model(name, dtype)
+  jax.block_until_ready(m.state)
+  figures = {"model": name, "dtype": jnp.dtype(dtype).name, "context": args.context,
+             "machine": report.machine(),
+             # a copy of the tree without .git (a lent GPU machine) names it in the environment
+             "commit": report.git_revision() or os.environ.get("SPECJAX_COMMIT", "unknown"),
+             "load_s": time.perf_counter() - t0}
+  print(f"{name}: loaded in {figures['load_s']:.1f} s; step costs", flush=True)
+  figures |= step_costs(m, args.context, args.repeats, args.chain)
+  print(f"{name}: AR {figures['ar_ms']:.3f} ms, verify ÷ AR {figures['verify_over_ar']:.3f}, "
+        f"drafts ÷ AR { {k: round(v, 3) for k, v in figures['draft_over_ar'].items()} }",
+        flush=True)
+  figures |= ar_decode(m, args.tokens, args.runs)
+  print(f"{name}: decode {figures['decode_tok_s']:.1f} tok/s, "
+        f"{figures['share_of_roofline']:.0%} of the roofline", flush=True)
+  return figures
+
+
+def section(rows: list[dict]) -> str:
+  """The `gpu-forward` section of docs/BENCHMARKS.md from the JSON lines."""
+  first = rows[0]
+  steps = [["AR step (ms)"] + [f"{r['ar_ms']:.3f}" for r in rows],
+           ["verify γ + 1 = 5 ÷ AR"] + [f"{r['verify_over_ar']:.3f}" for r in rows]]
+  for key, label in [("0.25", "draft, 25 % of sub-layers, frozen"),
+                     ("0.5", "draft, 50 %, frozen"), ("0.75", "draft, 75 %, frozen"),
+                     ("traced 0.5", "draft, 50 %, traced (`lax.cond` per sub-layer)"),
+                     ("8-bit", "draft, all sub-layers, 8-bit weights"),
+                     ("4-bit MLP", "draft, all sub-layers, 4-bit MLP weights")]:
+    steps.append([label + " ÷ AR"] + [f"{r['draft_over_ar'][key]:.3f}" for r in rows])
+  decode = [["decode tok/s"] + [f"{r['decode_tok_s']:.1f}" for r in rows],
+            ["weights per token (MB)"] + [f"{r['weight_mb']:.0f}" for r in rows],
+            ["roofline tok/s"] + [f"{r['roofline_tok_s']:.1f}" for r in rows],
+            ["share of the roofline"] + [f"{r['share_of_roofline']:.0%}" for r in rows]]
+  header = ["", *[r["model"] for r in rows]]
+  return "\n".join([
+      "## GPU: step costs and AR decode speed (bf16)",
+      "",
+      f"Machine: {first['machine']}. Commit {first['commit']}. Weights and KV cache in "
+      f"{first['dtype']}; `shape:` models are random-init at the named model's shapes. Steps "
+      f"at context {first['context']}, medians, each sample {CHAIN_NOTE}; draft plans are "
+      f"random with the given share of sub-layers on. AR decoding: greedy, the on-device "
+      f"loop, weights read once per token at the {first['bandwidth_gb_s']:.0f} GB/s a jitted "
+      f"reduction reaches on it:",
+      "",
+      report.markdown_table(header, steps),
+      "",
+      report.markdown_table(header, decode),
+  ])
+
+
+CHAIN_NOTE = "a chain of calls dispatched back to back with one wait (device time per step)"
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--models", default="smollm2-135m-instruct,shape:qwen2-1.5b,shape:llama-8b")
+  ap.add_argument("--context", type=int, default=256)
+  ap.add_argument("--repeats", type=int, default=9)
+  ap.add_argument("--chain", type=int, default=20)
+  ap.add_argument("--tokens", type=int, default=128)
+  ap.add_argument("--runs", type=int, default=3)
+  ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+  ap.add_argument("--out", type=Path, help="append each model's JSON line here")
+  ap.add_argument("--report", type=Path, help="read JSON lines instead of measuring")
+  ap.add_argument("--write-docs", action="store_true")
+  args = ap.parse_args()
+
+  if args.report:
+    rows = [json.loads(line) for line in args.report.read_text().splitlines() if line.strip()]
+  else:
+    rows = []
+    for name in args.models.split(","):
+      rows.append(measure(name, args))
+      if args.out:
+        with args.out.open("a") as f:
+          f.write(json.dumps(rows[-1]) + "\n")
+  print(section(rows))
+  if args.write_docs:
+    report.write_section("gpu-forward", section(rows))
+  report.print_json({"models": rows})
+
+
+if __name__ == "__main__":
+  main()
