@@ -1,13 +1,17 @@
 """Prompt sets: Spec-Bench (13 categories, multi-turn MT-bench), GSM8K, HumanEval, and
 task streams that switch domain with probability r (KNN-SSD's mix ratio).
 
-Files are read through `datasets` from a data directory: the `data_dir` argument, else
-$SPECJAX_DATA_DIR, else ~/.cache/specjax/data (where `specjax data fetch` puts them).
+Files come from a data directory: the `data_dir` argument, else $SPECJAX_DATA_DIR, else
+~/.cache/specjax/data (where `specjax data fetch` puts them). JSON lines are read with the
+standard library (a GPU notebook runtime need not have `datasets`); parquet through
+`datasets`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import json
 import os
 import random
 import urllib.error
@@ -48,10 +52,13 @@ def data_dir(explicit: str | Path | None = None) -> Path:
 
 
 def _load_rows(kind: str, path: Path) -> list[dict]:
+  if kind == "json":  # JSON lines, gzipped or not
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+      return [json.loads(line) for line in f if line.strip()]
   from datasets import load_dataset
 
-  ds = load_dataset(kind, data_files=str(path), split="train")
-  return ds.to_list()
+  return load_dataset(kind, data_files=str(path), split="train").to_list()
 
 
 def load_spec_bench(
