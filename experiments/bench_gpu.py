@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -41,7 +40,8 @@ from bench_forward import PROMPT, measured_bandwidth, random_plan, weight_bytes 
 from specjax.config import ModelConfig  # noqa: E402
 from specjax.decode.draft_length import step_times  # noqa: E402
 from specjax.decode.generate import generate  # noqa: E402
-from specjax.models.loader import load_model, resolve_dtype  # noqa: E402
+from specjax.decode.generate import precision_name  # noqa: E402
+from specjax.models.loader import DTYPE_CHOICES, load_model, resolve_dtype, with_precision  # noqa: E402,E501
 from specjax.model import init_model  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402
 from specjax.quant import quantize_mlp_weights, quantize_weights_int8  # noqa: E402
@@ -63,11 +63,12 @@ FRACTIONS = (0.25, 0.5, 0.75)
 class Model:
   """What the measurements need of a model: config, graphdef, state, prompt ids."""
 
-  def __init__(self, name: str, dtype):
+  def __init__(self, name: str, dtype: str):
     self.name = name
     if name.startswith("shape:"):
-      self.config = SHAPES[name.removeprefix("shape:")]
-      self.graphdef, self.state = nnx.split(init_model(self.config, seed=0, dtype=dtype))
+      self.config = with_precision(SHAPES[name.removeprefix("shape:")], dtype)
+      model = init_model(self.config, seed=0, dtype=resolve_dtype(dtype))
+      self.graphdef, self.state = nnx.split(model)
       self.ids = list(range(1, 33))  # random weights: any 32 ids will do
     else:
       m = load_model(name, dtype=dtype)
@@ -109,14 +110,14 @@ def ar_decode(m: Model, tokens: int, runs: int) -> dict:
 
 
 def measure(name: str, args) -> dict:
-  dtype = resolve_dtype(args.dtype)
   t0 = time.perf_counter()
-  m = Model(name, dtype)
+  m = Model(name, args.dtype)
   jax.block_until_ready(m.state)
-  figures = {"model": name, "dtype": jnp.dtype(dtype).name, "context": args.context,
+  figures = {"model": name, "dtype": precision_name(m.config, m.state), "context": args.context,
              "machine": report.machine(),
              # a copy of the tree without .git (a lent GPU machine) names it in the environment
              "commit": report.git_revision() or os.environ.get("SPECJAX_COMMIT", "unknown"),
+             "command": "python experiments/bench_gpu.py " + " ".join(sys.argv[1:]),
              "load_s": time.perf_counter() - t0}
   print(f"{name}: loaded in {figures['load_s']:.1f} s; step costs", flush=True)
   figures |= step_costs(m, args.context, args.repeats, args.chain)
@@ -129,8 +130,9 @@ def measure(name: str, args) -> dict:
   return figures
 
 
-def section(rows: list[dict]) -> str:
-  """The `gpu-forward` section of docs/BENCHMARKS.md from the JSON lines."""
+def section(rows: list[dict], bench: list[dict] | None = None, bench_command: str = "") -> str:
+  """The `gpu-forward` section of docs/BENCHMARKS.md from the JSON lines, and the records
+  of a `specjax bench` run on the same machine (`bench`) when given."""
   first = rows[0]
   steps = [["AR step (ms)"] + [f"{r['ar_ms']:.3f}" for r in rows],
            ["verify γ + 1 = 5 ÷ AR"] + [f"{r['verify_over_ar']:.3f}" for r in rows]]
@@ -141,27 +143,44 @@ def section(rows: list[dict]) -> str:
                      ("4-bit MLP", "draft, all sub-layers, 4-bit MLP weights")]:
     steps.append([label + " ÷ AR"] + [f"{r['draft_over_ar'][key]:.3f}" for r in rows])
   decode = [["decode tok/s"] + [f"{r['decode_tok_s']:.1f}" for r in rows],
+            ["ms per token in the loop"] + [f"{1e3 / r['decode_tok_s']:.3f}" for r in rows],
             ["weights per token (MB)"] + [f"{r['weight_mb']:.0f}" for r in rows],
+            ["weight bytes read (GB/s)"] + [f"{r['decode_tok_s'] * r['weight_mb'] / 1e3:.0f}"
+                                           for r in rows],
+            ["reduction bandwidth (GB/s)"] + [f"{r['bandwidth_gb_s']:.0f}" for r in rows],
             ["roofline tok/s"] + [f"{r['roofline_tok_s']:.1f}" for r in rows],
             ["share of the roofline"] + [f"{r['share_of_roofline']:.0%}" for r in rows]]
   header = ["", *[r["model"] for r in rows]]
-  return "\n".join([
-      "## GPU: step costs and AR decode speed (bf16)",
+  parts = [
+      "## GPU: step costs and AR decode speed",
       "",
-      f"Machine: {first['machine']}. Commit {first['commit']}. Weights and KV cache in "
-      f"{first['dtype']}; `shape:` models are random-init at the named model's shapes. Steps "
-      f"at context {first['context']}, medians, each sample {CHAIN_NOTE}; draft plans are "
-      f"random with the given share of sub-layers on. AR decoding: greedy, the on-device "
-      f"loop, weights read once per token at the {first['bandwidth_gb_s']:.0f} GB/s a jitted "
-      f"reduction reaches on it:",
+      "Measured by " + ", ".join(sorted({f"`{r['command']}`" for r in rows})) + ".",
+      "",
+      f"Machine: {first['machine']}. Commit {first['commit']}. Precision "
+      f"{first['dtype']} (`--dtype`: the weights, activations and KV cache; mixed: bfloat16 "
+      f"weights computed in float32); `shape:` models are random-init at the named model's shapes. Steps "
+      f"at context {first['context']}, medians; each sample is a chain of calls dispatched "
+      f"back to back with one wait, so a step's time includes its host dispatch where that "
+      f"exceeds the device time (the small models: compare the AR step with the ms per "
+      f"token of the on-device loop below). Draft plans are random with the given share of "
+      f"sub-layers on. AR decoding: greedy, the on-device loop; the roofline reads the "
+      f"weights once per token at the bandwidth a jitted reduction over 1 GiB reaches in the "
+      f"same run:",
       "",
       report.markdown_table(header, steps),
       "",
       report.markdown_table(header, decode),
-  ])
+  ]
+  if bench:
+    from specjax.bench import metrics
+    from specjax.bench.runner import _overall_table
 
-
-CHAIN_NOTE = "a chain of calls dispatched back to back with one wait (device time per step)"
+    prompts = len({r["prompt_id"] for r in bench})
+    parts += ["", f"`specjax bench` on the same machine, {prompts} Spec-Bench prompts, greedy, "
+              f"bf16 (mismatches: prompts whose tokens differ from AR's), by `{bench_command}`:",
+              "",
+              _overall_table(metrics.summarize(bench))]
+  return "\n".join(parts)
 
 
 def main() -> None:
@@ -172,9 +191,12 @@ def main() -> None:
   ap.add_argument("--chain", type=int, default=20)
   ap.add_argument("--tokens", type=int, default=128)
   ap.add_argument("--runs", type=int, default=3)
-  ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+  ap.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
   ap.add_argument("--out", type=Path, help="append each model's JSON line here")
   ap.add_argument("--report", type=Path, help="read JSON lines instead of measuring")
+  ap.add_argument("--bench-results", type=Path,
+                  help="with --report: a `specjax bench` results.jsonl from the same machine")
+  ap.add_argument("--bench-command", default="specjax bench", help="the command that made it")
   ap.add_argument("--write-docs", action="store_true")
   args = ap.parse_args()
 
@@ -187,9 +209,14 @@ def main() -> None:
       if args.out:
         with args.out.open("a") as f:
           f.write(json.dumps(rows[-1]) + "\n")
-  print(section(rows))
+  bench = None
+  if args.bench_results:
+    bench = [r for line in args.bench_results.read_text().splitlines() if line.strip()
+             for r in json.loads(line)["records"]]
+  text = section(rows, bench, args.bench_command)
+  print(text)
   if args.write_docs:
-    report.write_section("gpu-forward", section(rows))
+    report.write_section("gpu-forward", text)
   report.print_json({"models": rows})
 
 

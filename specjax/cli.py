@@ -262,8 +262,12 @@ def _option_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                 help="weights and KV cache (auto: bfloat16 on a GPU, float32 on a CPU)")
+  from specjax.models.loader import DTYPE_CHOICES
+
+  p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                 help="weights, activations and KV cache (auto: bfloat16 on a GPU, float32 on "
+                      "a CPU); mixed: bfloat16 weights computed in float32, where greedy SSD "
+                      "stays token-exact with AR on real models")
 
 
 def build_parser() -> argparse.ArgumentParser:

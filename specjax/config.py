@@ -43,6 +43,13 @@ class ModelConfig:
   max_context: int = 8192
   bos_id: int | None = None
   eos_ids: tuple[int, ...] = ()
+  # The dtype activations and the KV cache are computed in; None: the weights' dtype.
+  # "float32" over bfloat16 weights (`--dtype mixed`): a step still reads 2-byte weights,
+  # but no activation is rounded to bfloat16, so a verification forward's logits match
+  # the AR step's to float32 rounding, and greedy SSD stays token for token equal to AR
+  # on real models (bfloat16 activations turn the dot's row-count-dependent rounding into
+  # logit differences of up to 0.8 on SmolLM2: docs/BENCHMARKS.md, "gpu-forward").
+  activation_dtype: str | None = None
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:

@@ -178,7 +178,6 @@ class Attention(nnx.Module):
   def _project_out(self, out: jax.Array, weights: LayerWeights | None = None) -> jax.Array:
     """[B, T, N·H] -> [B, T, D]: one matmul against o viewed as [N·H, D] (a bitcast)."""
     N, H, D = self.o.shape
-    out = out.astype(self.o.dtype)
     if weights is not None and weights.o is not None:
       return weights.o.matmul(out)
     return _dense(out, self.o[...].reshape(N * H, D))
@@ -341,6 +340,8 @@ class Transformer(nnx.Module):
 
   def embed(self, tokens: jax.Array) -> jax.Array:
     x = jnp.take(self.embedding[...], tokens, axis=0)
+    if self.config.activation_dtype is not None:
+      x = x.astype(self.config.activation_dtype)
     if self.config.embed_scale:
       x = x * jnp.asarray(self.config.embed_dim**0.5, x.dtype)
     return x

@@ -157,11 +157,16 @@ def test_ar_chunks_change_no_token(sampling):
   assert len(set(one)) >= 8
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_bfloat16_weights_and_cache_are_lossless(arch):
-  """The GPU default dtype: greedy SSD (device and host loop) equals greedy AR in bf16."""
-  config, graphdef, state = target(arch)
-  state = jax.tree.map(lambda x: x.astype(jnp.bfloat16), state)
+@pytest.mark.parametrize("arch, precision", [("llama", "bfloat16"), ("gemma3", "bfloat16"),
+                                             ("llama", "mixed")])
+def test_bfloat16_weights_are_lossless_on_tiny_models(arch, precision):
+  """bfloat16 weights, computed in bfloat16 (the GPU default) or float32 (`mixed`): greedy
+  SSD (device and host loop) equals greedy AR on tiny models. On real models only `mixed`
+  keeps that token for token (test_real_ssd: bfloat16 activations round verification's
+  rows apart from the AR step's)."""
+  from specjax.models.loader import at_precision
+
+  config, graphdef, state = at_precision(*target(arch)[::2], precision)
   ar = generate(graphdef, state, config, PROMPT, max_new_tokens=48, eos_ids=())
   assert len(set(ar.tokens)) >= 8
   for loop in ("host", "device"):

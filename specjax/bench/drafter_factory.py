@@ -58,7 +58,7 @@ ARTEFACT_OPTIONS: dict[str, dict[str, Any]] = {
     "self_sd": {"iterations": None},  # Bayesian-optimisation steps (default: the factory's)
     # k-means anchors per domain; representative prompts each domain's search scores on
     "knn": {"anchors": 10, "search_prompts": 3},
-    "quantspec": {"weight_bits": None, "group": 128, "residual": 128},  # bits None: per backend
+    "quantspec": {"weight_bits": None, "group": 128, "residual": 128},  # bits None: the default (8)
     "frspec": {"size": 32768},  # FR-Spec's shortlist: the paper's 32k
     # k, a decoding setting, is the drafter's own field; core: that many frequent tokens
     # scored beside the routed clusters (0: none)
@@ -173,12 +173,14 @@ class DrafterFactory:
     return self._profile("int8_profile", int8=True)
 
   def _profile(self, artefact: str, int8: bool):
+    from specjax.decode.generate import precision_name
     from specjax.selection import profiler
 
     if artefact in self.artefacts:
       return self.artefacts[artefact]
-    try:
+    try:  # a profile of the precision the model runs at (a bfloat16 step costs less)
       return profiler.load_profile(self.model.name, self.model.config.num_layers,
+                                   dtype=precision_name(self.model.config, self.model.state),
                                    draft="8bit" if int8 else "target")
     except profiler.MissingProfileError as err:
       self._say(f"{err}\nrunning the profiler now")
@@ -316,7 +318,7 @@ class DrafterFactory:
     raise DrafterNameError(f"{name!r} is not a layer drafter")  # parse() prevents this
 
   def _quantspec_weight_bits(self) -> int | None:
-    """QuantSpec's draft weight bits: its option, or the backend's default."""
+    """QuantSpec's draft weight bits: its option, or the default (`default_weight_bits`)."""
     from specjax.drafters.quantspec import default_weight_bits
 
     bits = self._opts("quantspec")["weight_bits"]

@@ -144,11 +144,12 @@ def step_times(graphdef, state, config, plans: dict, *, gammas: Sequence[int] = 
   sample, one wait at the end: on a GPU a step then costs its device time, as in the device
   loop, not the launch and the wait of a lone call."""
   from specjax.decode.engine import Draft, draft_step, verify_step
-  from specjax.decode.generate import decode_step
+  from specjax.decode.generate import compute_dtype, decode_step
   from specjax.jit_cache import compiled
 
   full, greedy = DraftPlan.full(config.num_layers), SamplingParams()
-  cache = KVCache.create(config, 1, context + max(gammas) + 2).with_length(context)
+  cache = KVCache.create(config, 1, context + max(gammas) + 2, compute_dtype(config, state))
+  cache = cache.with_length(context)
   tok, last, key, one = jnp.ones((1,), jnp.int32), jnp.int32(1), jax.random.key(0), jnp.int32(1)
   step = compiled(decode_step, state, cache, tok, full, key, graphdef=graphdef, sampling=greedy)
   protos = {g: Draft(n=jnp.int32(g), tokens=jnp.ones((g,), jnp.int32),

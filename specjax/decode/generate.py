@@ -172,7 +172,7 @@ def prefill_prompt(graphdef: nnx.GraphDef, state: nnx.State, config, prompt_toke
   from specjax.quant_kv_cache import create_cache
 
   size = size or check_prompt(prompt_tokens, max_new_tokens, config.max_context)
-  cache = create_cache(config, size, kv_cache, cache_dtype or weight_dtype(state))
+  cache = create_cache(config, size, kv_cache, cache_dtype or compute_dtype(config, state))
   full = DraftPlan.full(config.num_layers)
   key = jax.random.key(seed)
   t0, clock = time.perf_counter(), CompileClock()
@@ -203,8 +203,21 @@ def start_decoding(prefilled: Prefilled | None, graphdef, state, config, prompt_
 
 
 def weight_dtype(state: nnx.State):
-  """The model's weight dtype: its KV cache's default."""
+  """The model's weight dtype."""
   return state["embedding"][...].dtype
+
+
+def compute_dtype(config, state: nnx.State):
+  """The dtype a forward computes activations in, and its KV cache's default: the
+  config's `activation_dtype`, else the weights'."""
+  return jnp.dtype(config.activation_dtype or weight_dtype(state))
+
+
+def precision_name(config, state: nnx.State) -> str:
+  """The `--dtype` a loaded model runs at: "float32", "bfloat16", or "mixed" (bfloat16
+  weights computed in float32). Saved measurements (latency profiles) are keyed by it."""
+  weights, compute = jnp.dtype(weight_dtype(state)), compute_dtype(config, state)
+  return weights.name if weights == compute else "mixed"
 
 
 def pooled_prompt(model, hidden: jax.Array, n: jax.Array) -> jax.Array:

@@ -17,7 +17,7 @@ from specjax.errors import ConfigError
 from specjax.model import Transformer
 from specjax.models import checkpoint
 from specjax.models import gguf as gguf_weights
-from specjax.models.params import fuse_projections, param_shapes, state_from_flat
+from specjax.models.params import abstract_model, fuse_projections, param_shapes, state_from_flat
 from specjax.models.registry import cache_root, get_spec
 from specjax.models.tiny import tiny_model
 from specjax.models.tokenizer import ByteTokenizer, TextTokenizer, tokenizer_from_gguf
@@ -41,6 +41,9 @@ class LoadedModel:
 
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# bfloat16 weights, float32 activations and KV cache (`ModelConfig.activation_dtype`).
+MIXED = "mixed"
+DTYPE_CHOICES = ("auto", *DTYPES, MIXED)
 
 
 def default_dtype(backend: str | None = None):
@@ -51,18 +54,44 @@ def default_dtype(backend: str | None = None):
 
 
 def resolve_dtype(name: str | None):
-  """A `--dtype` value ("auto", "float32", "bfloat16") or None -> a jnp dtype."""
+  """A `--dtype` value (`DTYPE_CHOICES`) or None -> the jnp dtype of the weights."""
   if name in (None, "auto"):
     return default_dtype()
+  if name == MIXED:
+    return jnp.bfloat16
   if name not in DTYPES:
-    raise ConfigError(f"unknown dtype {name!r}: choose auto, {', '.join(DTYPES)}")
+    raise ConfigError(f"unknown dtype {name!r}: choose {', '.join(DTYPE_CHOICES)}")
   return DTYPES[name]
+
+
+def with_precision(config: ModelConfig, dtype) -> ModelConfig:
+  """`config` computing in float32 when `dtype` is `MIXED`, else in its weights' dtype."""
+  return dataclasses.replace(config, activation_dtype="float32" if dtype == MIXED else None)
+
+
+def at_precision(config: ModelConfig, state: nnx.State, dtype: str
+                 ) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
+  """A model (config, state) at another `--dtype`, without reloading: the weights cast, and
+  a graph definition whose modules hold the new config (they read its activation dtype)."""
+  weights = resolve_dtype(dtype)
+  config = with_precision(config, dtype)
+  graphdef, _ = abstract_model(config, weights)
+  return config, graphdef, jax.tree.map(lambda x: x.astype(weights), state)
 
 
 def load_model(name: str, *, dtype=None, verbose: bool = True) -> LoadedModel:
   """Load a registered model by name (see `specjax models`) with weights in `dtype`
-  (default: `default_dtype()`; its KV cache follows)."""
-  dtype = resolve_dtype(dtype) if dtype is None or isinstance(dtype, str) else dtype
+  (default: `default_dtype()`; its activations and KV cache follow, but for "mixed":
+  bfloat16 weights computed in float32)."""
+  m = _load(name, resolve_dtype(dtype) if dtype is None or isinstance(dtype, str) else dtype,
+            verbose)
+  if dtype != MIXED:
+    return m
+  config, graphdef, state = at_precision(m.config, m.state, MIXED)
+  return dataclasses.replace(m, config=config, graphdef=graphdef, state=state)
+
+
+def _load(name: str, dtype, verbose: bool) -> LoadedModel:
   spec = get_spec(name)
   if spec.is_tiny:
     # Trained on first use (about 15 s on 2 cores), then read from the cache.

@@ -207,7 +207,7 @@ def measure(model, lengths=(256, 1024, 2048, 4096), gamma: int = 4, repeats: int
   from tqdm.auto import tqdm
 
   from specjax.decode.engine import Draft, draft_step, verify_step
-  from specjax.decode.generate import decode_step
+  from specjax.decode.generate import compute_dtype, decode_step, precision_name
   from specjax.jit_cache import compiled
   from specjax.kv_cache import KVCache
   from specjax.sampling import SamplingParams
@@ -223,7 +223,7 @@ def measure(model, lengths=(256, 1024, 2048, 4096), gamma: int = 4, repeats: int
   key, last = jax.random.key(0), jnp.int32(1)
   rows = {k: [] for k in ("attn", "mlp", "base", "verify", "step")}
   for n in tqdm(lengths, desc=f"profile {model.name}", unit="length", disable=not verbose):
-    cache = KVCache.create(cfg, 1, n).with_length(n - gamma - 2)
+    cache = KVCache.create(cfg, 1, n, compute_dtype(cfg, state)).with_length(n - gamma - 2)
     length = n - gamma - 2  # a host int: the cache (and its length) is donated
     draft = compiled(draft_step, state, cache, last, plans["none"], key, jnp.int32(1),
                      graphdef=graphdef,
@@ -253,7 +253,7 @@ def measure(model, lengths=(256, 1024, 2048, 4096), gamma: int = 4, repeats: int
 
     rows["verify"].append(median_time(run_verify, repeats))
     rows["step"].append(median_time(run_step, repeats))
-  dtype = str(jax.tree.leaves(state)[0].dtype)
+  dtype = precision_name(cfg, state)
   return LatencyProfile(model=model.name, device=device_name(), dtype=dtype, num_layers=L,
                         verify_tokens=gamma + 1, lengths=lengths,
                         draft="target" if draft_weights is None else f"{draft_weights.bits}bit",
