@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report  # noqa: E402
 from bench_forward import PROMPT, measured_bandwidth, random_plan, weight_bytes  # noqa: E402
 
-from specjax.config import ModelConfig  # noqa: E402
+from specjax.config import ModelConfig, tiny_config  # noqa: E402
 from specjax.decode.draft_length import step_times  # noqa: E402
 from specjax.decode.generate import generate  # noqa: E402
 from specjax.decode.generate import precision_name  # noqa: E402
@@ -56,6 +56,7 @@ SHAPES = {
     "llama-8b": ModelConfig(arch="llama", num_layers=32, embed_dim=4096, hidden_dim=14336,
                             num_heads=32, num_kv_heads=8, head_dim=128, vocab_size=128256,
                             rope_base=5e5, tie_embeddings=False, max_context=8192),
+    "tiny": tiny_config("llama"),  # a CPU smoke run (tests/test_bench_gpu_script.py)
 }
 FRACTIONS = (0.25, 0.5, 0.75)
 

@@ -1,0 +1,31 @@
+"""experiments/bench_gpu.py is meant for GPU sessions, which are rare: a CPU smoke run on a
+tiny random-init shape keeps the script working end to end (measure, append the JSON
+line, render the section from it) so a GPU session only has to run it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+
+
+def _script(*args: str) -> list:
+  out = subprocess.run([sys.executable, "experiments/bench_gpu.py", *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  return out.stdout.strip().splitlines()
+
+
+def test_smoke_run_measures_every_step_and_renders_its_section(tmp_path):
+  lines = tmp_path / "gpu.jsonl"
+  _script("--models", "shape:tiny", "--dtype", "mixed", "--repeats", "1", "--chain", "2",
+          "--tokens", "8", "--runs", "1", "--out", str(lines))
+  (row,) = [json.loads(line) for line in lines.read_text().splitlines()]
+  assert row["model"] == "shape:tiny" and row["dtype"] == "mixed"
+  assert set(row["draft_over_ar"]) == {"0.25", "0.5", "0.75", "traced 0.5", "8-bit",
+                                       "4-bit MLP"}
+  assert row["ar_ms"] > 0 and row["decode_tok_s"] > 0 and row["roofline_tok_s"] > 0
+  out = _script("--report", str(lines))
+  assert json.loads(out[-1])["models"] == [row]
+  assert any(line.startswith("| draft, 50 %, frozen ÷ AR |") for line in out)
