@@ -10,9 +10,10 @@ the 2L sub-layers on, frozen into the executable (the device loop's GPU default,
 conditional) and, at 50 %, traced (one `lax.cond` per sub-layer, the host loop's plans);
 and a draft step with every sub-layer on reading 8-bit weights (every matmul and the LM
 head, `quantize_weights_int8`) or QuantSpec's 4-bit MLP weights (`quantize_mlp_weights`):
-which of the two a GPU draft should default to. Each sample dispatches `--chain` calls
-back to back and waits once, so a step costs its device time as inside the device loop.
-Then greedy AR decoding of `--tokens` tokens (`generate`, the on-device loop), decode
+which of the two a GPU draft should default to. Timed two ways: each step a call from
+the host (`--chain` calls dispatched back to back, one wait: what the host loop pays,
+dispatch included), and `--loop-steps` steps chained inside one jitted loop (what the
+device loop pays: device time alone). Then greedy AR decoding of `--tokens` tokens (`generate`, the on-device loop), decode
 tokens/s against the HBM roofline: weight bytes per token over the bandwidth a jitted
 reduction reaches here. `shape:NAME` models are random-init at a real model's shapes
 (`SHAPES`): timing does not depend on the weights' values, and no 8B checkpoint fits this
@@ -23,13 +24,16 @@ the output is JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -39,12 +43,15 @@ from bench_forward import PROMPT, measured_bandwidth, random_plan, weight_bytes 
 
 from specjax.config import ModelConfig, tiny_config  # noqa: E402
 from specjax.decode.draft_length import step_times  # noqa: E402
-from specjax.decode.generate import generate  # noqa: E402
-from specjax.decode.generate import precision_name  # noqa: E402
+from specjax.decode.engine import Draft, draft_step, verify_step  # noqa: E402
+from specjax.decode.generate import (compute_dtype, decode_step, generate,  # noqa: E402
+                                     precision_name)
 from specjax.models.loader import DTYPE_CHOICES, load_model, resolve_dtype, with_precision  # noqa: E402,E501
 from specjax.model import init_model  # noqa: E402
+from specjax.kv_cache import KVCache  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402
 from specjax.quant import quantize_mlp_weights, quantize_weights_int8  # noqa: E402
+from specjax.sampling import SamplingParams  # noqa: E402
 
 # Published shapes: Qwen2.5-1.5B (config.json of Qwen/Qwen2.5-1.5B) and Llama-3-8B
 # (Meta's params.json: 32 layers, D 4096, F 14336, 32 / 8 heads, vocab 128256).
@@ -59,6 +66,11 @@ SHAPES = {
     "tiny": tiny_config("llama"),  # a CPU smoke run (tests/test_bench_gpu_script.py)
 }
 FRACTIONS = (0.25, 0.5, 0.75)
+DRAFT_LABELS = [("0.25", "draft, 25 % of sub-layers, frozen"),
+                ("0.5", "draft, 50 %, frozen"), ("0.75", "draft, 75 %, frozen"),
+                ("traced 0.5", "draft, 50 %, traced (`lax.cond` per sub-layer)"),
+                ("8-bit", "draft, all sub-layers, 8-bit weights"),
+                ("4-bit MLP", "draft, all sub-layers, 4-bit MLP weights")]
 
 
 class Model:
@@ -77,25 +89,84 @@ class Model:
       self.ids = m.tokenizer.encode_prompt(PROMPT)
 
 
-def step_costs(m: Model, context: int, repeats: int, chain: int, gamma: int = 4) -> dict:
-  """Step times in ms and as ratios to the AR step (see the module docstring)."""
+def draft_plans(m: Model) -> tuple[dict, float]:
+  """{name: [plan]} of the measured drafts (see the module docstring), and the seconds
+  quantising the weights took."""
   L = m.config.num_layers
   rng = np.random.default_rng(0)
   full = DraftPlan.full(L)
-  plans = {f: [random_plan(L, f, rng).freeze()] for f in FRACTIONS}
+  plans = {str(f): [random_plan(L, f, rng).freeze()] for f in FRACTIONS}
   plans["traced 0.5"] = [random_plan(L, 0.5, rng)]
   t0 = time.perf_counter()
   plans["8-bit"] = [full.replace(weights=quantize_weights_int8(m.state, L)).freeze()]
   plans["4-bit MLP"] = [full.replace(weights=quantize_mlp_weights(m.state, L)).freeze()]
-  quant_s = time.perf_counter() - t0
+  return plans, time.perf_counter() - t0
+
+
+def step_costs(m: Model, plans: dict, context: int, repeats: int, chain: int,
+               gamma: int = 4) -> dict:
+  """Step times in ms and as ratios to the AR step, each step a call from the host (as
+  the host loop runs them): see the module docstring."""
   t0 = time.perf_counter()
   t = step_times(m.graphdef, m.state, m.config, plans, gammas=(gamma,), context=context,
                  repeats=repeats, chain=chain)
   return {"ar_ms": t.ar * 1e3, "verify_ms": t.verify[gamma] * 1e3,
           "verify_over_ar": t.verify[gamma] / t.ar,
-          "draft_over_ar": {str(k): v / t.ar for k, v in t.drafts.items()},
-          "draft_ms": {str(k): v * 1e3 for k, v in t.drafts.items()},
-          "gamma": gamma, "quantize_s": quant_s, "compile_and_time_s": time.perf_counter() - t0}
+          "draft_over_ar": {k: v / t.ar for k, v in t.drafts.items()},
+          "draft_ms": {k: v * 1e3 for k, v in t.drafts.items()},
+          "gamma": gamma, "compile_and_time_s": time.perf_counter() - t0}
+
+
+def loop_costs(m: Model, plans: dict, context: int, repeats: int, steps: int,
+               gamma: int = 4) -> dict:
+  """The same steps, `steps` of each chained inside one jitted `fori_loop` (each step's
+  output feeds the next, as in the device loop): device time per step, no host dispatch.
+  Medians of `repeats` loops."""
+  cfg, gd, state = m.config, m.graphdef, m.state
+  full, greedy, key = DraftPlan.full(cfg.num_layers), SamplingParams(), jax.random.key(0)
+  size = context + steps + gamma + 2
+  cache = KVCache.create(cfg, 1, size, compute_dtype(cfg, state)).with_length(context)
+  proto = Draft(n=jnp.int32(gamma), tokens=jnp.ones((gamma,), jnp.int32),
+                confidence=jnp.ones((gamma,), jnp.float32), q_rows=None)
+
+  @jax.jit
+  def ar(state, cache):
+    def body(_, carry):
+      return decode_step(state, carry[1], carry[0], full, key, graphdef=gd, sampling=greedy)
+    return jax.lax.fori_loop(0, steps, body, (jnp.ones((1,), jnp.int32), cache))[0]
+
+  @jax.jit
+  def verify(state, cache):
+    def body(_, carry):
+      out, c = verify_step(state, carry[1], carry[0], proto, full, key, graphdef=gd,
+                           sampling=greedy)
+      return out.tokens[0], c.with_length(context)  # the same γ + 1 positions each time
+    return jax.lax.fori_loop(0, steps, body, (jnp.int32(1), cache))[0]
+
+  @jax.jit
+  def draft(state, cache, plan):
+    def body(_, last):
+      return draft_step(state, cache, last, plan, key, jnp.int32(1), graphdef=gd,
+                        vocab=cfg.vocab_size, gamma=1, threshold=0.0, sampling=greedy).tokens[0]
+    return jax.lax.fori_loop(0, steps, body, jnp.int32(1))
+
+  calls = {"ar": lambda: ar(state, cache), "verify": lambda: verify(state, cache)}
+  calls |= {name: functools.partial(draft, state, cache, group[0])
+            for name, group in plans.items()}
+  t0 = time.perf_counter()
+  for fn in calls.values():  # compile and warm up
+    jax.block_until_ready(fn())
+  compile_s = time.perf_counter() - t0
+  times = {name: [] for name in calls}
+  for _ in range(repeats):  # round-robin, as step_times
+    for name, fn in calls.items():
+      t = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append((time.perf_counter() - t) / steps)
+  med = {name: statistics.median(v) for name, v in times.items()}
+  return {"loop_ar_ms": med["ar"] * 1e3, "loop_verify_over_ar": med["verify"] / med["ar"],
+          "loop_draft_over_ar": {k: med[k] / med["ar"] for k in plans},
+          "loop_steps": steps, "loop_compile_s": compile_s}
 
 
 def ar_decode(m: Model, tokens: int, runs: int) -> dict:
@@ -121,7 +192,13 @@ def measure(name: str, args) -> dict:
              "command": "python experiments/bench_gpu.py " + " ".join(sys.argv[1:]),
              "load_s": time.perf_counter() - t0}
   print(f"{name}: loaded in {figures['load_s']:.1f} s; step costs", flush=True)
-  figures |= step_costs(m, args.context, args.repeats, args.chain)
+  plans, figures["quantize_s"] = draft_plans(m)
+  figures |= step_costs(m, plans, args.context, args.repeats, args.chain)
+  if args.loop_steps:
+    figures |= loop_costs(m, plans, args.context, args.repeats, args.loop_steps)
+    print(f"{name}: in the loop, AR {figures['loop_ar_ms']:.3f} ms, verify ÷ AR "
+          f"{figures['loop_verify_over_ar']:.3f}, drafts ÷ AR "
+          f"{ {k: round(v, 3) for k, v in figures['loop_draft_over_ar'].items()} }", flush=True)
   print(f"{name}: AR {figures['ar_ms']:.3f} ms, verify ÷ AR {figures['verify_over_ar']:.3f}, "
         f"drafts ÷ AR { {k: round(v, 3) for k, v in figures['draft_over_ar'].items()} }",
         flush=True)
@@ -137,12 +214,13 @@ def section(rows: list[dict], bench: list[dict] | None = None, bench_command: st
   first = rows[0]
   steps = [["AR step (ms)"] + [f"{r['ar_ms']:.3f}" for r in rows],
            ["verify γ + 1 = 5 ÷ AR"] + [f"{r['verify_over_ar']:.3f}" for r in rows]]
-  for key, label in [("0.25", "draft, 25 % of sub-layers, frozen"),
-                     ("0.5", "draft, 50 %, frozen"), ("0.75", "draft, 75 %, frozen"),
-                     ("traced 0.5", "draft, 50 %, traced (`lax.cond` per sub-layer)"),
-                     ("8-bit", "draft, all sub-layers, 8-bit weights"),
-                     ("4-bit MLP", "draft, all sub-layers, 4-bit MLP weights")]:
+  for key, label in DRAFT_LABELS:
     steps.append([label + " ÷ AR"] + [f"{r['draft_over_ar'][key]:.3f}" for r in rows])
+  looped = [r for r in rows if "loop_ar_ms" in r]
+  in_loop = [["AR step (ms)"] + [f"{r['loop_ar_ms']:.3f}" for r in looped],
+             ["verify γ + 1 = 5 ÷ AR"] + [f"{r['loop_verify_over_ar']:.3f}" for r in looped]]
+  in_loop += [[label + " ÷ AR"] + [f"{r['loop_draft_over_ar'][key]:.3f}" for r in looped]
+              for key, label in DRAFT_LABELS]
   decode = [["decode tok/s"] + [f"{r['decode_tok_s']:.1f}" for r in rows],
             ["ms per token in the loop"] + [f"{1e3 / r['decode_tok_s']:.3f}" for r in rows],
             ["weights per token (MB)"] + [f"{r['weight_mb']:.0f}" for r in rows],
@@ -160,18 +238,23 @@ def section(rows: list[dict], bench: list[dict] | None = None, bench_command: st
       f"Machine: {first['machine']}. Commit {first['commit']}. Precision "
       f"{first['dtype']} (`--dtype`: the weights, activations and KV cache; mixed: bfloat16 "
       f"weights computed in float32); `shape:` models are random-init at the named model's shapes. Steps "
-      f"at context {first['context']}, medians; each sample is a chain of calls dispatched "
-      f"back to back with one wait, so a step's time includes its host dispatch where that "
-      f"exceeds the device time (the small models: compare the AR step with the ms per "
-      f"token of the on-device loop below). Draft plans are random with the given share of "
+      f"at context {first['context']}, medians; each step a call from the host, a chain "
+      f"of calls dispatched back to back with one wait, so a step's time includes its host "
+      f"dispatch where that exceeds the device time (the small models: compare the AR step "
+      f"with the ms per token of the on-device loop below). Draft plans are random with the given share of "
       f"sub-layers on. AR decoding: greedy, the on-device loop; the roofline reads the "
       f"weights once per token at the bandwidth a jitted reduction over 1 GiB reaches in the "
       f"same run:",
       "",
       report.markdown_table(header, steps),
       "",
-      report.markdown_table(header, decode),
   ]
+  if looped:
+    parts += [f"The same steps, {looped[0]['loop_steps']} of each chained inside one jitted "
+              f"loop (each step's output feeds the next, as in the device loop; no host "
+              f"dispatch between them):", "",
+              report.markdown_table(["", *[r["model"] for r in looped]], in_loop), ""]
+  parts += [report.markdown_table(header, decode)]
   if bench:
     from specjax.bench import metrics
     from specjax.bench.runner import _overall_table
@@ -190,6 +273,8 @@ def main() -> None:
   ap.add_argument("--context", type=int, default=256)
   ap.add_argument("--repeats", type=int, default=9)
   ap.add_argument("--chain", type=int, default=20)
+  ap.add_argument("--loop-steps", type=int, default=32,
+                  help="steps chained in one jitted loop per sample (0: skip that timing)")
   ap.add_argument("--tokens", type=int, default=128)
   ap.add_argument("--runs", type=int, default=3)
   ap.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")

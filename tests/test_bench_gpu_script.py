@@ -20,12 +20,13 @@ def _script(*args: str) -> list:
 def test_smoke_run_measures_every_step_and_renders_its_section(tmp_path):
   lines = tmp_path / "gpu.jsonl"
   _script("--models", "shape:tiny", "--dtype", "mixed", "--repeats", "1", "--chain", "2",
-          "--tokens", "8", "--runs", "1", "--out", str(lines))
+          "--loop-steps", "2", "--tokens", "8", "--runs", "1", "--out", str(lines))
   (row,) = [json.loads(line) for line in lines.read_text().splitlines()]
   assert row["model"] == "shape:tiny" and row["dtype"] == "mixed"
   assert set(row["draft_over_ar"]) == {"0.25", "0.5", "0.75", "traced 0.5", "8-bit",
                                        "4-bit MLP"}
-  assert row["ar_ms"] > 0 and row["decode_tok_s"] > 0 and row["roofline_tok_s"] > 0
+  assert set(row["loop_draft_over_ar"]) == set(row["draft_over_ar"])
+  assert row["ar_ms"] > 0 and row["loop_ar_ms"] > 0 and row["decode_tok_s"] > 0
   out = _script("--report", str(lines))
   assert json.loads(out[-1])["models"] == [row]
   assert any(line.startswith("| draft, 50 %, frozen ÷ AR |") for line in out)
