@@ -13,12 +13,12 @@ head, `quantize_weights_int8`) or QuantSpec's 4-bit MLP weights (`quantize_mlp_w
 which of the two a GPU draft should default to. Timed two ways: each step a call from
 the host (`--chain` calls dispatched back to back, one wait: what the host loop pays,
 dispatch included), and `--loop-steps` steps chained inside one jitted loop (what the
-device loop pays: device time alone). Then greedy AR decoding of `--tokens` tokens (`generate`, the on-device loop), decode
-tokens/s against the HBM roofline: weight bytes per token over the bandwidth a jitted
-reduction reaches here. `shape:NAME` models are random-init at a real model's shapes
-(`SHAPES`): timing does not depend on the weights' values, and no 8B checkpoint fits this
-project. Every model's figures are appended to `--out` as they finish; the last line of
-the output is JSON.
+device loop pays: device time alone). Then greedy AR decoding of `--tokens` tokens
+(`generate`, the on-device loop), decode tokens/s against the HBM roofline: weight bytes
+per token over the bandwidth a jitted reduction reaches here. `shape:NAME` models are
+random-init at a real model's shapes (`SHAPES`): timing does not depend on the weights'
+values, and no 8B checkpoint fits this project. Every model's figures are appended to
+`--out` as they finish; the last line of the output is JSON.
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ from specjax.decode.draft_length import step_times  # noqa: E402
 from specjax.decode.engine import Draft, draft_step, verify_step  # noqa: E402
 from specjax.decode.generate import (compute_dtype, decode_step, generate,  # noqa: E402
                                      precision_name)
-from specjax.models.loader import DTYPE_CHOICES, load_model, resolve_dtype, with_precision  # noqa: E402,E501
-from specjax.model import init_model  # noqa: E402
 from specjax.kv_cache import KVCache  # noqa: E402
+from specjax.model import init_model  # noqa: E402
+from specjax.models.loader import (DTYPE_CHOICES, load_model, resolve_dtype,  # noqa: E402
+                                   with_precision)
 from specjax.plan import DraftPlan  # noqa: E402
 from specjax.quant import quantize_mlp_weights, quantize_weights_int8  # noqa: E402
 from specjax.sampling import SamplingParams  # noqa: E402
@@ -237,14 +238,14 @@ def section(rows: list[dict], bench: list[dict] | None = None, bench_command: st
       "",
       f"Machine: {first['machine']}. Commit {first['commit']}. Precision "
       f"{first['dtype']} (`--dtype`: the weights, activations and KV cache; mixed: bfloat16 "
-      f"weights computed in float32); `shape:` models are random-init at the named model's shapes. Steps "
-      f"at context {first['context']}, medians; each step a call from the host, a chain "
-      f"of calls dispatched back to back with one wait, so a step's time includes its host "
-      f"dispatch where that exceeds the device time (the small models: compare the AR step "
-      f"with the ms per token of the on-device loop below). Draft plans are random with the given share of "
-      f"sub-layers on. AR decoding: greedy, the on-device loop; the roofline reads the "
-      f"weights once per token at the bandwidth a jitted reduction over 1 GiB reaches in the "
-      f"same run:",
+      f"weights computed in float32); `shape:` models are random-init at the named model's "
+      f"shapes. Steps at context {first['context']}, medians; each step a call from the "
+      f"host, a chain of calls dispatched back to back with one wait, so a step's time "
+      f"includes its host dispatch where that exceeds the device time (the small models: "
+      f"compare the AR step with the ms per token of the on-device loop below). Draft plans "
+      f"are random with the given share of sub-layers on. AR decoding: greedy, the on-device "
+      f"loop; the roofline reads the weights once per token at the bandwidth a jitted "
+      f"reduction over 1 GiB reaches in the same run:",
       "",
       report.markdown_table(header, steps),
       "",

@@ -1,8 +1,9 @@
 """`quantspec`: QuantSpec (Tiwari et al. 2025). The draft is the target's own layers
 reading the shared hierarchical KV cache at 4 bits (upper nibbles) with quantised weights
-(8-bit matmuls by default, the cheaper on both backends measured, or the paper's 4-bit
-MLP: `weight_bits`); verification reads the same cache at 8 bits. With a `base` layer drafter the
-two compose: QuantSpec × KnapSpec drafts with KnapSpec's sub-layers at 4-bit precision.
+(`weight_bits`: 8-bit matmuls by default, the cheaper on both backends measured, or the
+paper's 4-bit MLP); verification reads the same cache at 8 bits. With a `base` layer
+drafter the two compose: QuantSpec × KnapSpec drafts with KnapSpec's sub-layers at 4-bit
+precision.
 
 The cache itself is chosen here (`kv_cache`), so `speculative_generate(..., drafter)`
 builds a `QuantKVCache`. Losslessness is with respect to the target as it runs on that
