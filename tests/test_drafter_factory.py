@@ -193,3 +193,23 @@ def test_knapspec_under_8bit_measures_its_own_profile_once(tmp_path, monkeypatch
   monkeypatch.setattr(profiler, "measure", None)  # a second measurement would fail
   again = DrafterFactory(model(), gamma=2, verbose=False).make("knapspec+8bit")
   assert again.base.profile == first.base.profile
+
+
+def test_a_bfloat16_models_profile_is_found_again(tmp_path, monkeypatch):
+  """Profiles are keyed by the precision the model runs at: a bfloat16 model measures its
+  own once and finds it again (it was saved as bfloat16 but looked up as float32, so it
+  was measured on every run), and never takes a float32 one."""
+  from specjax.models.loader import at_precision
+  from specjax.selection import profiler
+
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  config, graphdef, state = at_precision(model().config, model().state, "bfloat16")
+  bf16 = types.SimpleNamespace(name="tiny-llama", config=config, graphdef=graphdef,
+                               state=state)
+  first = DrafterFactory(bf16, gamma=2, verbose=False).make("knapspec")
+  assert first.profile.dtype == "bfloat16"
+  assert profiler.profile_path("tiny-llama", dtype="bfloat16").exists()
+  assert not profiler.profile_path("tiny-llama").exists()
+  monkeypatch.setattr(profiler, "measure", None)  # a second measurement would fail
+  again = DrafterFactory(bf16, gamma=2, verbose=False).make("knapspec")
+  assert again.profile == first.profile
