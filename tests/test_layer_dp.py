@@ -21,7 +21,7 @@ from specjax.kv_cache import KVCache
 from specjax.model import apply, init_model
 from specjax.plan import DraftPlan
 from specjax.sampling import SamplingParams
-from specjax.selection.layer_dp import run_dp, sublayer_items
+from specjax.selection.layer_dp import layer_dp, run_dp, sublayer_items
 from specjax.selection.layer_probe import (
   Window,
   full_residuals,
@@ -60,6 +60,7 @@ def _one_token(state, cache, token, pos, plan, *, graphdef):
   return out.residuals[:, 0, 0], out.logits[0, 0]
 
 
+@functools.cache
 def trajectories(arch="llama", layers=3, W=3):
   """{bits: ([2L, W, D] residuals, [W, V] logits)} for every subset of sub-layers."""
   config, graphdef, state, cache, window = setup(arch, layers, W)
@@ -122,19 +123,21 @@ def test_probes_equal_the_read_only_forward(arch):
     np.testing.assert_allclose(np.asarray(x[0]), traj[bits][0][-1], atol=2e-5)
 
 
-@pytest.mark.parametrize("tau", [-1.0, 0.5, 0.95])
-def test_knapsack_dp_equals_brute_force(tau):
+@pytest.mark.parametrize("arch,tau", [("llama", -1.0), ("llama", 0.5), ("llama", 0.95),
+                                      ("gemma3", 0.5)])
+def test_knapsack_dp_equals_brute_force(arch, tau):
   """Every budget's candidate (and which budgets survive pruning) equals the brute-force
-  walk of the recursion over all 2^(2L) subsets."""
-  config, graphdef, state, cache, window = setup()
-  traj = trajectories()
+  walk of the recursion over all 2^(2L) subsets. The tiny gemma3 alternates local and
+  global layers, so its DP scans three runs of one layer where llama's scans one of three."""
+  config, graphdef, state, cache, window = setup(arch)
+  traj = trajectories(arch)
   target = np.asarray(window.residuals)
   items = sublayer_items(config.num_layers, coupled=False)
   run_cost = np.asarray([1, 3, 2, 1, 1, 2], np.int32)
   skip_cost = np.zeros(6, np.int32)
   slots = int(run_cost.sum()) + 1
   cands = run_dp(state, cache, window, run_cost, skip_cost, tau, graphdef=graphdef,
-                 items=items, slots=slots, agreement=True)
+                 coupled=False, slots=slots, agreement=True)
   want = brute_force(traj, target, items, run_cost, skip_cost, slots, tau)
   assert set(np.flatnonzero(np.asarray(cands.alive))) == set(want)
   for s, bits in want.items():
@@ -146,14 +149,15 @@ def test_knapsack_dp_equals_brute_force(tau):
     assert float(cands.agreement[s]) == pytest.approx(agree)
 
 
-def test_clasp_dp_equals_brute_force_and_skips_exactly_m():
-  config, graphdef, state, cache, window = setup()
-  traj = trajectories()
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_clasp_dp_equals_brute_force_and_skips_exactly_m(arch):
+  config, graphdef, state, cache, window = setup(arch)
+  traj = trajectories(arch)
   L = config.num_layers
   items = sublayer_items(L, coupled=True)
   run_cost, skip_cost = np.zeros(L, np.int32), np.ones(L, np.int32)
   cands = run_dp(state, cache, window, run_cost, skip_cost, -1.0, graphdef=graphdef,
-                 items=items, slots=L + 1, agreement=False)
+                 coupled=True, slots=L + 1, agreement=False)
   want = brute_force(traj, np.asarray(window.residuals), items, run_cost, skip_cost, L + 1,
                      -1.0)
   for m in range(L + 1):
@@ -166,13 +170,12 @@ def test_batched_budgets_equal_each_budget_alone():
   """The table over all budgets at once gives, at each budget b, what a DP whose table
   stops at b gives."""
   config, graphdef, state, cache, window = setup()
-  items = sublayer_items(config.num_layers, coupled=False)
   cost = np.asarray([2, 1, 3, 1, 2, 2], np.int32)
   zero = np.zeros_like(cost)
-  all_at_once = run_dp(state, cache, window, cost, zero, 0.3, graphdef=graphdef, items=items,
+  all_at_once = run_dp(state, cache, window, cost, zero, 0.3, graphdef=graphdef, coupled=False,
                        slots=int(cost.sum()) + 1, agreement=True)
   for b in range(int(cost.sum()) + 1):
-    alone = run_dp(state, cache, window, cost, zero, 0.3, graphdef=graphdef, items=items,
+    alone = run_dp(state, cache, window, cost, zero, 0.3, graphdef=graphdef, coupled=False,
                    slots=b + 1, agreement=True)
     assert bool(alone.alive[b]) == bool(all_at_once.alive[b])
     if alone.alive[b]:
@@ -183,7 +186,6 @@ def test_batched_budgets_equal_each_budget_alone():
 
 def test_new_states_weights_and_windows_do_not_recompile():
   config, graphdef, state, cache, window = setup()
-  items = sublayer_items(config.num_layers, coupled=False)
   clocks = [CompileClock() for _ in range(4)]
   rng = np.random.default_rng(1)
   for k, clock in enumerate(clocks):
@@ -191,10 +193,27 @@ def test_new_states_weights_and_windows_do_not_recompile():
     win = window.replace(residuals=window.residuals * (1 + k),
                          positions=window.positions - k)
     run_dp(state, cache.with_length(len(PROMPT) - k), win, cost, np.zeros_like(cost), 0.5,
-           graphdef=graphdef, items=items, slots=16, agreement=True, clock=clock)
+           graphdef=graphdef, coupled=False, slots=16, agreement=True, clock=clock)
   assert [c.count for c in clocks[1:]] == [0, 0, 0]
 
 
 def test_plan_bits_round_trip():
   plan = DraftPlan.from_skips(4, [1, 3], [0])
   assert DraftPlan.from_bits(plan.to_bits()).to_json() == plan.to_json()
+
+
+def test_compiled_dp_does_not_grow_with_depth():
+  """The items are a scan over layers: the DP's loop body is the same program for a
+  2-layer and a 5-layer model (unrolled items made its compile grow with depth)."""
+  def scan_bodies(layers):
+    config, graphdef, state, cache, window = setup("llama", layers)
+    cost = jnp.ones(2 * layers, jnp.int32)
+    jaxpr = jax.make_jaxpr(functools.partial(
+        layer_dp, graphdef=graphdef, coupled=False, slots=4, agreement=True))(
+            state, cache, window, cost, cost * 0, jnp.float32(0.5))
+    (call,) = jaxpr.eqns  # the jitted DP
+    body = call.params["jaxpr"].jaxpr
+    return [len(e.params["jaxpr"].eqns) for e in body.eqns if e.primitive.name == "scan"]
+
+  assert scan_bodies(2) == scan_bodies(5)
+  assert len(scan_bodies(2)) == 2  # the items' scan and the back-tracking one

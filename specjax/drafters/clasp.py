@@ -19,7 +19,7 @@ import numpy as np
 from specjax.drafters.base import Drafter
 from specjax.errors import ConfigError
 from specjax.plan import DraftPlan, PlanError
-from specjax.selection.layer_dp import run_dp, sublayer_items
+from specjax.selection.layer_dp import run_dp
 from specjax.selection.layer_probe import Window, prompt_window, push_round
 
 
@@ -70,7 +70,7 @@ class ClaspDrafter(Drafter):
     skip = self.skip_for(L)
     cands = run_dp(session.state, session.dense_cache(), state.window, np.zeros(L, np.int32),
                    np.ones(L, np.int32), -1.0, graphdef=session.graphdef,
-                   items=sublayer_items(L, coupled=True), slots=skip + 1, agreement=False,
+                   coupled=True, slots=skip + 1, agreement=False,
                    clock=session.clock)
     bits = np.asarray(jax.device_get(cands.bits[skip]))
     return dataclasses.replace(state, plan=DraftPlan.from_bits(bits), rounds=0,

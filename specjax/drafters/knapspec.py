@@ -56,7 +56,7 @@ from specjax.drafters.base import Drafter
 from specjax.errors import ConfigError
 from specjax.plan import DraftPlan
 from specjax.selection.cost import expected_tokens
-from specjax.selection.layer_dp import run_dp, sublayer_items
+from specjax.selection.layer_dp import run_dp
 from specjax.selection.layer_probe import Window, prompt_window, push_round
 from specjax.selection.profiler import LatencyProfile, ProfileMismatchError
 
@@ -253,16 +253,14 @@ class KnapSpecDrafter(Drafter):
     return w
 
   def _select(self, state: KnapSpecState, session) -> KnapSpecState:
-    cfg, n = session.config, session.cache.size
-    L = cfg.num_layers
-    items = sublayer_items(L, self.coupled)
+    n = session.cache.size
     weights = state.weights
     slots = slots_for(weights)
     clock = session.clock  # the generation's: its compiles are booked as compilation
     t0, c0 = time.perf_counter(), clock.seconds
     cands = run_dp(session.state, session.dense_cache(), state.window, weights,
                    np.zeros_like(weights), self.tau if self.prune else -1.0,
-                   graphdef=session.graphdef, items=items, slots=slots,
+                   graphdef=session.graphdef, coupled=self.coupled, slots=slots,
                    agreement=self.objective == "tpt", clock=clock)
     bits, alive, cosine, window_alpha = jax.device_get(
         (cands.bits, cands.alive, cands.cosine, cands.agreement))

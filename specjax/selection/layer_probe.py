@@ -61,17 +61,24 @@ def mlp_probe(block: Block, x: jax.Array) -> jax.Array:
   return block.mlp_sublayer(None, x)
 
 
+def block_sublayers(block: Block, kinds: tuple[int, ...], x: jax.Array,
+                    positions: jax.Array, cache_k: jax.Array, cache_v: jax.Array
+                    ) -> jax.Array:
+  """One layer's listed sub-layers (0 attention, 1 MLP), in order, on x[W, D]."""
+  for kind in kinds:
+    x = (attention_probe(block, x, positions, cache_k, cache_v) if kind == 0 else
+         mlp_probe(block, x))
+  return x
+
+
 def run_sublayers(model: Transformer, sublayers: tuple[int, ...], x: jax.Array,
                   positions: jax.Array, cache: KVCache) -> jax.Array:
   """Apply the listed sub-layers in order to candidate states x[C, W, D]."""
 
   def one(x):
     for i in sublayers:
-      block = model.blocks[i // 2]
-      if i % 2 == 0:
-        x = attention_probe(block, x, positions, cache.k[i // 2], cache.v[i // 2])
-      else:
-        x = mlp_probe(block, x)
+      l = i // 2
+      x = block_sublayers(model.blocks[l], (i % 2,), x, positions, cache.k[l], cache.v[l])
     return x
 
   return jax.vmap(one)(x)
