@@ -24,16 +24,13 @@ values, and no 8B checkpoint fits this project. Every model's figures are append
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -43,16 +40,12 @@ from bench_forward import PROMPT, measured_bandwidth, random_plan, weight_bytes 
 
 from specjax.config import ModelConfig, tiny_config  # noqa: E402
 from specjax.decode.draft_length import step_times  # noqa: E402
-from specjax.decode.engine import Draft, draft_step, verify_step  # noqa: E402
-from specjax.decode.generate import (compute_dtype, decode_step, generate,  # noqa: E402
-                                     precision_name)
-from specjax.kv_cache import KVCache  # noqa: E402
+from specjax.decode.generate import generate, precision_name  # noqa: E402
 from specjax.model import init_model  # noqa: E402
 from specjax.models.loader import (DTYPE_CHOICES, load_model, resolve_dtype,  # noqa: E402
                                    with_precision)
 from specjax.plan import DraftPlan  # noqa: E402
 from specjax.quant import quantize_mlp_weights, quantize_weights_int8  # noqa: E402
-from specjax.sampling import SamplingParams  # noqa: E402
 
 # Published shapes: Qwen2.5-1.5B (config.json of Qwen/Qwen2.5-1.5B) and Llama-3-8B
 # (Meta's params.json: 32 layers, D 4096, F 14336, 32 / 8 heads, vocab 128256).
@@ -120,54 +113,14 @@ def step_costs(m: Model, plans: dict, context: int, repeats: int, chain: int,
 
 def loop_costs(m: Model, plans: dict, context: int, repeats: int, steps: int,
                gamma: int = 4) -> dict:
-  """The same steps, `steps` of each chained inside one jitted `fori_loop` (each step's
-  output feeds the next, as in the device loop): device time per step, no host dispatch.
-  Medians of `repeats` loops."""
-  cfg, gd, state = m.config, m.graphdef, m.state
-  full, greedy, key = DraftPlan.full(cfg.num_layers), SamplingParams(), jax.random.key(0)
-  size = context + steps + gamma + 2
-  cache = KVCache.create(cfg, 1, size, compute_dtype(cfg, state)).with_length(context)
-  proto = Draft(n=jnp.int32(gamma), tokens=jnp.ones((gamma,), jnp.int32),
-                confidence=jnp.ones((gamma,), jnp.float32), q_rows=None)
-
-  @jax.jit
-  def ar(state, cache):
-    def body(_, carry):
-      return decode_step(state, carry[1], carry[0], full, key, graphdef=gd, sampling=greedy)
-    return jax.lax.fori_loop(0, steps, body, (jnp.ones((1,), jnp.int32), cache))[0]
-
-  @jax.jit
-  def verify(state, cache):
-    def body(_, carry):
-      out, c = verify_step(state, carry[1], carry[0], proto, full, key, graphdef=gd,
-                           sampling=greedy)
-      return out.tokens[0], c.with_length(context)  # the same γ + 1 positions each time
-    return jax.lax.fori_loop(0, steps, body, (jnp.int32(1), cache))[0]
-
-  @jax.jit
-  def draft(state, cache, plan):
-    def body(_, last):
-      return draft_step(state, cache, last, plan, key, jnp.int32(1), graphdef=gd,
-                        vocab=cfg.vocab_size, gamma=1, threshold=0.0, sampling=greedy).tokens[0]
-    return jax.lax.fori_loop(0, steps, body, jnp.int32(1))
-
-  calls = {"ar": lambda: ar(state, cache), "verify": lambda: verify(state, cache)}
-  calls |= {name: functools.partial(draft, state, cache, group[0])
-            for name, group in plans.items()}
+  """The same steps, `steps` of each chained inside one jitted loop (`step_times(loop=)`):
+  device time per step, no host dispatch. Medians of `repeats` loops."""
   t0 = time.perf_counter()
-  for fn in calls.values():  # compile and warm up
-    jax.block_until_ready(fn())
-  compile_s = time.perf_counter() - t0
-  times = {name: [] for name in calls}
-  for _ in range(repeats):  # round-robin, as step_times
-    for name, fn in calls.items():
-      t = time.perf_counter()
-      jax.block_until_ready(fn())
-      times[name].append((time.perf_counter() - t) / steps)
-  med = {name: statistics.median(v) for name, v in times.items()}
-  return {"loop_ar_ms": med["ar"] * 1e3, "loop_verify_over_ar": med["verify"] / med["ar"],
-          "loop_draft_over_ar": {k: med[k] / med["ar"] for k in plans},
-          "loop_steps": steps, "loop_compile_s": compile_s}
+  t = step_times(m.graphdef, m.state, m.config, plans, gammas=(gamma,), context=context,
+                 repeats=repeats, loop=steps)
+  return {"loop_ar_ms": t.ar * 1e3, "loop_verify_over_ar": t.verify[gamma] / t.ar,
+          "loop_draft_over_ar": {k: v / t.ar for k, v in t.drafts.items()},
+          "loop_steps": steps, "loop_compile_and_time_s": time.perf_counter() - t0}
 
 
 def ar_decode(m: Model, tokens: int, runs: int) -> dict:

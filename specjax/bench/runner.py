@@ -157,7 +157,8 @@ def draft_lengths(model, drafters: dict, cfg: BenchConfig, pilot_prompts, out_di
     alpha = draft_length.acceptance(pilot.round_drafted, pilot.round_accepted)
     costs = draft_length.measure_step_costs(model.graphdef, model.state, model.config,
                                             pilot.plans[0],
-                                            gammas=sorted({1, max(1, cfg.gamma // 2), cfg.gamma}))
+                                            gammas=sorted({1, max(1, cfg.gamma // 2), cfg.gamma}),
+                                            device_loop=not d.adaptive)
     gamma, tau = draft_length.best_length_and_threshold(rounds, costs, cfg.gamma, thresholds,
                                                         fixed_gamma=d.own_gamma)
     tpt = draft_length.replay_tpt(rounds, gamma, tau, costs)

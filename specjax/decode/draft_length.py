@@ -136,61 +136,148 @@ class StepTimes:
 
 
 def step_times(graphdef, state, config, plans: dict, *, gammas: Sequence[int] = (4,),
-               context: int = 256, repeats: int = 7, chain: int = 1) -> StepTimes:
+               context: int = 256, repeats: int = 7, chain: int = 1, loop: int = 0
+               ) -> StepTimes:
   """Time the AR step, verification at each γ in `gammas` and a draft step under every plan
   of `plans` ({key: [DraftPlan, ...]}) at `context`, round-robin so that machine noise hits
   them alike. Compiled ahead (one draft executable per plan structure, one per plan when
-  plans are frozen), so nothing timed compiles. `chain`: calls dispatched back to back per
-  sample, one wait at the end: on a GPU a step then costs its device time, as in the device
-  loop, not the launch and the wait of a lone call."""
-  from specjax.decode.engine import Draft, draft_step, verify_step
-  from specjax.decode.generate import compute_dtype, decode_step
-  from specjax.jit_cache import compiled
+  plans are frozen), so nothing timed compiles.
 
-  full, greedy = DraftPlan.full(config.num_layers), SamplingParams()
-  cache = KVCache.create(config, 1, context + max(gammas) + 2, compute_dtype(config, state))
-  cache = cache.with_length(context)
-  tok, last, key, one = jnp.ones((1,), jnp.int32), jnp.int32(1), jax.random.key(0), jnp.int32(1)
-  step = compiled(decode_step, state, cache, tok, full, key, graphdef=graphdef, sampling=greedy)
-  protos = {g: Draft(n=jnp.int32(g), tokens=jnp.ones((g,), jnp.int32),
-                   confidence=jnp.ones((g,), jnp.float32), q_rows=None)
-            for g in gammas}
-  verifiers = {g: compiled(verify_step, state, cache, last, protos[g], full, key,
-                           graphdef=graphdef, sampling=greedy) for g in gammas}
-  holder = {"cache": cache}
+  Two ways, as the two decode loops pay: each step a call from the host (`chain` calls
+  dispatched back to back per sample, one wait at the end: the host loop's cost, dispatch
+  included), or with `loop` = n, n steps chained inside one jitted `fori_loop`, each
+  step's output feeding the next (the device loop's cost: device time alone). On a GPU the
+  two differ by the launch and the wait of a call (measured on an H100: SmolLM2's AR step
+  2.50 ms a call, 1.25 ms in a loop)."""
+  from specjax.decode.generate import compute_dtype
 
-  def writes(fn):  # the cache is donated: keep the returned one, at the same length
-    def run():
-      out, c = fn(holder["cache"])
-      holder["cache"] = c.with_length(context)
-      return out
-    return run
-
-  def drafting(plan):
-    exe = compiled(draft_step, state, cache, last, plan, key, one, graphdef=graphdef,
-                   vocab=config.vocab_size, gamma=1, threshold=0.0, sampling=greedy)
-    return lambda: exe(state, holder["cache"], last, plan, key, one).n
-
-  calls = [("ar", writes(lambda c: step(state, c, tok, full, key)))]
-  calls += [(("verify", g), writes(lambda c, g=g: verifiers[g](state, c, last, protos[g], full,
-                                                                 key))) for g in gammas]
-  calls += [(("draft", name), drafting(plan)) for name, group in plans.items() for plan in group]
+  cache = KVCache.create(config, 1, context + max(gammas) + 2 + loop,
+                         compute_dtype(config, state)).with_length(context)
+  steps = _Steps(graphdef, config, cache, context, tuple(gammas))
+  calls = steps.looped(state, plans, loop) if loop else steps.from_host(state, plans)
   times: dict = {}
+  per_sample = loop or chain
   for _ in range(repeats + 1):  # the first pass warms up and is dropped
     for name, fn in calls:
       t = time.perf_counter()
-      jax.block_until_ready([fn() for _ in range(chain)])
-      times.setdefault(name, []).append((time.perf_counter() - t) / chain)
+      jax.block_until_ready([fn() for _ in range(1 if loop else chain)])
+      times.setdefault(name, []).append((time.perf_counter() - t) / per_sample)
   med = {name: statistics.median(v[1:]) for name, v in times.items()}
   return StepTimes(ar=med["ar"], verify={g: med[("verify", g)] for g in gammas},
                    drafts={name: med[("draft", name)] for name in plans})
 
 
+@dataclasses.dataclass(frozen=True)
+class _Steps:
+  """The three steps `step_times` measures, at one context, as calls to time."""
+
+  graphdef: object
+  config: object
+  cache: KVCache  # at `context`, with room for what the steps write
+  context: int
+  gammas: tuple[int, ...]
+  greedy: SamplingParams = SamplingParams()
+
+  @property
+  def full(self) -> DraftPlan:
+    return DraftPlan.full(self.config.num_layers)
+
+  def proto(self, gamma: int):
+    """A draft of γ tokens for verification to check (its values do not bear on time)."""
+    from specjax.decode.engine import Draft
+
+    return Draft(n=jnp.int32(gamma), tokens=jnp.ones((gamma,), jnp.int32),
+                 confidence=jnp.ones((gamma,), jnp.float32), q_rows=None)
+
+  def from_host(self, state, plans: dict) -> list:
+    """[(name, call)]: each call one step, compiled ahead."""
+    from specjax.decode.engine import draft_step, verify_step
+    from specjax.decode.generate import decode_step
+    from specjax.jit_cache import compiled
+
+    gd, full, greedy, context = self.graphdef, self.full, self.greedy, self.context
+    key = jax.random.key(0)
+    tok, last, one = jnp.ones((1,), jnp.int32), jnp.int32(1), jnp.int32(1)
+    holder = {"cache": self.cache}
+    step = compiled(decode_step, state, self.cache, tok, full, key, graphdef=gd,
+                    sampling=greedy)
+    protos = {g: self.proto(g) for g in self.gammas}
+    verifiers = {g: compiled(verify_step, state, self.cache, last, protos[g], full, key,
+                             graphdef=gd, sampling=greedy) for g in self.gammas}
+
+    def writes(fn):  # the cache is donated: keep the returned one, at the same length
+      def run():
+        out, c = fn(holder["cache"])
+        holder["cache"] = c.with_length(context)
+        return out
+      return run
+
+    def drafting(plan):
+      exe = compiled(draft_step, state, self.cache, last, plan, key, one, graphdef=gd,
+                     vocab=self.config.vocab_size, gamma=1, threshold=0.0, sampling=greedy)
+      return lambda: exe(state, holder["cache"], last, plan, key, one).n
+
+    calls = [("ar", writes(lambda c: step(state, c, tok, full, key)))]
+    calls += [(("verify", g), writes(lambda c, g=g: verifiers[g](state, c, last, protos[g],
+                                                                   full, key)))
+              for g in self.gammas]
+    return calls + [(("draft", name), drafting(plan)) for name, group in plans.items()
+                    for plan in group]
+
+  def looped(self, state, plans: dict, n: int) -> list:
+    """[(name, call)]: each call `n` steps inside one jitted loop, compiled ahead. AR steps
+    extend the cache (it has room for n more); verification rewrites the same γ + 1
+    positions; every draft step reads the cache at `context`."""
+    from specjax.decode.engine import draft_step, verify_step
+    from specjax.decode.generate import decode_step
+
+    gd, full, greedy, cache, context = (self.graphdef, self.full, self.greedy, self.cache,
+                                        self.context)
+    key = jax.random.key(0)
+
+    def ar(state, cache):
+      def body(_, carry):
+        return decode_step(state, carry[1], carry[0], full, key, graphdef=gd, sampling=greedy)
+      return jax.lax.fori_loop(0, n, body, (jnp.ones((1,), jnp.int32), cache))[0]
+
+    def verify(state, cache, proto):
+      def body(_, carry):
+        out, c = verify_step(state, carry[1], carry[0], proto, full, key, graphdef=gd,
+                             sampling=greedy)
+        return out.tokens[0], c.with_length(context)
+      return jax.lax.fori_loop(0, n, body, (jnp.int32(1), cache))[0]
+
+    def draft(state, cache, plan):
+      def body(_, last):
+        return draft_step(state, cache, last, plan, key, jnp.int32(1), graphdef=gd,
+                          vocab=self.config.vocab_size, gamma=1, threshold=0.0,
+                          sampling=greedy).tokens[0]
+      return jax.lax.fori_loop(0, n, body, jnp.int32(1))
+
+    def ahead(fn, *args):  # compiled before timing, called with the same arguments
+      exe = jax.jit(fn).lower(*args).compile()
+      return lambda: exe(*args)
+
+    calls = [("ar", ahead(ar, state, cache))]
+    calls += [(("verify", g), ahead(verify, state, cache, self.proto(g))) for g in self.gammas]
+    return calls + [(("draft", name), ahead(draft, state, cache, plan))
+                    for name, group in plans.items() for plan in group]
+
+
+LOOP_STEPS = 16  # steps per timed loop where costs are measured inside one
+
+
 def measure_step_costs(graphdef, state, config, plan: DraftPlan, *,
                        gammas: Sequence[int] = (1, 4, 8), context: int = 256,
-                       repeats: int = 7) -> StepCosts:
+                       repeats: int = 7, device_loop: bool = False) -> StepCosts:
   """One draft step under `plan` and verification at each γ in `gammas`, as ratios to the
-  AR step, measured together (`step_times`)."""
+  AR step, measured together (`step_times`). `device_loop`: the drafter's rounds will run
+  in the device loop; on an accelerator that loop freezes the plan into its executable and
+  pays device time alone, so the steps are timed that way (`LOOP_STEPS` chained in a
+  jitted loop, the plan frozen). On a CPU, and for the host loop, each step is a call."""
+  loop = 0
+  if device_loop and jax.default_backend() != "cpu":
+    plan, loop = plan.freeze(), LOOP_STEPS
   t = step_times(graphdef, state, config, {"plan": [plan]}, gammas=gammas, context=context,
-                 repeats=repeats)
+                 repeats=repeats, loop=loop)
   return StepCosts(draft=t.drafts["plan"] / t.ar, verify={g: v / t.ar for g, v in t.verify.items()})
