@@ -217,3 +217,24 @@ def test_compiled_dp_does_not_grow_with_depth():
 
   assert scan_bodies(2) == scan_bodies(5)
   assert len(scan_bodies(2)) == 2  # the items' scan and the back-tracking one
+
+
+def test_bench_layer_dp_script_times_both_drafters_shapes():
+  """experiments/bench_layer_dp.py end to end on a tiny registered model: both DP shapes
+  compiled and timed, the last line JSON."""
+  import json
+  import subprocess
+  import sys
+  from pathlib import Path
+
+  out = subprocess.run([sys.executable, "experiments/bench_layer_dp.py", "--model",
+                        "tiny-llama", "--repeats", "1", "--knapspec-slots", "8"],
+                       cwd=Path(__file__).parent.parent, capture_output=True, text=True,
+                       timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  figures = json.loads(out.stdout.strip().splitlines()[-1])
+  assert figures["model"] == "tiny-llama"
+  L = figures["layers"]
+  assert (figures["clasp"]["items"], figures["knapspec"]["items"]) == (L, 2 * L)
+  assert all(figures[d]["compile_s"] > 0 and figures[d]["select_ms"] > 0
+             for d in ("clasp", "knapspec"))
