@@ -8,7 +8,8 @@ tokens (Leviathan et al. 2023). Its throughput relative to AR decoding is
 
 so a cheap, agreeable draft wants a long γ (8-bit drafts at α ≈ 0.97, d ≈ 0.36), a costly
 or poor one a short γ. `d` and `v(γ)` are measured here, on this device, in one process,
-as ratios to the AR step.
+as ratios to the AR step, timed as the decode loop that runs the drafter pays them
+(`step_times`: host calls, or steps chained in one jitted loop).
 
 The early-stop threshold τ (stop after a draft of top-1 probability below τ) is not priced
 by a formula: the rule TPT suggests (draft one more token of top-1 probability p while
