@@ -89,6 +89,24 @@ def test_corrupt_param_cache_is_rebuilt(tmp_path, monkeypatch, capsys):
   np.testing.assert_array_equal(third.state["embedding"][...], first.state["embedding"][...])
 
 
+def test_a_damaged_checkpoint_is_one_line_of_error(tmp_path):
+  """restore_tree's error names the checkpoint in one line: tensorstore's message carries
+  its whole spec (some 60 lines of JSON), kept as the chained cause, not in the message."""
+  from specjax.models.checkpoint import CheckpointError, restore_tree, save_tree
+
+  rng = np.random.default_rng(0)  # incompressible: the data file stays over 1 MB
+  tree = {f"w{i}": jnp.asarray(rng.random((512, 1024), np.float32)) for i in range(4)}
+  save_tree(tmp_path / "ckpt", tree)
+  for p in (tmp_path / "ckpt").rglob("*"):
+    if p.is_file() and p.stat().st_size > 1 << 20:
+      p.write_bytes(b"\0garbage" * 64)
+  with pytest.raises(CheckpointError, match="is unreadable") as info:
+    restore_tree(tmp_path / "ckpt", tree)
+  message = str(info.value)
+  assert "\n" not in message and "TensorStore" not in message
+  assert info.value.__cause__ is not None
+
+
 def test_unknown_model():
   with pytest.raises(registry.UnknownModelError, match="specjax models"):
     registry.get_spec("llama-9000")

@@ -56,4 +56,11 @@ def restore_tree(directory: Path, like: Any) -> Any:
     with ocp.StandardCheckpointer() as ckpt:
       return ckpt.restore(directory / "tree", abstract)
   except Exception as err:  # orbax/tensorstore raise many types for damaged files
-    raise CheckpointError(f"checkpoint at {directory} is unreadable: {err}") from err
+    raise CheckpointError(f"checkpoint at {directory} is unreadable: {_brief(err)}") from err
+
+
+def _brief(err: Exception) -> str:
+  """The first line of a restore error, without the TensorStore spec that tensorstore
+  appends (some 60 lines of JSON); the whole error stays chained as the cause."""
+  text = str(err).split(" See full TensorStore details")[0].strip()
+  return (text.splitlines() or [type(err).__name__])[0]
