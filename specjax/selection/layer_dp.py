@@ -178,8 +178,9 @@ def sublayer_items(num_layers: int, coupled: bool) -> tuple[tuple[int, ...], ...
 def run_dp(state: nnx.State, cache: KVCache, window: Window, run_cost, skip_cost,
            tau: float, *, graphdef: nnx.GraphDef, coupled: bool, slots: int,
            agreement: bool, clock: CompileClock | None = None) -> Candidates:
-  """`layer_dp` with host-side costs (one per item of `sublayer_items(L, coupled)`) converted to device arrays, compiled ahead of time
-  (a compile is booked on `clock`, so callers' timers can tell compilation from work)."""
+  """`layer_dp` with host-side costs (one per item of `sublayer_items(L, coupled)`)
+  converted to device arrays, compiled ahead of time (a compile is booked on `clock`, so
+  callers' timers can tell compilation from work)."""
   args = (state, cache, window, jnp.asarray(run_cost, jnp.int32),
           jnp.asarray(skip_cost, jnp.int32), jnp.float32(tau))
   return compiled(layer_dp, *args, graphdef=graphdef, coupled=coupled, slots=slots,
