@@ -37,7 +37,7 @@ from specjax.selection.layer_dp import layer_dp  # noqa: E402
 from specjax.selection.layer_probe import Window, full_residuals  # noqa: E402
 
 
-def prompt_window(m, ids: list[int], size: int) -> tuple[KVCache, Window]:
+def window_after_prefill(m, ids: list[int], size: int) -> tuple[KVCache, Window]:
   """The cache after prefilling `ids` but their last `size` tokens, and a window over those."""
   n = len(ids) - size
   cache = KVCache.create(m.config, 1, len(ids) + 64)
@@ -53,7 +53,7 @@ def prompt_window(m, ids: list[int], size: int) -> tuple[KVCache, Window]:
 
 def time_dp(m, ids, *, coupled: bool, window: int, slots: int, repeats: int) -> dict:
   """Compile seconds and the median selection in ms of one DP shape."""
-  cache, win = prompt_window(m, ids, window)
+  cache, win = window_after_prefill(m, ids, window)
   L = m.config.num_layers
   items = L if coupled else 2 * L
   if coupled:  # CLaSp: a skipped layer costs 1
