@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -105,6 +106,25 @@ def test_a_damaged_checkpoint_is_one_line_of_error(tmp_path):
   message = str(info.value)
   assert "\n" not in message and "TensorStore" not in message
   assert info.value.__cause__ is not None
+
+
+def test_a_checkpoint_written_on_another_backend_restores_here(tmp_path):
+  """A router or KNN library saved on a CPU is read on a GPU (and the reverse): orbax
+  records the writer's device in `_sharding`, and without a target sharding it refused
+  the H200 of session 23 a CPU-trained router as "a different topology"."""
+  from specjax.models.checkpoint import restore_tree, save_tree
+
+  tree = {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.ones(3, jnp.bfloat16)}
+  save_tree(tmp_path / "ckpt", tree)
+  sharding = tmp_path / "ckpt" / "tree" / "_sharding"
+  here = jax.devices()[0]
+  elsewhere = "cuda:0" if here.platform == "cpu" else "cpu:0"
+  text = sharding.read_text()
+  assert f"{here.platform}:0" in text  # the writer's device, as the test assumes
+  sharding.write_text(text.replace(f"{here.platform}:0", elsewhere))
+  back = restore_tree(tmp_path / "ckpt", tree)
+  np.testing.assert_array_equal(back["w"], tree["w"])
+  assert back["b"].dtype == jnp.bfloat16
 
 
 def test_unknown_model():

@@ -51,7 +51,10 @@ def restore_tree(directory: Path, like: Any) -> Any:
   directory = Path(directory).absolute()
   if not (directory / "tree").exists():
     raise CheckpointError(f"no checkpoint at {directory}")
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like)
+  # placed on this process's default device: a checkpoint written on another backend
+  # (a router trained on a CPU, read on a GPU) would otherwise be refused as another topology
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), like)
   try:
     with ocp.StandardCheckpointer() as ckpt:
       return ckpt.restore(directory / "tree", abstract)
