@@ -367,6 +367,24 @@ def test_a_router_of_the_older_design_is_refused(tmp_path):
     load_bundle(tmp_path / "r", model=b.model)
 
 
+def test_built_shortlists_are_reused_without_the_training_data(tmp_path):
+  """Counts and a current router at hand: `shortlists.build` loads them and reads no
+  training prompts. It used to read GSM8K anyway, which needs `datasets`, so a GPU
+  machine without that package could not run FR-Spec or DynaSpec from carried artefacts."""
+  from specjax.offline import shortlists
+  from specjax.offline.token_counts import save_counts
+
+  b, _ = bundle()
+  counts = np.arange(V, dtype=np.int64)
+  save_counts(tmp_path / "counts.npz", counts, model=b.model)
+  save_bundle(tmp_path / "router", b)
+  got, back, _ = shortlists.build(tiny(), tmp_path, clusters=8, k_max=3, hidden=64,
+                                  data_dir=tmp_path / "no-data-here", verbose=False)
+  np.testing.assert_array_equal(got, counts)
+  np.testing.assert_array_equal(back.clusters.table, b.clusters.table)
+  assert not (tmp_path / "sequences.json").exists()
+
+
 def test_bad_router_settings_are_clear_errors():
   b, _ = bundle()
   with pytest.raises(ValueError, match="k = 9 clusters, but there are only 8"):

@@ -80,17 +80,18 @@ def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
   the 1.5B) for ablations that train other routers on them (`experiments/router_ablation.py`)
   without the target's forwards again; by default they go once the router is trained."""
   out.mkdir(parents=True, exist_ok=True)
-  continued = training_prompts(model.tokenizer, prompts, data_dir)
-  seqs = sequences(model, out, continued, new_tokens, verbose)
-  counts_path = out / "counts.npz"
+  counts_path, router_dir, curves_path = out / "counts.npz", out / "router", out / "curves.json"
+  built = counts_path.exists() and is_current(router_dir)
+  # both artefacts there: no training data is read (a machine may have neither it nor the
+  # packages that read it)
+  continued = [] if built else training_prompts(model.tokenizer, prompts, data_dir)
+  seqs = [] if built else sequences(model, out, continued, new_tokens, verbose)
   if counts_path.exists():
     counts = load_counts(counts_path, model=model.name)
   else:
     counts = count_tokens(model, seqs, new_tokens=0, verbose=verbose)
     save_counts(counts_path, counts, model=model.name, sequences=len(seqs))
-  router_dir = out / "router"
-  curves_path = out / "curves.json"
-  if is_current(router_dir):
+  if built:
     bundle = load_bundle(router_dir, model=model.name)
     curves = json.loads(curves_path.read_text()) if curves_path.exists() else {}
     _warn_if_other_settings(router_dir, clusters=clusters, k_max=k_max, hidden=hidden,
