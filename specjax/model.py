@@ -17,6 +17,7 @@ G = N / K query heads per kv head, H head dim, D model dim, F MLP width, V vocab
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -436,32 +437,47 @@ class Transformer(nnx.Module):
     if buffer is not None:
       view = buffer.view(view, cache.length)
     x = self.embed(tokens)
-    residuals = []
-    for l, block in enumerate(self.blocks):
-      run = plan.runs("attn", l)
-      x, layer = block.attn_sublayer(run, x, positions, view.layer(l), layer_weights[l])
-      view.keep(l, layer, run, x)
-      if return_residuals:
-        residuals.append(x)
-      x = block.mlp_sublayer(plan.runs("mlp", l), x, layer_weights[l])
-      if return_residuals:
-        residuals.append(x)
-    head = (functools.partial(self.head, weights=plan.weights) if plan.vocab is None else
-            lambda h: self.head_shortlist(h, plan.vocab, plan.weights, plan.head_rows))
-    if logits == "all":
-      out_logits = head(x)
-    elif logits == "last":
-      out_logits = head(x[:, -1:])
-    elif logits == "none":
-      out_logits = None
-    else:
-      raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
-    out = ForwardOut(
-        logits=out_logits,
-        hidden=x,
-        residuals=jnp.stack(residuals) if return_residuals else None,
-    )
-    return out, view.result()
+    with float32_dots(x.dtype):
+      residuals = []
+      for l, block in enumerate(self.blocks):
+        run = plan.runs("attn", l)
+        x, layer = block.attn_sublayer(run, x, positions, view.layer(l), layer_weights[l])
+        view.keep(l, layer, run, x)
+        if return_residuals:
+          residuals.append(x)
+        x = block.mlp_sublayer(plan.runs("mlp", l), x, layer_weights[l])
+        if return_residuals:
+          residuals.append(x)
+      head = (functools.partial(self.head, weights=plan.weights) if plan.vocab is None else
+              lambda h: self.head_shortlist(h, plan.vocab, plan.weights, plan.head_rows))
+      if logits == "all":
+        out_logits = head(x)
+      elif logits == "last":
+        out_logits = head(x[:, -1:])
+      elif logits == "none":
+        out_logits = None
+      else:
+        raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
+      out = ForwardOut(
+          logits=out_logits,
+          hidden=x,
+          residuals=jnp.stack(residuals) if return_residuals else None,
+      )
+      return out, view.result()
+
+
+def float32_dots(dtype) -> contextlib.AbstractContextManager:
+  """Full float32 arithmetic in the dots traced inside, where activations are float32.
+
+  JAX's default lets an NVIDIA GPU compute a float32 dot in TF32 (inputs rounded to a
+  10-bit mantissa): a verification forward's rows would then differ from the AR step's by
+  far more than float32 rounding, and `--dtype mixed` would lose the token-exactness it
+  is for (one of five prompts left AR's tokens on an H200, session 23). A CPU computes
+  float32 dots in float32 either way; bfloat16 activations keep the default.
+  """
+  if jnp.dtype(dtype) != jnp.float32:
+    return contextlib.nullcontext()
+  return jax.default_matmul_precision("highest")
 
 
 def _shape_of(own: nnx.Param, name: str) -> tuple[int, int]:

@@ -166,6 +166,27 @@ def test_every_sublayer_of_a_draft_plan_is_a_conditional_and_a_dense_plan_has_no
   assert count(DraftPlan.full(L)) == 0
 
 
+@pytest.mark.parametrize("dtype", ["mixed", "bfloat16"])
+def test_float32_activations_ask_every_dot_for_float32_arithmetic(dtype):
+  """`mixed` (bfloat16 weights, float32 activations) lowers every dot of a forward, draft
+  plans' conditional branches included, with HIGHEST precision: JAX's default would let
+  a GPU run them in TF32 and break mixed's token-exactness. bfloat16 keeps the default."""
+  from specjax.models.loader import at_precision
+
+  config, graphdef, state = at_precision(tiny_config("llama"), _tiny_split("llama")[1], dtype)
+  toks = jnp.zeros((1, 20), jnp.int32)  # 20 rows: XLA dots, not the CPU few-row kernel
+  L = config.num_layers
+  cache = KVCache.create(config, 1, 32, dtype=config.activation_dtype or jnp.bfloat16)
+  for plan in (DraftPlan.full(L), DraftPlan.from_skips(L, skip_attn=[0], skip_mlp=[1])):
+    with jax.default_matmul_precision(None):  # JAX's default, not the suite's (conftest)
+      hlo = _apply.lower(state, cache, toks, jnp.arange(20)[None], plan,
+                         graphdef=graphdef).as_text()
+    dots = [line for line in hlo.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) >= 4 * L  # q/k/v, scores, values, o, MLP, per layer
+    highest = [d for d in dots if "precision = [HIGHEST, HIGHEST]" in d]
+    assert len(highest) == (len(dots) if dtype == "mixed" else 0)
+
+
 def test_decode_step_writes_the_cache_in_place():
   """The donated cache aliases the output (the step updates it in place)."""
   from specjax.decode.generate import decode_step
