@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -185,7 +186,7 @@ def section(rows: list[dict], bench: list[dict] | None = None, bench_command: st
             ["share of the roofline"] + [f"{r['share_of_roofline']:.0%}" for r in rows]]
   header = ["", *[r["model"] for r in rows]]
   parts = [
-      "## GPU: step costs and AR decode speed",
+      f"## GPU: step costs and AR decode speed ({_card(first['machine'])})",
       "",
       "Measured by " + ", ".join(sorted({f"`{r['command']}`" for r in rows})) + ".",
       "",
@@ -215,10 +216,25 @@ def section(rows: list[dict], bench: list[dict] | None = None, bench_command: st
 
     prompts = len({r["prompt_id"] for r in bench})
     parts += ["", f"`specjax bench` on the same machine, {prompts} Spec-Bench prompts, greedy, "
-              f"bf16 (mismatches: prompts whose tokens differ from AR's), by `{bench_command}`:",
+              f"{_bench_precision(bench_command)} (mismatches: prompts whose tokens differ "
+              f"from AR's), by `{bench_command}`:",
               "",
               _overall_table(metrics.summarize(bench))]
   return "\n".join(parts)
+
+
+def _card(machine: str) -> str:
+  """The accelerator's name in a `report.machine()` line ("GPU (NVIDIA H200), ...")."""
+  found = re.match(r"\w+ \(([^)]*)\)", machine)
+  return found.group(1) if found else machine
+
+
+def _bench_precision(command: str) -> str:
+  """The precision a `specjax bench` command ran at, read from its `--dtype`."""
+  words = command.split()
+  dtype = words[words.index("--dtype") + 1] if "--dtype" in words[:-1] else "auto"
+  return {"auto": "bf16 (auto on a GPU)", "bfloat16": "bf16",
+          "mixed": "mixed precision (bf16 weights computed in float32)"}.get(dtype, dtype)
 
 
 def main() -> None:
@@ -238,6 +254,8 @@ def main() -> None:
                   help="with --report: a `specjax bench` results.jsonl from the same machine")
   ap.add_argument("--bench-command", default="specjax bench", help="the command that made it")
   ap.add_argument("--write-docs", action="store_true")
+  ap.add_argument("--docs-section", default="gpu-forward",
+                  help="with --write-docs: the section to write (one per card: gpu-forward-h200)")
   args = ap.parse_args()
 
   if args.report:
@@ -256,7 +274,7 @@ def main() -> None:
   text = section(rows, bench, args.bench_command)
   print(text)
   if args.write_docs:
-    report.write_section("gpu-forward", text)
+    report.write_section(args.docs_section, text)
   report.print_json({"models": rows})
 
 
