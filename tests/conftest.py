@@ -91,17 +91,18 @@ def pytest_configure(config):
 # xdist's order (most tests first), the two-test real-model module started last and ran
 # alone for minutes.
 SLOW_MODULES = (
-    "test_real_ssd",  # 392 s
-    "test_round_loop",  # 259
-    "test_quantspec",  # 215
-    "test_engine",  # 213
-    "test_drafter_factory",  # 172
-    "test_notebooks",  # 165
-    "test_dynaspec",  # 156
-    "test_model",  # 115
-    "test_int8_weights",  # 114
-    "test_knapspec",  # 106
-    "test_golden",  # 98
+    "test_real_ssd",  # 362 s
+    "test_round_loop",  # 314
+    "test_quantspec",  # 246
+    "test_engine",  # 222
+    "test_drafter_factory",  # 189
+    "test_dynaspec",  # 174
+    "test_notebooks",  # 167
+    "test_int8_weights",  # 140
+    "test_knapspec",  # 108
+    "test_model",  # 103
+    "test_golden",  # 92
+    "test_prefill",  # 89
 )
 
 
