@@ -472,8 +472,9 @@ def float32_dots(dtype) -> contextlib.AbstractContextManager:
   JAX's default lets an NVIDIA GPU compute a float32 dot in TF32 (inputs rounded to a
   10-bit mantissa): a verification forward's rows would then differ from the AR step's by
   far more than float32 rounding, and `--dtype mixed` would lose the token-exactness it
-  is for (one of five prompts left AR's tokens on an H200, session 23). A CPU computes
-  float32 dots in float32 either way; bfloat16 activations keep the default.
+  is for (one of five prompts left AR's tokens on an H200: docs/BENCHMARKS.md,
+  `gpu-forward-h200`). A CPU computes float32 dots in float32 either way; bfloat16
+  activations keep the default. It overrides a global `jax_default_matmul_precision`.
   """
   if jnp.dtype(dtype) != jnp.float32:
     return contextlib.nullcontext()
