@@ -123,6 +123,31 @@ def test_frspec_on_a_layer_drafter_is_lossless():
     assert isinstance(out.plans[0].head_rows, Int8Matrix) == (base is int8)
 
 
+def test_frspec_gathers_its_head_rows_once_across_generations(monkeypatch):
+  """One drafter over several prompts (a bench run) gathers its shortlist's head rows
+  once: they cost 30-35 ms a prompt on SmolLM2 on the CPU. Another model, or that model's
+  state dropped, gathers again; the tokens stay AR's."""
+  from specjax.decode import engine
+
+  gathers = []
+  real = engine.compiled
+  monkeypatch.setattr(engine, "compiled", lambda fn, *a, **k: (
+      gathers.append(fn) if fn is engine.shortlist_rows else None, real(fn, *a, **k))[1])
+  config, graphdef, state = tiny()
+  drafter = FRSpecDrafter(np.arange(0, V, 2))
+  run = lambda st, prompt: speculative_generate(graphdef, st, config, prompt, drafter,
+                                                max_new_tokens=12, gamma=4, eos_ids=())
+  first, second = run(state, PROMPT), run(state, PROMPT[5:])
+  assert len(gathers) == 1
+  assert first.tokens == ar(n=12)
+  assert second.tokens == generate(graphdef, state, config, PROMPT[5:], max_new_tokens=12,
+                                   eos_ids=()).tokens
+  copy = jax.tree.map(lambda x: x, state)  # the same weights, another state object
+  assert run(copy, PROMPT).tokens == first.tokens and len(gathers) == 2
+  del copy
+  assert "last" not in engine._HEAD_ROWS  # dropped with the state it was gathered from
+
+
 # Sampling with a shortlist (q scattered onto vocabulary ids) is tested for distribution,
 # with asserted power, in test_engine.test_sampling_round_keeps_the_target_distribution.
 

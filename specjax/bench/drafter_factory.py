@@ -382,7 +382,7 @@ def check_options(options: Mapping[str, Mapping[str, Any]]) -> None:
 
 
 def _fields(cls) -> set[str]:
-  return {f.name for f in dataclasses.fields(cls)} - _FILLED
+  return {f.name for f in dataclasses.fields(cls) if f.init} - _FILLED
 
 
 def default_search_prompts(data_dir=None) -> list:

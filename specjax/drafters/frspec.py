@@ -30,6 +30,9 @@ class FRSpecDrafter(OverlayDrafter):
   fields = ("vocab", "head_rows", "router")
   shortlist: np.ndarray  # vocabulary ids: `offline.token_counts.frequent_shortlist`
   base: Drafter | None = None
+  # The plan per model shape, built once: one shortlist array from prompt to prompt, so
+  # the engine's gathered head rows (`Session.with_head_rows`) stay valid across them.
+  _plans: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
 
   def __post_init__(self):
     if self.shortlist is None:
@@ -37,5 +40,8 @@ class FRSpecDrafter(OverlayDrafter):
 
   def overlay_plan(self, session) -> DraftPlan:
     cfg = session.config
-    return DraftPlan.full(cfg.num_layers).with_shortlist(self.shortlist, cfg.vocab_size,
-                                                         cfg.eos_ids)
+    key = (cfg.num_layers, cfg.vocab_size, tuple(cfg.eos_ids))
+    if key not in self._plans:
+      self._plans[key] = DraftPlan.full(cfg.num_layers).with_shortlist(
+          self.shortlist, cfg.vocab_size, cfg.eos_ids)
+    return self._plans[key]
