@@ -131,8 +131,13 @@ def test_frspec_gathers_its_head_rows_once_across_generations(monkeypatch):
 
   gathers = []
   real = engine.compiled
-  monkeypatch.setattr(engine, "compiled", lambda fn, *a, **k: (
-      gathers.append(fn) if fn is engine.shortlist_rows else None, real(fn, *a, **k))[1])
+
+  def counting(fn, *args, **kw):  # the engine's `compiled`, counting the head-row gathers
+    if fn is engine.shortlist_rows:
+      gathers.append(fn)
+    return real(fn, *args, **kw)
+
+  monkeypatch.setattr(engine, "compiled", counting)
   config, graphdef, state = tiny()
   drafter = FRSpecDrafter(np.arange(0, V, 2))
   run = lambda st, prompt: speculative_generate(graphdef, st, config, prompt, drafter,

@@ -111,7 +111,7 @@ def test_a_damaged_checkpoint_is_one_line_of_error(tmp_path):
 def test_a_checkpoint_written_on_another_backend_restores_here(tmp_path):
   """A router or KNN library saved on a CPU is read on a GPU (and the reverse): orbax
   records the writer's device in `_sharding`, and without a target sharding it refused
-  the H200 of session 23 a CPU-trained router as "a different topology"."""
+  a CPU-trained router on an H200 as "a different topology"."""
   from specjax.models.checkpoint import restore_tree, save_tree
 
   tree = {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.ones(3, jnp.bfloat16)}

@@ -84,8 +84,10 @@ def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
   built = counts_path.exists() and is_current(router_dir)
   # both artefacts there: no training data is read (a machine may have neither it nor the
   # packages that read it)
-  continued = [] if built else training_prompts(model.tokenizer, prompts, data_dir)
-  seqs = [] if built else sequences(model, out, continued, new_tokens, verbose)
+  continued = seqs = []
+  if not built:
+    continued = training_prompts(model.tokenizer, prompts, data_dir)
+    seqs = sequences(model, out, continued, new_tokens, verbose)
   if counts_path.exists():
     counts = load_counts(counts_path, model=model.name)
   else:
