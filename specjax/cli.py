@@ -416,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
+  from specjax import compile_cache
+
+  compile_cache.enable()  # before the first compile: jax decides then, once
   try:
     return args.func(args)
   except SpecjaxError as err:  # the user's to fix: the message says how; anything else is a bug
