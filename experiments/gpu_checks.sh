@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The GPU measurements issue 17 still lists, as steps one device call can hold (each well
+# under the 600 s a call may run). Run through a bundle (experiments/gpu_bundle.py), which
+# sets SPECJAX_CACHE and SPECJAX_DATA_DIR; results go to $OUT (8 files at most come back).
+#
+#   bash experiments/gpu_checks.sh STEP [STEP ...]     STEP: fixed, cmdbuf, adaptive, all
+#
+#   fixed     the device-loop drafters end to end in --dtype mixed: 0 mismatches now that
+#             float32 dots ask for HIGHEST precision (efe3747), and FR-Spec's selection
+#             share now that its head rows are gathered once (a94978f)
+#   cmdbuf    the step table in the device loop with and without CUDA-graph conditionals
+#             (XLA_FLAGS=--xla_gpu_enable_command_buffer=...): do traced plans stop
+#             paying a host round trip per lax.cond?
+#   adaptive  KnapSpec's latency profile at two cache sizes, then SWIFT, CLaSp and
+#             KnapSpec end to end (their plans change per round: traced)
+set -uo pipefail
+MODEL=${MODEL:-smollm2-135m-instruct}
+OUT=${OUT:-/tmp/gpu-checks}
+RUNS=/tmp/gpu-checks-runs  # bench folders stay here; their results are copied to $OUT
+# Overridable for a smoke run on a CPU: CATEGORIES, MAX_NEW_TOKENS, FIXED, ADAPTIVE.
+PROMPTS=(--per-category 1 --max-turns 1 --max-new-tokens "${MAX_NEW_TOKENS:-64}"
+         --categories "${CATEGORIES:-writing,roleplay,reasoning,math,coding,extraction}")
+mkdir -p "$OUT" "$RUNS"
+log() { echo "[gpu_checks $(date +%T)] $*" | tee -a "$OUT/checks.log"; }
+
+bench() {  # NAME DRAFTERS SECONDS
+  local dir="$RUNS/$1"
+  mkdir -p "$dir"
+  cp "$SPECJAX_CACHE"/plans/*.json "$dir"/ 2>/dev/null || true  # carried Self-SD plans
+  log "bench $1: $2"
+  timeout "$3" python3 -m specjax.cli bench --model "$MODEL" --dtype mixed --drafters "$2" \
+    "${PROMPTS[@]}" --out "$dir" --resume 2>&1 | tail -n 25 | tee -a "$OUT/checks.log"
+  cp "$dir/results.jsonl" "$OUT/bench-$1.jsonl" 2>/dev/null
+  cp "$dir/summary.md" "$OUT/bench-$1.md" 2>/dev/null
+  return 0
+}
+
+forward() {  # NAME XLA_FLAGS
+  log "bench_gpu $1 (XLA_FLAGS=$2)"
+  XLA_FLAGS="$2" timeout 200 python3 experiments/bench_gpu.py --models "$MODEL" \
+    --repeats 5 --chain 10 --loop-steps 32 --out "$OUT/forward-$1.jsonl" 2>&1 \
+    | tail -n 15 | tee -a "$OUT/checks.log"
+}
+
+step() {
+  case "$1" in
+    fixed) bench fixed "${FIXED:-8bit,frspec,dynaspec,self_sd,early_exit}" 420 ;;
+    cmdbuf)
+      forward default ""
+      forward cmdbuf "--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE" ;;
+    adaptive)
+      log "profile"
+      timeout 150 python3 -m specjax.cli profile --model "$MODEL" --dtype mixed \
+        --lengths 256,512 > "$OUT/profile.json" 2>> "$OUT/checks.log"
+      bench adaptive "${ADAPTIVE:-swift,clasp,knapspec}" 400 ;;
+    all) step fixed; step cmdbuf; step adaptive ;;
+    *) echo "unknown step '$1' (fixed, cmdbuf, adaptive, all)" >&2; exit 2 ;;
+  esac
+}
+
+[ $# -gt 0 ] || set -- all
+for s in "$@"; do step "$s"; done
+log "done: $(ls "$OUT" | tr '\n' ' ')"

@@ -1,0 +1,97 @@
+"""experiments/gpu_bundle.py and the run.sh it puts in each part: the parts, staged one by
+one (a damaged one refused, then replaced), unpack into a place where the real SmolLM2 GGUF
+file, the carried wheels, data and artefacts are found as specjax looks for them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from specjax.models.registry import get_spec, is_installed
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+import gpu_bundle  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+
+# Run inside the unpacked bundle: what specjax would find there.
+PROBE = """
+import hashlib, json, os, sjprobe
+from pathlib import Path
+from specjax.models.registry import get_spec
+gguf = get_spec("smollm2-135m-instruct").locate()
+print(json.dumps({"gguf": str(gguf), "sha": hashlib.sha256(gguf.read_bytes()).hexdigest(),
+                  "cache": sorted(str(p.relative_to(os.environ["SPECJAX_CACHE"]))
+                                  for p in Path(os.environ["SPECJAX_CACHE"]).rglob("*")
+                                  if p.is_file()),
+                  "data": os.environ["SPECJAX_DATA_DIR"]}))
+"""
+
+
+def _wheel(folder: Path) -> None:
+  """A one-module wheel (no network here): proof that run.sh installs what it carries."""
+  folder.mkdir()
+  info = "sjprobe-0.1.dist-info"
+  with zipfile.ZipFile(folder / "sjprobe-0.1-py3-none-any.whl", "w") as z:
+    z.writestr("sjprobe/__init__.py", "OK = True\n")
+    z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: sjprobe\nVersion: 0.1\n")
+    z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                "Tag: py3-none-any\n")
+    z.writestr(f"{info}/RECORD", "")
+
+
+def _run(part: Path, *command: str) -> subprocess.CompletedProcess:
+  env = {k: v for k, v in os.environ.items() if k not in ("SPECJAX_CACHE", "PYTHONPATH")}
+  env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # python3 = ours
+  return subprocess.run(["bash", str(part / "run.sh"), *command], cwd=ROOT, env=env,
+                        capture_output=True, text=True)
+
+
+def test_parts_staged_one_by_one_unpack_what_specjax_needs(tmp_path, monkeypatch, capsys):
+  if not is_installed(get_spec(MODEL)):
+    pytest.skip(f"{MODEL} weights package not installed")
+  gguf = get_spec(MODEL).locate()
+  cache, data, stage = tmp_path / "cache", tmp_path / "data", tmp_path / "stage"
+  (cache / "shortlists" / MODEL).mkdir(parents=True)
+  (cache / "shortlists" / MODEL / "counts.npz").write_bytes(b"counts")
+  (data / "spec_bench").mkdir(parents=True)
+  (data / "spec_bench" / "question.jsonl").write_text("{}\n")
+  plan = tmp_path / "self_sd_plan-abc.json"
+  plan.write_text("{}")
+  _wheel(tmp_path / "wheels")
+  monkeypatch.setenv("SPECJAX_CACHE", str(cache))
+
+  size = gguf.stat().st_size
+  mib = size / 2**20 / 2.5  # three parts
+  assert gpu_bundle.main(["--out", str(tmp_path / "b"), "--data-dir", str(data), "--plan",
+                          str(plan), "--part-mib", str(mib), "--wheels-from",
+                          str(tmp_path / "wheels"), "--stage", str(stage)]) == 0
+  printed = capsys.readouterr()
+  manifest = json.loads(printed.out.strip().splitlines()[-1])
+  assert manifest["parts"] == 3 and "no knn" in printed.err  # not built: said, not carried
+  assert manifest["artefacts"] == [f"plans/{plan.name}", f"shortlists/{MODEL}"]
+  parts = [tmp_path / "b" / f"part{i}" for i in (1, 2, 3)]
+  assert all((p / "run.sh").exists() and (p / "manifest.json").exists() for p in parts)
+
+  assert "1 of 3 parts staged" in _run(parts[0]).stdout
+  early = _run(parts[2], "true")
+  assert early.returncode == 3 and "every part" in early.stderr  # nothing runs half-staged
+  (stage / "chunk.001").write_bytes(b"damaged")
+  assert _run(parts[1]).returncode != 0  # the last part in: the tar's SHA-256 refuses it
+  assert _run(parts[0]).returncode == 0  # sent again: unpacked
+  probe = _run(parts[2], "python3", "-c", PROBE)
+  assert probe.returncode == 0, probe.stderr
+  found = json.loads(probe.stdout.strip().splitlines()[-1])
+  assert Path(found["gguf"]).is_relative_to(stage)
+  assert found["sha"] == hashlib.sha256(gguf.read_bytes()).hexdigest()
+  assert found["cache"] == [f"plans/{plan.name}", f"shortlists/{MODEL}/counts.npz"]
+  assert (Path(found["data"]) / "spec_bench" / "question.jsonl").exists()
+  assert not list(stage.glob("chunk.*"))  # unpacked once, chunks dropped
