@@ -2,7 +2,8 @@
 
     python experiments/gpu_bundle.py --out .cache/gpu-bundle            # here
     bash .cache/gpu-bundle/part1/run.sh                                 # there, one part a call,
-    bash .cache/gpu-bundle/part2/run.sh experiments/gpu_checks.sh all   # the last one runs
+    bash .cache/gpu-bundle/part2/run.sh experiments/gpu_checks.sh fixed # the last one runs
+    bash /tmp/specjax-bundle/run.sh experiments/gpu_checks.sh cmdbuf    # later calls
 
 The machine this project borrows GPUs from has jax but no network, no model weights, and
 takes at most 64 MiB of files a call. A bundle is one tar of: the model's GGUF file (as
@@ -157,9 +158,12 @@ def main(argv=None) -> int:
     shutil.copy(runner, folder / "run.sh")
   for line in missing:
     print(f"warning: {line}", file=sys.stderr)
+  checks = "experiments/gpu_checks.sh"
   for i, folder in enumerate(parts, 1):
-    last = " experiments/gpu_checks.sh all" if i == len(parts) else ""
+    last = f" {checks} fixed" if i == len(parts) else ""
     print(f"call {i}: carry [\"{folder}\"], command: bash {folder}/run.sh{last}")
+  for step in ("cmdbuf", "adaptive"):  # each near a call's 600 s; nothing to carry
+    print(f"then: bash {args.stage}/run.sh {checks} {step}")
   print(json.dumps({**manifest, "out": str(args.out)}))
   return 0
 

