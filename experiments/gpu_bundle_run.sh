@@ -20,7 +20,7 @@ if [ ! -f "$stage/ready" ]; then
   cp "$here"/chunk.* "$stage"/
   have=$(find "$stage" -maxdepth 1 -name 'chunk.*' | wc -l)
   if [ "$have" -lt "$parts" ]; then
-    echo "gpu bundle: $have of $parts parts staged in $stage"
+    echo "{\"staged\": $have, \"parts\": $parts, \"stage\": \"$stage\"}"
     if [ $# -gt 0 ]; then
       echo "gpu bundle: cannot run '$*' before every part is staged (the machine keeps" \
            "them only while it is held: send the parts in consecutive calls)" >&2
@@ -40,12 +40,11 @@ if [ ! -f "$stage/ready" ]; then
   cp -r "$stage"/root/cache/. "$stage/cache/" 2>/dev/null || true
   cp "$here/run.sh" "$here/manifest.json" "$stage/"  # later calls need no part: $stage/run.sh
   touch "$stage/ready"
-  echo "gpu bundle: unpacked $(field model) into $stage"
+  echo "gpu bundle: unpacked $(field model) into $stage" >&2
 fi
 
 export PYTHONPATH="$stage/root/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export SPECJAX_CACHE="$stage/cache" SPECJAX_DATA_DIR="$stage/root/data"
 export PYTHONUNBUFFERED=1
-if [ $# -gt 0 ]; then
-  exec "$@"
-fi
+[ $# -gt 0 ] && exec "$@"
+echo "{\"staged\": $parts, \"parts\": $parts, \"stage\": \"$stage\", \"ready\": true}"

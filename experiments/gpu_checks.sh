@@ -60,4 +60,6 @@ step() {
 
 [ $# -gt 0 ] || set -- all
 for s in "$@"; do step "$s"; done
-log "done: $(ls "$OUT" | tr '\n' ' ')"
+log "done"
+python3 -c 'import json, os, sys; print(json.dumps({"steps": sys.argv[2:], "out": sys.argv[1],
+  "files": sorted(os.listdir(sys.argv[1]))}))' "$OUT" "$@"

@@ -81,12 +81,12 @@ def test_parts_staged_one_by_one_unpack_what_specjax_needs(tmp_path, monkeypatch
   parts = [tmp_path / "b" / f"part{i}" for i in (1, 2, 3)]
   assert all((p / "run.sh").exists() and (p / "manifest.json").exists() for p in parts)
 
-  assert "1 of 3 parts staged" in _run(parts[0]).stdout
+  assert json.loads(_run(parts[0]).stdout)["staged"] == 1
   early = _run(parts[2], "true")
   assert early.returncode == 3 and "every part" in early.stderr  # nothing runs half-staged
   (stage / "chunk.001").write_bytes(b"damaged")
   assert _run(parts[1]).returncode != 0  # the last part in: the tar's SHA-256 refuses it
-  assert _run(parts[0]).returncode == 0  # sent again: unpacked
+  assert json.loads(_run(parts[0]).stdout)["ready"]  # sent again: unpacked
   probe = _run(parts[2], "python3", "-c", PROBE)
   assert probe.returncode == 0, probe.stderr
   found = json.loads(probe.stdout.strip().splitlines()[-1])
@@ -97,3 +97,11 @@ def test_parts_staged_one_by_one_unpack_what_specjax_needs(tmp_path, monkeypatch
   assert not list(stage.glob("chunk.*"))  # unpacked once, chunks dropped
   again = _run(stage, "python3", "-c", PROBE)  # later calls carry no part
   assert again.returncode == 0 and json.loads(again.stdout.strip().splitlines()[-1]) == found
+
+
+def test_the_checks_script_parses_and_refuses_an_unknown_step(tmp_path):
+  script = ROOT / "experiments" / "gpu_checks.sh"
+  assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+  out = subprocess.run(["bash", str(script), "nope"], check=False, capture_output=True,
+                       text=True, env={**os.environ, "OUT": str(tmp_path)})
+  assert out.returncode == 2 and "unknown step 'nope'" in out.stderr
