@@ -69,20 +69,28 @@ typedef float Vec __attribute__((vector_size(kVecBytes)));
 typedef float VecU __attribute__((vector_size(kVecBytes), aligned(4)));  // unaligned access
 inline Vec Load(const float* p) { return *reinterpret_cast<const VecU*>(p); }
 inline void Store(float* p, Vec v) { *reinterpret_cast<VecU*>(p) = v; }
-// a + x·w as one FMA, and x[0] in every lane, each an opaque instruction under AVX2. Left
-// to itself (we build with -fassociative-math, which the [O, I] sums need to vectorise),
-// GCC turned a five-row [I, O] tile into trees of multiplies and adds and kept the 40
-// broadcasts of a group on the stack: the tile ran at a third of the FMA units' rate, and
-// a gate_up matrix of SmolLM2 took 611 µs at five rows from L3 against 372 µs this way
-// (one core, AMD EPYC). AVX-512 keeps the plain expression its tiles were measured with.
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// a + x·w as one FMA, and x[0] in every lane, each an opaque instruction. Left to itself
+// (we build with -fassociative-math, which the [O, I] sums need to vectorise), GCC turned
+// a five-row [I, O] tile into trees of multiplies and adds and kept the 40 broadcasts of
+// a group on the stack: under AVX2 the tile ran at a third of the FMA units' rate (a
+// gate_up matrix of SmolLM2 took 611 µs at five rows from L3 against 372 µs this way; one
+// core, AMD EPYC); under AVX-512 (GCC 12, an Intel Xeon) two to five rows ran at 7 % of
+// it, each row costing a whole pass over the weights, and six to eight at 36 %
+// (`experiments/bench_f32_tile.py`). "v" names any of AVX-512's 32 registers; "x" the 16
+// that AVX2 has.
+#if defined(__AVX512F__)
+#define SPECJAX_VREG "v"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SPECJAX_VREG "x"
+#endif
+#ifdef SPECJAX_VREG
 inline Vec Fma(Vec x, Vec w, Vec a) {
-  asm("vfmadd231ps %2, %1, %0" : "+x"(a) : "x"(x), "x"(w));
+  asm("vfmadd231ps %2, %1, %0" : "+" SPECJAX_VREG(a) : SPECJAX_VREG(x), SPECJAX_VREG(w));
   return a;
 }
 inline Vec Broadcast(const float* p) {
   Vec v;
-  asm("vbroadcastss %1, %0" : "=x"(v) : "m"(*p));
+  asm("vbroadcastss %1, %0" : "=" SPECJAX_VREG(v) : "m"(*p));
   return v;
 }
 #else
