@@ -1,6 +1,6 @@
 """The f32 kernel's [I, O] tile alone on one core, against what the core's FMA units can do.
 
-    python experiments/bench_f32_tile.py [--shape 576,3072] [--rows 1,2,4,5,8]
+    python experiments/bench_f32_tile.py [--shape 576,3072] [--rows 1,2,4,5,8,9]
 
 `bench_cpu_kernels.py` times real steps, where DRAM, threads and XLA blur the picture; this
 times the inner loop of `specjax/cpu_kernels/f32_matmul.cc` (`RowsIO`, one thread, the
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,12 @@ from specjax import cpu_kernels  # noqa: E402
 
 HARNESS = Path(__file__).with_name("f32_tile_harness.cc")
 KERNELS = Path(cpu_kernels.__file__).parent
+
+
+def max_rows() -> int:
+  """Rows of x one pass of the kernel takes (`kMaxRows` in f32_matmul.cc)."""
+  source = (KERNELS / "f32_matmul.cc").read_text()
+  return int(re.search(r"constexpr int kMaxRows = (\d+);", source).group(1))
 
 
 def build(out: Path, asm: Path | None = None) -> None:
@@ -59,14 +66,16 @@ def parse(lines: list[str]) -> tuple[int, float, dict[int, float]]:
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--shape", default="576,3072", help="I,O of the [I, O] matrix")
-  ap.add_argument("--rows", default="1,2,3,4,5,8", help="rows of x (1 to 8)")
+  ap.add_argument("--rows", default="1,2,3,4,5,8,9",
+                  help="rows of x (1 to the kernel's rows per pass, 9)")
   ap.add_argument("--reps", type=int, default=200, help="calls per timed batch (7 batches)")
   ap.add_argument("--asm", type=Path, help="also write the harness's assembly here")
   args = ap.parse_args()
   I, O = (int(v) for v in args.shape.split(","))
   rows = [int(r) for r in args.rows.split(",")]
-  if not all(1 <= r <= 8 for r in rows):
-    raise SystemExit("--rows: each between 1 and 8 (one pass of the kernel)")
+  most = max_rows()
+  if not all(1 <= r <= most for r in rows):
+    raise SystemExit(f"--rows: each between 1 and {most} (one pass of the kernel)")
 
   with tempfile.TemporaryDirectory() as tmp:
     exe = Path(tmp) / "harness"

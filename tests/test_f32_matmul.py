@@ -23,13 +23,15 @@ pytestmark = pytest.mark.skipif(cpu_kernels.kernel_status("f32_matmul") != "read
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.sampled_from([(1,), (2,), (3,), (5,), (7,), (1, 9), (3, 3), (16,)]),
+@given(rows=st.sampled_from([(1,), (2,), (3,), (5,), (7,), (8,), (1, 9), (3, 3), (10,),
+                             (16,)]),
        inner=st.integers(1, 90), outer=st.integers(1, 600), transposed=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_kernel_equals_numpy(rows, inner, outer, transposed, seed):
   """Inner sizes off the vector width, outputs off the register tiles and the chunks,
   every tile shape the registers allow (its width and weight rows shrink as rows grow:
-  1, 2, 3, 5, 7, 8 rows), more rows than one pass takes (9, 16 > 8): every tail matches."""
+  1, 2, 3, 5, 7, 8 and 9 rows, a γ = 8 verification), more rows than one pass takes
+  (10, 16 > 9): every tail matches."""
   rng = np.random.default_rng(seed)
   x = rng.normal(size=rows + (inner,)).astype(np.float32)
   w = rng.normal(size=(outer, inner) if transposed else (inner, outer)).astype(np.float32)
