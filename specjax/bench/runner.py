@@ -131,12 +131,20 @@ def run_units(cfg: BenchConfig, model, units, store: ResultsStore, *, work_dir: 
     progress()
 
 
+# Prompts whose pilot rounds the (γ, τ) fit replays. One prompt of 64 tokens gave an 8-bit
+# draft of SmolLM2 about eight rounds at γ = 8, too few for the fit's 80 (γ, τ) pairs: it
+# chose τ = 0.3, which cut M from 7.9 to 5.0 on Spec-Bench (1.44x AR, where τ = 0 ran at
+# 1.52-1.76x on the same prompts; docs/BENCHMARKS.md).
+PILOT_PROMPTS = 3
+
+
 def draft_lengths(model, drafters: dict, cfg: BenchConfig, pilot_prompts, out_dir: Path,
                   verbose: bool = True) -> dict[str, dict]:
   """Per drafter, the draft length γ ≤ cfg.gamma and early-stop threshold τ of highest
-  tokens per time (`draft_length.best_length_and_threshold`): a pilot generation at
-  γ = cfg.gamma without early stop, on a prompt outside the evaluation set, replayed under
-  each (γ, τ) with the step costs measured under the pilot's plan. τ stays cfg.threshold
+  tokens per time (`draft_length.best_length_and_threshold`): pilot generations at
+  γ = cfg.gamma without early stop, on up to PILOT_PROMPTS prompts outside the evaluation
+  set, their rounds replayed together under each (γ, τ) with the step costs measured under
+  the first pilot's plan. τ stays cfg.threshold
   when one was given. Kept in `draft_lengths.json`, so a resumed run reuses them. Drafters
   that choose their draft length themselves (KnapSpec) keep cfg.gamma as their longest and
   get τ alone; drafters that draft from a quantised cache (whose step costs this
@@ -145,18 +153,21 @@ def draft_lengths(model, drafters: dict, cfg: BenchConfig, pilot_prompts, out_di
 
   path = out_dir / "draft_lengths.json"
   saved = json.loads(path.read_text()) if path.exists() else {}
-  ids = harness.prompt_ids(model.tokenizer, pilot_prompts[0].turns[:1])
+  prompts = [harness.prompt_ids(model.tokenizer, p.turns[:1])
+             for p in pilot_prompts[:PILOT_PROMPTS]]
   thresholds = draft_length.THRESHOLDS if cfg.threshold is None else (cfg.threshold,)
   for name, d in drafters.items():
     if name in saved or d.kv_cache is not None or (d.own_gamma and cfg.threshold is not None):
       continue
-    pilot = speculative_generate(model.graphdef, model.state, model.config, ids, d,
-                                 max_new_tokens=cfg.max_new_tokens, gamma=cfg.gamma,
-                                 threshold=0.0, record_rounds=True, loop="host", eos_ids=())
-    rounds = draft_length.pilot_rounds(pilot)
-    alpha = draft_length.acceptance(pilot.round_drafted, pilot.round_accepted)
+    pilots = [speculative_generate(model.graphdef, model.state, model.config, ids, d,
+                                   max_new_tokens=cfg.max_new_tokens, gamma=cfg.gamma,
+                                   threshold=0.0, record_rounds=True, loop="host", eos_ids=())
+              for ids in prompts]
+    rounds = [r for pilot in pilots for r in draft_length.pilot_rounds(pilot)]
+    alpha = draft_length.acceptance([n for p in pilots for n in p.round_drafted],
+                                    [n for p in pilots for n in p.round_accepted])
     costs = draft_length.measure_step_costs(model.graphdef, model.state, model.config,
-                                            pilot.plans[0],
+                                            pilots[0].plans[0],
                                             gammas=sorted({1, max(1, cfg.gamma // 2), cfg.gamma}),
                                             device_loop=not d.adaptive)
     gamma, tau = draft_length.best_length_and_threshold(rounds, costs, cfg.gamma, thresholds,
@@ -164,7 +175,8 @@ def draft_lengths(model, drafters: dict, cfg: BenchConfig, pilot_prompts, out_di
     tpt = draft_length.replay_tpt(rounds, gamma, tau, costs)
     saved[name] = {"gamma": gamma, "threshold": tau, "replayed_tpt": round(tpt, 4),
                    "alpha": round(alpha, 4), "draft_cost": round(costs.draft, 4),
-                   "verify_cost": {str(g): round(v, 4) for g, v in costs.verify.items()}}
+                   "verify_cost": {str(g): round(v, 4) for g, v in costs.verify.items()},
+                   "pilot_prompts": len(pilots), "pilot_rounds": len(rounds)}
     path.write_text(json.dumps(saved, indent=1, sort_keys=True))
     if verbose:
       print(f"{name}: α {alpha:.3f}, draft step {costs.draft:.3f} AR steps -> γ = {gamma}, "
@@ -254,12 +266,13 @@ def _plot(cats: dict, drafters: list[str], path: Path) -> None:
 
 def _lengths_table(saved: dict) -> str:
   """The chosen draft lengths and the measurements behind them, as a markdown table."""
-  lines = ["| method | pilot α | draft step ÷ AR step | verify(γ) ÷ AR step | γ chosen "
-           "| τ chosen | replayed tokens per AR step |", "|" + " --- |" * 7]
+  lines = ["| method | pilot rounds | pilot α | draft step ÷ AR step | verify(γ) ÷ AR step "
+           "| γ chosen | τ chosen | replayed tokens per AR step |", "|" + " --- |" * 8]
   for name, r in sorted(saved.items()):
     verify = ", ".join(f"γ={g}: {v:.2f}" for g, v in
                        sorted(r["verify_cost"].items(), key=lambda kv: int(kv[0])))
-    lines.append(f"| {name} | {r['alpha']:.3f} | {r['draft_cost']:.3f} | {verify} | "
+    lines.append(f"| {name} | {r.get('pilot_rounds', '–')} | {r['alpha']:.3f} | "
+                 f"{r['draft_cost']:.3f} | {verify} | "
                  f"{r['gamma']} | {r.get('threshold', '–')} | "
                  + (f"{r['replayed_tpt']:.2f} |" if "replayed_tpt" in r else "– |"))
   return "\n".join(lines)
@@ -274,8 +287,8 @@ def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict,
                "fitted with γ (alone for KnapSpec, which picks its own γ)" if cfg.auto_gamma else
                "per drafter (0.8; KnapSpec 0.7; 8bit and QuantSpec 0)")
   gamma = (f"γ and early-stop threshold per drafter (γ ≤ {cfg.gamma}) of highest tokens per "
-           f"time, replaying its rounds on a pilot prompt with its step costs measured here "
-           f"(table below)"
+           f"time, replaying its rounds on up to {PILOT_PROMPTS} held-out pilot prompts with "
+           f"its step costs measured here (table below)"
            if cfg.auto_gamma else f"γ ≤ {cfg.gamma}")
   body = "\n".join([
       f"## SSD vs AR on Spec-Bench ({cfg.model}"
