@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,11 +18,12 @@ from specjax.cli import main
 from specjax.decode import draft_length
 from specjax.decode.draft_length import (
     PilotRound,
+    PilotTrack,
     StepCosts,
     acceptance,
     best_length_and_threshold,
-    drafted_under,
     replay_tpt,
+    round_at,
 )
 from specjax.plan import DraftPlan
 
@@ -42,40 +44,75 @@ def test_verify_cost_interpolates_between_measured_gammas():
   assert c.verify_at(10) == pytest.approx(2.6)  # extrapolated from the last two
 
 
+def track(*rounds: PilotRound) -> list[PilotTrack]:
+  return [PilotTrack.from_rounds(rounds)]
+
+
+def test_a_track_lays_the_pilots_rounds_out_by_position():
+  t = PilotTrack.from_rounds([PilotRound((0.9, 0.2, 0.8, 0.7), accepted=1),
+                              PilotRound((0.6, 0.5), accepted=2)])
+  # round 1: one accepted, then rejected at 0.2 (drafts 0.8, 0.7 followed on a wrong token);
+  # round 2: both accepted, then the target's next token, which no draft reached
+  assert t.confidence == (0.9, 0.2, 0.6, 0.5, 1.0)
+  assert t.correct == (True, False, True, True, True)
+  assert t.after_rejection == ((), (0.8, 0.7), (), (), ())
+
+
 def test_a_round_under_a_threshold_stops_after_its_first_unsure_draft():
-  assert drafted_under((0.9, 0.3, 0.9, 0.9), 4, 0.5) == 2  # the unsure draft is kept
-  assert drafted_under((0.9, 0.3, 0.9, 0.9), 4, 0.0) == 4
-  assert drafted_under((0.9, 0.9, 0.9, 0.9), 2, 0.95) == 1
-  assert drafted_under((0.9, 0.9), 4, 0.5) == 2  # the pilot drafted fewer (end of text)
+  t = PilotTrack.from_rounds([PilotRound((0.9, 0.3, 0.9, 0.9, 0.9), 5)])
+  assert round_at(t, 0, 4, 0.5) == (2, 3)  # the unsure draft is kept, accepted, +1
+  assert round_at(t, 0, 4, 0.0) == (4, 5)
+  assert round_at(t, 2, 4, 0.5) == (4, 4)  # 4 drafts, 3 positions left: commits 3 + 1 = 4
+  assert round_at(t, 5, 4, 0.5) == (1, 1)  # the last position: 1 draft, 1 token
+  # a wrong draft: drafting goes on with what the pilot drafted after it, up to an unsure
+  # one (the round still commits only the drafts before the wrong one, plus one)
+  w = PilotTrack.from_rounds([PilotRound((0.9, 0.8, 0.9, 0.3, 0.9), 1)])
+  assert round_at(w, 0, 5, 0.0) == (5, 2)
+  assert round_at(w, 0, 5, 0.5) == (4, 2)
+  assert round_at(w, 0, 8, 0.0) == (8, 2)  # past what the pilot drafted: sure drafts
 
 
 def test_replay_prices_rounds_at_the_executables_gamma():
   c = StepCosts(draft=0.5, verify={1: 1.0, 4: 2.0})
-  rounds = [PilotRound((0.9, 0.2, 0.9, 0.9), accepted=1), PilotRound((0.9,) * 4, accepted=4)]
+  t = track(PilotRound((0.9, 0.2, 0.9, 0.9), accepted=1), PilotRound((0.9,) * 4, accepted=4))
   # τ = 0: 4 drafts per round, commits 2 and 5, each costing 4·0.5 + v(4) = 4
-  assert replay_tpt(rounds, 4, 0.0, c) == pytest.approx(7 / 8)
-  # τ = 0.5 cuts the first round after 2 drafts: commits min(1, 2) + 1 at 2·0.5 + v(4) = 3
-  assert replay_tpt(rounds, 4, 0.5, c) == pytest.approx(7 / 7)
+  assert replay_tpt(t, 4, 0.0, c) == pytest.approx(7 / 8)
+  # τ = 0.5 cuts the first round after 2 drafts: commits 1 + 1 at 2·0.5 + v(4) = 3
+  assert replay_tpt(t, 4, 0.5, c) == pytest.approx(7 / 7)
 
 
-def _rounds(unsure_accepted: bool, n: int = 20) -> list[PilotRound]:
-  """Rounds of 4 drafts: half sure throughout and accepted, half unsure (p = 0.3) at once
-  and then accepted or not."""
-  sure, unsure = (0.95,) * 4, (0.3, 0.95, 0.95, 0.95)
-  return [PilotRound(sure, 4), PilotRound(unsure, 4 if unsure_accepted else 0)] * n
+def test_a_round_cut_short_is_followed_by_one_from_where_it_stopped():
+  """The early stop costs what it costs: the text it leaves undrafted is drafted again by
+  the next round (the rounds-for-rounds replay counted it as never there)."""
+  c = StepCosts(draft=0.4, verify={4: 1.3})
+  # sure, sure, unsure-but-right, sure, then the target's token: 5 positions
+  t = track(PilotRound((0.95, 0.95, 0.3, 0.95), 4))
+  assert replay_tpt(t, 4, 0.0, c) == pytest.approx(5 / (4 * 0.4 + 1.3))
+  # τ = 0.4: a round of 3 drafts commits 4; the next, from position 4, 1 draft and 1 token
+  assert replay_tpt(t, 4, 0.4, c) == pytest.approx(5 / (3 * 0.4 + 1.3 + 0.4 + 1.3))
+
+
+def _rounds(unsure_accepted: bool, n: int = 60) -> list[PilotTrack]:
+  """Pilot rounds of 8 drafts: runs of 2 to 7 sure ones (p = 0.95), then an unsure one
+  (p = 0.3), accepted or rejected; run lengths at random, so that no γ lines its rounds up
+  with the unsure positions."""
+  runs = np.random.default_rng(0).integers(2, 8, n)
+  return track(*[PilotRound((0.95,) * k + (0.3,) + (0.95,) * (7 - k),
+                            8 if unsure_accepted else k) for k in runs])
 
 
 def test_threshold_follows_what_unsure_drafts_do():
-  c = StepCosts(draft=0.4, verify={1: 1.1, 4: 1.3})
+  c = StepCosts(draft=0.4, verify={1: 1.1, 4: 1.3, 8: 1.5})
   # A near-exact draft (8-bit weights): unsure yet accepted, so no early stop pays.
-  assert best_length_and_threshold(_rounds(True), c, 4) == (4, 0.0)
+  assert best_length_and_threshold(_rounds(True), c, 8) == (8, 0.0)
   # A draft whose unsure tokens are rejected: stop right after them (the lowest τ above
-  # 0.3), keeping the long rounds the sure ones earn; no shorter γ does as well.
-  assert best_length_and_threshold(_rounds(False), c, 4) == (4, 0.4)
-  assert replay_tpt(_rounds(False), 4, 0.4, c) > replay_tpt(_rounds(False), 4, 0.0, c)
+  # 0.3), keeping the long rounds the sure ones earn.
+  g, tau = best_length_and_threshold(_rounds(False), c, 8)
+  assert tau == 0.4 and g >= 4
+  assert replay_tpt(_rounds(False), g, 0.4, c) > replay_tpt(_rounds(False), g, 0.0, c)
   # One sure draft, then an unsure one that is rejected: the free fit drafts one token; a
   # drafter that keeps its own γ (KnapSpec) gets the τ that cuts its rounds there instead.
-  second_rejected = [PilotRound((0.95, 0.3, 0.95, 0.95), 1)] * 10
+  second_rejected = track(*[PilotRound((0.95, 0.3, 0.95, 0.95), 1)] * 10)
   assert best_length_and_threshold(second_rejected, c, 4) == (1, 0.0)
   assert best_length_and_threshold(second_rejected, c, 4, fixed_gamma=True) == (4, 0.4)
   with pytest.raises(ValueError, match="no rounds"):
@@ -90,11 +127,27 @@ def test_threshold_follows_what_unsure_drafts_do():
        draft=st.floats(0.05, 1.0))
 def test_the_fit_is_the_best_of_its_grid(rounds, draft):
   c = StepCosts(draft=draft, verify={1: 1.1, 4: 1.4})
-  rs = [PilotRound(tuple(p), a) for p, a in rounds]
-  g, tau = best_length_and_threshold(rs, c, 4)
-  best = replay_tpt(rs, g, tau, c)
-  assert all(best >= replay_tpt(rs, h, t, c) - 1e-12
+  ts = track(*[PilotRound(tuple(p), a) for p, a in rounds])
+  g, tau = best_length_and_threshold(ts, c, 4)
+  best = replay_tpt(ts, g, tau, c)
+  assert all(best >= replay_tpt(ts, h, t, c) - 1e-12
              for h in range(1, 5) for t in draft_length.THRESHOLDS)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rounds=st.lists(st.tuples(st.lists(st.floats(0, 1), min_size=1, max_size=6),
+                                 st.integers(0, 6)), min_size=1, max_size=10),
+       gamma=st.integers(1, 8), tau=st.sampled_from(draft_length.THRESHOLDS))
+def test_replayed_rounds_cover_the_text_once(rounds, gamma, tau):
+  """Rounds tile the pilot's text: each commits 1 to γ + 1 tokens from where the last one
+  stopped, drafts 1 to γ, and together they commit exactly its length."""
+  t = PilotTrack.from_rounds([PilotRound(tuple(p), a) for p, a in rounds])
+  pos = 0
+  while pos < len(t):
+    n, c = round_at(t, pos, gamma, tau)
+    assert 1 <= n <= gamma and 1 <= c <= min(n + 1, len(t) - pos)
+    pos += c
+  assert pos == len(t)
 
 
 def test_pilot_rounds_record_each_drafts_probability():

@@ -131,10 +131,8 @@ def run_units(cfg: BenchConfig, model, units, store: ResultsStore, *, work_dir: 
     progress()
 
 
-# Prompts whose pilot rounds the (γ, τ) fit replays. One prompt of 64 tokens gave an 8-bit
-# draft of SmolLM2 about eight rounds at γ = 8, too few for the fit's 80 (γ, τ) pairs: it
-# chose τ = 0.3, which cut M from 7.9 to 5.0 on Spec-Bench (1.44x AR, where τ = 0 ran at
-# 1.52-1.76x on the same prompts; docs/BENCHMARKS.md).
+# Prompts whose pilot texts the (γ, τ) fit replays: one prompt of 64 tokens gives an 8-bit
+# draft of SmolLM2 about eight rounds at γ = 8, few for the fit's 80 (γ, τ) pairs.
 PILOT_PROMPTS = 3
 
 
@@ -143,7 +141,7 @@ def draft_lengths(model, drafters: dict, cfg: BenchConfig, pilot_prompts, out_di
   """Per drafter, the draft length γ ≤ cfg.gamma and early-stop threshold τ of highest
   tokens per time (`draft_length.best_length_and_threshold`): pilot generations at
   γ = cfg.gamma without early stop, on up to PILOT_PROMPTS prompts outside the evaluation
-  set, their rounds replayed together under each (γ, τ) with the step costs measured under
+  set, their texts replayed together under each (γ, τ) with the step costs measured under
   the first pilot's plan. τ stays cfg.threshold
   when one was given. Kept in `draft_lengths.json`, so a resumed run reuses them. Drafters
   that choose their draft length themselves (KnapSpec) keep cfg.gamma as their longest and
@@ -163,20 +161,21 @@ def draft_lengths(model, drafters: dict, cfg: BenchConfig, pilot_prompts, out_di
                                    max_new_tokens=cfg.max_new_tokens, gamma=cfg.gamma,
                                    threshold=0.0, record_rounds=True, loop="host", eos_ids=())
               for ids in prompts]
-    rounds = [r for pilot in pilots for r in draft_length.pilot_rounds(pilot)]
+    rounds = [draft_length.pilot_rounds(pilot) for pilot in pilots]
+    tracks = [draft_length.PilotTrack.from_rounds(r) for r in rounds]
     alpha = draft_length.acceptance([n for p in pilots for n in p.round_drafted],
                                     [n for p in pilots for n in p.round_accepted])
     costs = draft_length.measure_step_costs(model.graphdef, model.state, model.config,
                                             pilots[0].plans[0],
                                             gammas=sorted({1, max(1, cfg.gamma // 2), cfg.gamma}),
                                             device_loop=not d.adaptive)
-    gamma, tau = draft_length.best_length_and_threshold(rounds, costs, cfg.gamma, thresholds,
+    gamma, tau = draft_length.best_length_and_threshold(tracks, costs, cfg.gamma, thresholds,
                                                         fixed_gamma=d.own_gamma)
-    tpt = draft_length.replay_tpt(rounds, gamma, tau, costs)
+    tpt = draft_length.replay_tpt(tracks, gamma, tau, costs)
     saved[name] = {"gamma": gamma, "threshold": tau, "replayed_tpt": round(tpt, 4),
                    "alpha": round(alpha, 4), "draft_cost": round(costs.draft, 4),
                    "verify_cost": {str(g): round(v, 4) for g, v in costs.verify.items()},
-                   "pilot_prompts": len(pilots), "pilot_rounds": len(rounds)}
+                   "pilot_prompts": len(pilots), "pilot_rounds": sum(map(len, rounds))}
     path.write_text(json.dumps(saved, indent=1, sort_keys=True))
     if verbose:
       print(f"{name}: α {alpha:.3f}, draft step {costs.draft:.3f} AR steps -> γ = {gamma}, "
@@ -287,8 +286,8 @@ def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict,
                "fitted with γ (alone for KnapSpec, which picks its own γ)" if cfg.auto_gamma else
                "per drafter (0.8; KnapSpec 0.7; 8bit and QuantSpec 0)")
   gamma = (f"γ and early-stop threshold per drafter (γ ≤ {cfg.gamma}) of highest tokens per "
-           f"time, replaying its rounds on up to {PILOT_PROMPTS} held-out pilot prompts with "
-           f"its step costs measured here (table below)"
+           f"time, replaying up to {PILOT_PROMPTS} held-out pilot prompts position by "
+           f"position with its step costs measured here (table below)"
            if cfg.auto_gamma else f"γ ≤ {cfg.gamma}")
   body = "\n".join([
       f"## SSD vs AR on Spec-Bench ({cfg.model}"

@@ -16,12 +16,16 @@ by a formula: the rule TPT suggests (draft one more token of top-1 probability p
 p > d·TPT(γ)) takes p for the chance that the token is accepted, which holds for a
 layer-skipping draft but not for a near-exact one: an 8-bit draft whose top-1 probability
 is 0.5 still names the target's argmax almost every time, and that rule would stop it early
-at a loss. So (γ, τ) are chosen together by replaying a pilot run's rounds (drafted at the
-largest γ, no early stop, each draft's probability and acceptance recorded): under (γ, τ) a
-round drafts n tokens, up to the first below τ, commits min(accepted, n) + 1 and costs
-n·d + v(γ) (verification runs at the executable's γ, whatever early stop cut). The replay
-reuses the pilot's positions, not the ones a shorter round would reach: an estimate from
-the measured probabilities and acceptances, not a model of them.
+at a loss. So (γ, τ) are chosen together by replaying a pilot run (drafted at the largest
+γ, no early stop, each draft's probability and acceptance recorded) position by position
+(`PilotTrack`): under (γ, τ) a round starting at position t drafts n tokens, up to γ or the
+first below τ, commits its accepted drafts and one token more, and costs n·d + v(γ)
+(verification runs at the executable's γ, whatever early stop cut); the next round starts
+where it stopped. Replaying the pilot's rounds one for one instead (until 2026-11-27) let a
+round cut short skip the rest of the pilot's round for free: it picked τ = 0.3–0.4 for
+SmolLM2's 8-bit draft, which ran at 1.31–1.44x AR where τ = 0 ran at ~1.6x. Drafts past a
+rejection, which no later round repeats, take the probabilities the pilot recorded after
+its own rejection there.
 """
 
 from __future__ import annotations
@@ -91,26 +95,75 @@ def pilot_rounds(generation) -> list[PilotRound]:
                                                    generation.round_accepted)]
 
 
-def drafted_under(confidence: Sequence[float], gamma: int, threshold: float) -> int:
-  """Drafts a round makes under (γ, τ): up to γ, stopping after the first below τ."""
-  for i, p in enumerate(confidence[:gamma]):
+@dataclasses.dataclass(frozen=True)
+class PilotTrack:
+  """A pilot's text position by position, as its rounds saw it: the draft's top-1
+  probability at each position and whether its token was the target's; at a rejected
+  position, also the probabilities of the drafts that followed it in that round (drafted
+  on a wrong token). A position no draft reached (the token a round adds after all its
+  drafts were accepted) counts as a sure, accepted draft."""
+
+  confidence: tuple[float, ...]
+  correct: tuple[bool, ...]
+  after_rejection: tuple[tuple[float, ...], ...]  # () where the draft was correct
+
+  @classmethod
+  def from_rounds(cls, rounds: Sequence[PilotRound]) -> PilotTrack:
+    conf, correct, after = [], [], []
+    for r in rounds:
+      a = min(r.accepted, len(r.confidence))
+      conf += r.confidence[:a]
+      correct += [True] * a
+      after += [()] * a
+      if a < len(r.confidence):  # rejected at a: the target's token takes that position
+        conf.append(r.confidence[a])
+        correct.append(False)
+        after.append(tuple(r.confidence[a + 1:]))
+      else:  # every draft accepted: the target adds one more
+        conf.append(1.0)
+        correct.append(True)
+        after.append(())
+    return cls(tuple(conf), tuple(correct), tuple(after))
+
+  def __len__(self) -> int:
+    return len(self.confidence)
+
+
+def round_at(track: PilotTrack, t: int, gamma: int, threshold: float) -> tuple[int, int]:
+  """(drafts, committed tokens) of a round starting at position t under (γ, τ): drafts up
+  to γ, stopping after the first below τ; commits the drafts before the first wrong one
+  and one token more (the target's correction, or its next token)."""
+  n = accepted = 0
+  while n < gamma and t + n < len(track):
+    p, ok = track.confidence[t + n], track.correct[t + n]
+    n += 1
+    if not ok:  # drafting goes on, unaware, until γ or an unsure draft
+      tail = iter(track.after_rejection[t + n - 1])
+      while p >= threshold and n < gamma:
+        p = next(tail, 1.0)
+        n += 1
+      return n, accepted + 1
+    accepted += 1
     if p < threshold:
-      return i + 1
-  return min(gamma, len(confidence))
+      break
+  return n, min(accepted + 1, len(track) - t)
 
 
-def replay_tpt(rounds: Sequence[PilotRound], gamma: int, threshold: float,
+def replay_tpt(tracks: Sequence[PilotTrack], gamma: int, threshold: float,
                costs: StepCosts) -> float:
-  """Committed tokens per AR step of time had the pilot's rounds run under (γ, τ)."""
+  """Committed tokens per AR step of time had the pilots' texts been decoded under (γ, τ)."""
   committed = spent = 0.0
-  for r in rounds:
-    n = drafted_under(r.confidence, gamma, threshold)
-    committed += min(r.accepted, n) + 1
-    spent += n * costs.draft + costs.verify_at(gamma)
+  for track in tracks:
+    t = 0
+    while t < len(track):
+      n, c = round_at(track, t, gamma, threshold)
+      committed += c
+      spent += n * costs.draft + costs.verify_at(gamma)
+      t += c
   return committed / spent if spent else 0.0
 
 
-def best_length_and_threshold(rounds: Sequence[PilotRound], costs: StepCosts, gamma_max: int,
+def best_length_and_threshold(tracks: Sequence[PilotTrack], costs: StepCosts, gamma_max: int,
                               thresholds: Sequence[float] = THRESHOLDS, *,
                               fixed_gamma: bool = False) -> tuple[int, float]:
   """(γ ≤ gamma_max, τ in `thresholds`) of highest replayed TPT; among equals the shorter γ
@@ -119,11 +172,11 @@ def best_length_and_threshold(rounds: Sequence[PilotRound], costs: StepCosts, ga
   near-exact drafts of KnapSpec × 8-bit)."""
   if gamma_max < 1:
     raise ConfigError(f"gamma_max must be >= 1, got {gamma_max}")
-  if not rounds:
+  if not any(len(t) for t in tracks):
     raise ConfigError("the pilot run has no rounds to replay")
   lengths = (gamma_max,) if fixed_gamma else range(1, gamma_max + 1)
   grid = [(g, t) for g in lengths for t in thresholds]
-  return max(grid, key=lambda gt: (replay_tpt(rounds, *gt, costs), -gt[0], -gt[1]))
+  return max(grid, key=lambda gt: (replay_tpt(tracks, *gt, costs), -gt[0], -gt[1]))
 
 
 @dataclasses.dataclass(frozen=True)
