@@ -99,11 +99,11 @@ def main() -> None:
 
   runs = {p: [] for p in [None, *pairs]}
   for p in runs:  # compile every executable before anything is timed
-    decode_seconds(m, drafter, prompts[:1], *(p or (None, 0.0)), 8)
+    decode_seconds(m, drafter, prompts[:1], *(p or (None, 0.0)), args.max_new_tokens)
   for _ in tqdm(range(args.runs), desc="real decodes", unit="run"):
-    for p in runs:  # round-robin: noise hits every pair alike
-      runs[p].append(decode_seconds(m, drafter, prompts, *(p or (None, 0.0)),
-                                    args.max_new_tokens))
+    for p, times in runs.items():  # round-robin: noise hits every pair alike
+      times.append(decode_seconds(m, drafter, prompts, *(p or (None, 0.0)),
+                                  args.max_new_tokens))
   ar = statistics.median(runs.pop(None))
   rows, figures = [], []
   for g, t in pairs:
@@ -114,8 +114,10 @@ def main() -> None:
                     "real": round(real, 4)})
   print(report.markdown_table(["γ", "τ", "replayed tokens per AR step", "real speedup", ""],
                               rows))
-  order = lambda key: [(f["gamma"], f["threshold"]) for f in  # noqa: E731
-                       sorted(figures, key=lambda f: -f[key])]
+
+  def order(key: str) -> list[tuple[int, float]]:
+    return [(f["gamma"], f["threshold"]) for f in sorted(figures, key=lambda f: -f[key])]
+
   report.print_json({"model": args.model, "drafter": args.drafter, "machine": report.machine(),
                      "pilot_positions": sum(len(t) for t in tracks), "fit": list(fit),
                      "draft_cost": round(costs.draft, 4), "pairs": figures,

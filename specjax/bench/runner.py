@@ -142,11 +142,11 @@ def draft_lengths(model, drafters: dict, cfg: BenchConfig, pilot_prompts, out_di
   tokens per time (`draft_length.best_length_and_threshold`): pilot generations at
   γ = cfg.gamma without early stop, on up to PILOT_PROMPTS prompts outside the evaluation
   set, their texts replayed together under each (γ, τ) with the step costs measured under
-  the first pilot's plan. τ stays cfg.threshold
-  when one was given. Kept in `draft_lengths.json`, so a resumed run reuses them. Drafters
-  that choose their draft length themselves (KnapSpec) keep cfg.gamma as their longest and
-  get τ alone; drafters that draft from a quantised cache (whose step costs this
-  measurement does not cover) keep cfg.gamma and their threshold."""
+  the first pilot's plan. τ stays cfg.threshold when one was given. Kept in
+  `draft_lengths.json`, so a resumed run reuses them. Drafters that choose their draft
+  length themselves (KnapSpec) keep cfg.gamma as their longest and get τ alone; drafters
+  that draft from a quantised cache (whose step costs this measurement does not cover)
+  keep cfg.gamma and their threshold."""
   from specjax.decode import draft_length
 
   path = out_dir / "draft_lengths.json"

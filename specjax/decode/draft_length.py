@@ -132,7 +132,8 @@ class PilotTrack:
 def round_at(track: PilotTrack, t: int, gamma: int, threshold: float) -> tuple[int, int]:
   """(drafts, committed tokens) of a round starting at position t under (γ, τ): drafts up
   to γ, stopping after the first below τ; commits the drafts before the first wrong one
-  and one token more (the target's correction, or its next token)."""
+  and one token more (the target's correction, or its next token). Drafts after a wrong
+  one take the probabilities the pilot drafted after it, and past those count as sure."""
   n = accepted = 0
   while n < gamma and t + n < len(track):
     p, ok = track.confidence[t + n], track.correct[t + n]
@@ -330,7 +331,7 @@ def measure_step_costs(graphdef, state, config, plan: DraftPlan, *,
   (`LOOP_STEPS` chained in a jitted loop; on an accelerator with the plan frozen into the
   executable, as that loop does). For the host loop each step is a call. On a CPU the
   difference is not small: SmolLM2's 8-bit draft step costs 0.43-0.44 AR steps as calls
-  and 0.36-0.38 in a loop (Intel Xeon), and timed as calls the fit chose γ = 5 where
+  and 0.33-0.38 in a loop (Intel Xeon), and timed as calls the fit chose γ = 5 where
   γ = 8 ran fastest (`experiments/replay_vs_real.py`)."""
   loop = LOOP_STEPS if device_loop else 0
   if device_loop and jax.default_backend() != "cpu":
