@@ -34,22 +34,15 @@ from specjax.models.loader import load_model  # noqa: E402
 
 
 def parse_pairs(text: str) -> list[tuple[int, float]]:
-  """'8:0,4:0.4' -> [(8, 0.0), (4, 0.4)]."""
+  """'8:0,4:0.4' -> [(8, 0.0), (4, 0.4)]; anything else is refused with the form expected."""
   pairs = []
   for item in text.split(","):
     g, _, t = item.partition(":")
-    pairs.append((int(g), float(t or 0)))
+    try:
+      pairs.append((int(g), float(t or 0)))
+    except ValueError:
+      raise SystemExit(f"--pairs: {item!r} is not γ:τ (e.g. 8:0,4:0.4)") from None
   return pairs
-
-
-def pilot_tracks(m, drafter, prompts, gamma: int, tokens: int):
-  """The pilots `specjax bench --auto-gamma` replays: one per prompt, γ = `gamma`, τ = 0."""
-  pilots = [speculative_generate(m.graphdef, m.state, m.config, ids, drafter,
-                                 max_new_tokens=tokens, gamma=gamma, threshold=0.0,
-                                 record_rounds=True, loop="host", eos_ids=())
-            for ids in prompts]
-  tracks = [draft_length.PilotTrack.from_rounds(draft_length.pilot_rounds(p)) for p in pilots]
-  return tracks, pilots[0].plans[0]
 
 
 def decode_seconds(m, drafter, prompts, gamma: int | None, tau: float, tokens: int) -> float:
@@ -89,11 +82,9 @@ def main() -> None:
                              search_iterations=args.search_iterations, options={},
                              work_dir=Path(work), data_dir=args.data_dir,
                              search_prompts=search, verbose=False).make(args.drafter)
-  tracks, plan = pilot_tracks(m, drafter, prompts, args.gamma_max, args.max_new_tokens)
-  costs = draft_length.measure_step_costs(
-      m.graphdef, m.state, m.config, plan,
-      gammas=sorted({1, max(1, args.gamma_max // 2), args.gamma_max}),
-      device_loop=not drafter.adaptive)
+  pilot = draft_length.run_pilot(m.graphdef, m.state, m.config, drafter, prompts,
+                                 gamma=args.gamma_max, max_new_tokens=args.max_new_tokens)
+  tracks, costs = pilot.tracks, pilot.costs
   fit = draft_length.best_length_and_threshold(tracks, costs, args.gamma_max)
   pairs = pairs + [fit] * (fit not in pairs)
 

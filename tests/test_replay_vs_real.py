@@ -20,6 +20,8 @@ def test_pairs_parse_and_bad_ones_are_refused(monkeypatch, tmp_path):
   monkeypatch.setattr(sys, "argv", ["replay_vs_real.py", "--pairs", "9:0", "--gamma-max", "8"])
   with pytest.raises(SystemExit, match="γ in 1..8"):
     replay_vs_real.main()
+  with pytest.raises(SystemExit, match="'8-0.4' is not γ:τ"):
+    replay_vs_real.parse_pairs("4:0,8-0.4")
 
 
 def test_replayed_and_real_figures_for_each_pair_and_the_fit(monkeypatch, tmp_path, capsys):

@@ -20,7 +20,6 @@ from tqdm.auto import tqdm
 from specjax.bench import claims, data, docs, drafter_factory, harness, metrics, plots
 from specjax.bench.harness import RunSettings
 from specjax.bench.results_store import ResultsStore
-from specjax.decode.engine import speculative_generate
 
 DEFAULT_DRAFTERS = ("early_exit", "self_sd", "swift", "8bit", "self_sd+8bit")  # as the CLI's
 
@@ -157,25 +156,16 @@ def draft_lengths(model, drafters: dict, cfg: BenchConfig, pilot_prompts, out_di
   for name, d in drafters.items():
     if name in saved or d.kv_cache is not None or (d.own_gamma and cfg.threshold is not None):
       continue
-    pilots = [speculative_generate(model.graphdef, model.state, model.config, ids, d,
-                                   max_new_tokens=cfg.max_new_tokens, gamma=cfg.gamma,
-                                   threshold=0.0, record_rounds=True, loop="host", eos_ids=())
-              for ids in prompts]
-    rounds = [draft_length.pilot_rounds(pilot) for pilot in pilots]
-    tracks = [draft_length.PilotTrack.from_rounds(r) for r in rounds]
-    alpha = draft_length.acceptance([n for p in pilots for n in p.round_drafted],
-                                    [n for p in pilots for n in p.round_accepted])
-    costs = draft_length.measure_step_costs(model.graphdef, model.state, model.config,
-                                            pilots[0].plans[0],
-                                            gammas=sorted({1, max(1, cfg.gamma // 2), cfg.gamma}),
-                                            device_loop=not d.adaptive)
-    gamma, tau = draft_length.best_length_and_threshold(tracks, costs, cfg.gamma, thresholds,
-                                                        fixed_gamma=d.own_gamma)
-    tpt = draft_length.replay_tpt(tracks, gamma, tau, costs)
+    pilot = draft_length.run_pilot(model.graphdef, model.state, model.config, d, prompts,
+                                   gamma=cfg.gamma, max_new_tokens=cfg.max_new_tokens)
+    alpha, costs = pilot.alpha, pilot.costs
+    gamma, tau = draft_length.best_length_and_threshold(pilot.tracks, costs, cfg.gamma,
+                                                        thresholds, fixed_gamma=d.own_gamma)
+    tpt = draft_length.replay_tpt(pilot.tracks, gamma, tau, costs)
     saved[name] = {"gamma": gamma, "threshold": tau, "replayed_tpt": round(tpt, 4),
                    "alpha": round(alpha, 4), "draft_cost": round(costs.draft, 4),
                    "verify_cost": {str(g): round(v, 4) for g, v in costs.verify.items()},
-                   "pilot_prompts": len(pilots), "pilot_rounds": sum(map(len, rounds))}
+                   "pilot_prompts": len(prompts), "pilot_rounds": pilot.rounds}
     path.write_text(json.dumps(saved, indent=1, sort_keys=True))
     if verbose:
       print(f"{name}: α {alpha:.3f}, draft step {costs.draft:.3f} AR steps -> γ = {gamma}, "

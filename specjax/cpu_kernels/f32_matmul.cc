@@ -48,8 +48,9 @@ constexpr int kVecBytes = 16, kRegisters = 16;
 #endif
 constexpr int kLanes = kVecBytes / 4;  // floats per vector
 // Rows of x per pass over the weights: up to a γ = 8 verification. At eight, its nine rows
-// took two passes, 1.58 AR steps on SmolLM2 and 1.84 on Qwen2.5-0.5B; in one, 1.41 and 1.25
-// (Intel Xeon, AVX-512; the tile for nine rows still fits the registers, `FitRegisters`).
+// took two passes, 1.60 AR steps on SmolLM2 and 1.80 on Qwen2.5-0.5B; in one, 1.45 and 1.26
+// (`experiments/profile_round.py --gamma 8`, Intel Xeon with AVX-512; the tile for nine
+// rows still fits the registers, `FitRegisters`).
 constexpr int kMaxRows = 9;
 constexpr int kIOWidth = 32;   // [I, O]: the widest register tile, 128 bytes of a row
 constexpr int64_t kIOChunk = 512;  // [I, O]: most columns per claimed chunk (2 KiB of a row)

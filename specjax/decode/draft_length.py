@@ -181,6 +181,37 @@ def best_length_and_threshold(tracks: Sequence[PilotTrack], costs: StepCosts, ga
 
 
 @dataclasses.dataclass(frozen=True)
+class Pilot:
+  """What a (γ, τ) fit replays: the pilots' texts, their rounds and acceptance, and the step
+  costs measured under the first pilot's plan."""
+
+  tracks: list[PilotTrack]
+  rounds: int
+  alpha: float
+  costs: StepCosts
+
+
+def run_pilot(graphdef, state, config, drafter, prompts: Sequence[Sequence[int]], *,
+              gamma: int, max_new_tokens: int) -> Pilot:
+  """Decode each of `prompts` (token ids) with `drafter` at `gamma`, no early stop, rounds
+  recorded; then time its steps as its decode loop will pay them (`measure_step_costs`)."""
+  from specjax.decode.engine import speculative_generate
+
+  gens = [speculative_generate(graphdef, state, config, ids, drafter,
+                               max_new_tokens=max_new_tokens, gamma=gamma, threshold=0.0,
+                               record_rounds=True, loop="host", eos_ids=())
+          for ids in prompts]
+  rounds = [pilot_rounds(g) for g in gens]
+  alpha = acceptance([n for g in gens for n in g.round_drafted],
+                     [n for g in gens for n in g.round_accepted])
+  costs = measure_step_costs(graphdef, state, config, gens[0].plans[0],
+                             gammas=sorted({1, max(1, gamma // 2), gamma}),
+                             device_loop=not drafter.adaptive)
+  return Pilot([PilotTrack.from_rounds(r) for r in rounds], sum(map(len, rounds)), alpha,
+               costs)
+
+
+@dataclasses.dataclass(frozen=True)
 class StepTimes:
   """Median seconds: the AR step, verification of γ + 1 tokens per γ, and one draft step
   per group of plans (the median over all the group's plans)."""
