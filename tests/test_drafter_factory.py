@@ -180,6 +180,36 @@ def test_overlays_hand_their_base_its_own_prior(plan_file):
     assert trials[1][n] > trials[0][n] > 0, n  # the second prompt went on counting
 
 
+def test_frspec_counts_its_tokens_without_training_a_router(tmp_path, monkeypatch):
+  """With no counts at hand, `frspec` counts them from training prompts and the model's
+  continuations, and trains no DynaSpec router: on Qwen2.5-0.5B that router took longer
+  than the counts, and FR-Spec never reads it. A second factory reuses the counts."""
+  import json
+
+  from specjax.offline import shortlists
+  from specjax.offline.token_counts import frequent_shortlist, load_counts
+
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  prompts = [PROMPT[:8], PROMPT[5:15]]
+  monkeypatch.setattr(shortlists, "training_prompts", lambda tok, n, data_dir=None: prompts)
+  monkeypatch.setattr(shortlists, "build", None)  # the router's build would fail
+  m = types.SimpleNamespace(**vars(model()), tokenizer=None)  # the prompts come tokenised
+  d = DrafterFactory(m, gamma=4, verbose=False, options={"frspec": {"size": 48}}
+                     ).make("frspec")
+  out = tmp_path / "shortlists" / "tiny-llama"
+  assert not (out / "router").exists()
+  seqs = json.loads((out / "sequences.json").read_text())
+  assert [s[: len(p)] for s, p in zip(seqs, prompts)] == prompts
+  assert all(len(s) > len(p) for s, p in zip(seqs, prompts))  # continued by the model
+  counts = load_counts(out / "counts.npz", model="tiny-llama")
+  np.testing.assert_array_equal(counts, np.bincount(np.concatenate(seqs), minlength=97))
+  np.testing.assert_array_equal(d.shortlist,
+                                frequent_shortlist(counts, 48, model().config.eos_ids))
+  monkeypatch.setattr(shortlists, "sequences", None)  # nothing is generated again
+  again = DrafterFactory(m, gamma=4, verbose=False, options={"frspec": {"size": 48}})
+  np.testing.assert_array_equal(again.token_counts, counts)
+
+
 def test_knapspec_under_8bit_measures_its_own_profile_once(tmp_path, monkeypatch):
   """With no profiles saved, `knapspec+8bit` measures one timed with the int8 weights and
   saves it; a new factory finds that one (not the target's) and measures nothing."""

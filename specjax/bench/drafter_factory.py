@@ -191,6 +191,22 @@ class DrafterFactory:
       return prof
 
   @functools.cached_property
+  def token_counts(self):
+    """FR-Spec's token counts: `specjax router train`'s, or counted now from training
+    prompts when absent (minutes; no router is trained for them)."""
+    from specjax.models.registry import cache_root
+    from specjax.offline import shortlists
+
+    if "counts" in self.artefacts or "bundle" in self.artefacts:
+      return self.artefacts.get("counts")
+    out = cache_root() / "shortlists" / self.model.name
+    if not (out / "counts.npz").exists():
+      self._say(f"no FR-Spec counts for {self.model.name} at {out}: counting them now "
+                f"(`specjax router train` does the same, and trains DynaSpec's router)")
+    return shortlists.build_counts(self.model, out, data_dir=self.data_dir,
+                                   verbose=self.verbose)
+
+  @functools.cached_property
   def shortlists(self):
     """(FR-Spec token counts, DynaSpec router bundle): `specjax router train`'s, built
     now from training prompts when absent."""
@@ -346,7 +362,7 @@ class DrafterFactory:
     if name == "frspec":
       from specjax.offline.token_counts import frequent_shortlist
 
-      counts, _ = self.shortlists
+      counts = self.token_counts
       if counts is None:
         raise ConfigError("frspec needs token counts (artefact 'counts')")
       size = min(self._opts("frspec")["size"], cfg.vocab_size)

@@ -68,37 +68,46 @@ def sequences(model, out: Path, prompts: list[list[int]], new_tokens: int,
   return done
 
 
+def build_counts(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
+                 data_dir=None, verbose: bool = True) -> np.ndarray:
+  """FR-Spec's token counts for `model` (out/counts.npz, reused when there), over `prompts`
+  training prompts and the model's continuations of `new_tokens`: all that FR-Spec reads,
+  so `frspec` never waits for a router to train. Present counts read no training data."""
+  out.mkdir(parents=True, exist_ok=True)
+  path = out / "counts.npz"
+  if path.exists():
+    return load_counts(path, model=model.name)
+  seqs = sequences(model, out, training_prompts(model.tokenizer, prompts, data_dir),
+                   new_tokens, verbose)
+  counts = count_tokens(model, seqs, new_tokens=0, verbose=verbose)
+  save_counts(path, counts, model=model.name, sequences=len(seqs))
+  return counts
+
+
 def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
           router_prompts: int = 320, clusters: int = 1024, k_max: int = 16,
           hidden: int = 1024, epochs: int = 10, decay: bool = False,
           continuation_weight: float = 1.0, keep_pairs: bool = False, data_dir=None,
           verbose: bool = True) -> tuple[np.ndarray, RouterBundle, dict]:
-  """Counts and router bundle for `model` (reused from `out` when already there and of
-  this design). `continuation_weight` weighs the router's loss at the positions inside
-  the model's own continuations, the text a draft predicts, against prompt text's 1.
-  `keep_pairs` keeps the router's training pairs under out/pairs (about 8 KB a token on
-  the 1.5B) for ablations that train other routers on them (`experiments/router_ablation.py`)
-  without the target's forwards again; by default they go once the router is trained."""
-  out.mkdir(parents=True, exist_ok=True)
-  counts_path, router_dir, curves_path = out / "counts.npz", out / "router", out / "curves.json"
-  built = counts_path.exists() and is_current(router_dir)
-  # both artefacts there: no training data is read (a machine may have neither it nor the
-  # packages that read it)
-  continued = seqs = []
-  if not built:
-    continued = training_prompts(model.tokenizer, prompts, data_dir)
-    seqs = sequences(model, out, continued, new_tokens, verbose)
-  if counts_path.exists():
-    counts = load_counts(counts_path, model=model.name)
-  else:
-    counts = count_tokens(model, seqs, new_tokens=0, verbose=verbose)
-    save_counts(counts_path, counts, model=model.name, sequences=len(seqs))
-  if built:
+  """Counts (`build_counts`) and router bundle for `model` (reused from `out` when already
+  there and of this design). `continuation_weight` weighs the router's loss at the
+  positions inside the model's own continuations, the text a draft predicts, against
+  prompt text's 1. `keep_pairs` keeps the router's training pairs under out/pairs (about
+  8 KB a token on the 1.5B) for ablations that train other routers on them
+  (`experiments/router_ablation.py`) without the target's forwards again; by default they
+  go once the router is trained. With both artefacts there no training data is read (a
+  machine may have neither it nor the packages that read it)."""
+  counts = build_counts(model, out, prompts=prompts, new_tokens=new_tokens, data_dir=data_dir,
+                        verbose=verbose)
+  router_dir, curves_path = out / "router", out / "curves.json"
+  if is_current(router_dir):
     bundle = load_bundle(router_dir, model=model.name)
     curves = json.loads(curves_path.read_text()) if curves_path.exists() else {}
     _warn_if_other_settings(router_dir, clusters=clusters, k_max=k_max, hidden=hidden,
                             continuation_weight=continuation_weight)
     return counts, bundle, curves
+  continued = training_prompts(model.tokenizer, prompts, data_dir)
+  seqs = sequences(model, out, continued, new_tokens, verbose)  # as build_counts left them
   from flax import nnx
 
   rows = np.asarray(_head_rows(nnx.merge(model.graphdef, model.state)))
