@@ -5,9 +5,10 @@ speed against transformers, llama.cpp and the memory-bandwidth roofline.
 
 Part 1, at context `--context`: the AR step (the dense model, T = 1), verification of
 γ + 1 = 5 tokens (`engine.verify_step`), and one draft step (`engine.draft_step`, γ = 1)
-under random plans with 25 / 50 / 75 / 100 % of the 2L sub-layers active, each as a ratio
-to the AR step. All are timed round-robin and the median taken, so machine noise hits
-them alike.
+under random plans with 25 / 50 / 75 / 100 % of the 2L sub-layers active (with 8-bit weights at
+50 and 100 %, and at 50 % with a 32k-token head shortlist), each as a ratio to the AR step beside
+its weight bytes over the AR step's (its floor). All are timed round-robin and the median
+taken, so machine noise hits them alike.
 Part 2: greedy AR decoding of `--tokens` tokens on one prompt: specjax vs HF transformers
 (torch, fp32, same GGUF) and llama.cpp when `llama-cpp-python` is installed; medians of
 `--runs` runs, prefill included (end-to-end) and decode-only; and the roofline: weight
@@ -38,11 +39,12 @@ from specjax.decode.generate import generate  # noqa: E402
 from specjax.models.loader import load_model  # noqa: E402
 from specjax.models.registry import get_spec  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402
-from specjax.quant import quantize_weights_int8  # noqa: E402
+from specjax.quant import model_matrices, quantize_weights_int8  # noqa: E402
 
 PROMPT = "Explain why the sky is blue to a ten-year-old, in a few short paragraphs."
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 INT8_FRACTIONS = (0.5, 1.0)  # drafts with 8-bit weights (`quantize_weights_int8`)
+SHORTLIST = 32768  # a 50 % draft scoring FR-Spec's 32k-token head shortlist (the paper's size)
 
 
 def random_plan(L: int, frac: float, rng: np.random.Generator) -> DraftPlan:
@@ -52,22 +54,67 @@ def random_plan(L: int, frac: float, rng: np.random.Generator) -> DraftPlan:
   return DraftPlan.from_bits(on)
 
 
-def step_ratios(m, context: int, rounds: int, steps: int, gamma: int = 4) -> dict:
+def with_shortlist_head(m, plan: DraftPlan, size: int, rng: np.random.Generator
+                        ) -> DraftPlan:
+  """`plan` scoring `size` head rows, gathered once as the engine does for FR-Spec. The
+  ids are random: which rows a shortlist holds does not bear on what it costs."""
+  from flax import nnx
+
+  cfg = m.config
+  ids = rng.choice(cfg.vocab_size, min(size, cfg.vocab_size), replace=False)
+  plan = plan.with_shortlist(ids, cfg.vocab_size)
+  rows = nnx.merge(m.graphdef, m.state).shortlist_rows(plan.vocab)
+  return plan.replace(head_rows=rows)
+
+
+def read_bytes(m, plan: DraftPlan) -> int:
+  """Weight bytes a step under `plan` reads: its active sub-layers' matrices (their 8-bit
+  copies under `plan.weights`) and its LM head (the shortlist's rows when it has one).
+  Norms and biases, under 0.1 % of the bytes, are left out. A decode step streams its
+  weights once, so this over the dense step's bytes is what the step would cost in AR steps
+  if every step streamed at one rate: the floor its measured ratio approaches."""
+  cfg = m.config
+  attn, mlp = np.asarray(plan.attn), np.asarray(plan.mlp)
+  quantised = plan.weights.layers if plan.weights is not None else None
+  total = 0
+  for l, name, w in model_matrices(m.state, cfg.num_layers):
+    if (attn if name in ("qkv", "o") else mlp)[l]:
+      copy = None if quantised is None else getattr(quantised[l], name)
+      total += w.nbytes if copy is None else copy.nbytes
+  if plan.head_rows is not None:
+    return total + jax.tree.reduce(lambda n, x: n + x.nbytes, plan.head_rows, 0)
+  if plan.weights is not None and plan.weights.head is not None:
+    return total + plan.weights.head.nbytes
+  head = m.state["embedding" if cfg.tie_embeddings else "lm_head"][...]
+  return total + head.nbytes
+
+
+def step_ratios(m, context: int, rounds: int, steps: int, gamma: int = 4,
+                shortlist: int = SHORTLIST) -> dict:
   """Median ms of the AR step, verification of γ+1 tokens and draft steps at each share of
-  active sub-layers (fp32 and 8-bit weights), round-robin; ratios to the AR step."""
+  active sub-layers (fp32 weights; 8-bit weights; a shortlisted head), round-robin; ratios
+  to the AR step, each beside its bytes over the AR step's (its floor)."""
   cfg = m.config
   rng = np.random.default_rng(0)
   plans = {f: [random_plan(cfg.num_layers, f, rng) for _ in range(3)] for f in FRACTIONS}
   # The same plans reading 8-bit copies of every matrix (Int8WeightsDrafter's drafts).
   int8 = quantize_weights_int8(m.state, cfg.num_layers)
   plans |= {(f, 8): [p.replace(weights=int8) for p in plans[f]] for f in INT8_FRACTIONS}
+  # The 50 % plans scoring a shortlist (FR-Spec's drafts, `self_sd+frspec`)
+  plans[(0.5, "shortlist")] = [with_shortlist_head(m, p, shortlist, rng) for p in plans[0.5]]
   t = step_times(m.graphdef, m.state, cfg, plans, gammas=(gamma,), context=context,
                  repeats=rounds * steps)
+  dense = read_bytes(m, DraftPlan.full(cfg.num_layers))
+  floor = {key: statistics.mean(read_bytes(m, p) for p in group) / dense
+           for key, group in plans.items()}
   return {"ar_ms": t.ar * 1e3, "verify_ms": t.verify[gamma] * 1e3,
           "verify_over_ar": t.verify[gamma] / t.ar,
           "draft_over_ar": {f: t.drafts[f] / t.ar for f in FRACTIONS},
           "int8_draft_over_ar": {f: t.drafts[(f, 8)] / t.ar for f in INT8_FRACTIONS},
-          "gamma": gamma}
+          "shortlist_draft_over_ar": t.drafts[(0.5, "shortlist")] / t.ar,
+          "floor": floor, "gamma": gamma,
+          "head_share": read_bytes(m, DraftPlan.from_bits(np.zeros(2 * cfg.num_layers, bool)))
+                        / dense}
 
 
 def measured_bandwidth(gib: float = 1.0, repeats: int = 15) -> float:
@@ -167,12 +214,17 @@ def main() -> None:
   print(f"[1/2] step costs, {args.model}, context {args.context}: AR step, verify, draft at "
         f"{len(FRACTIONS)} fractions x 3 plans, {args.rounds} rounds")
   r = step_ratios(m, args.context, args.rounds, steps=5)
-  step_rows = [[f"verify γ+1 = {r['gamma'] + 1} tokens", r["verify_over_ar"]]]
-  step_rows += [[f"draft step, {int(f * 100)} % of {2 * L} sub-layers", r["draft_over_ar"][f]]
-                for f in FRACTIONS]
+  floor = r["floor"]
+  step_rows = [[f"verify γ+1 = {r['gamma'] + 1} tokens", r["verify_over_ar"], 1.0]]
+  step_rows += [[f"draft step, {int(f * 100)} % of {2 * L} sub-layers", r["draft_over_ar"][f],
+                 floor[f]] for f in FRACTIONS]
   step_rows += [[f"draft step, {int(f * 100)} % of {2 * L} sub-layers, 8-bit weights",
-                 r["int8_draft_over_ar"][f]] for f in INT8_FRACTIONS]
-  print(report.markdown_table(["step", "time ÷ AR step"], step_rows))
+                 r["int8_draft_over_ar"][f], floor[(f, 8)]] for f in INT8_FRACTIONS]
+  shortlist = min(SHORTLIST, m.config.vocab_size)
+  step_rows.append([f"draft step, 50 % of {2 * L} sub-layers, head over {shortlist} tokens",
+                    r["shortlist_draft_over_ar"], floor[(0.5, "shortlist")]])
+  step_header = ["step", "time ÷ AR step", "weight bytes ÷ AR step's"]
+  print(report.markdown_table(step_header, step_rows))
   print(f"  AR step: {r['ar_ms']:.2f} ms, verify: {r['verify_ms']:.2f} ms")
 
   ids = m.tokenizer.encode_prompt(PROMPT)
@@ -207,6 +259,10 @@ def main() -> None:
                              for f in FRACTIONS},
       "int8_draft_step_over_ar": {str(int(f * 100)): round(r["int8_draft_over_ar"][f], 4)
                                   for f in INT8_FRACTIONS},
+      "shortlist_draft_step_over_ar": {"50": round(r["shortlist_draft_over_ar"], 4),
+                                       "shortlist": shortlist},
+      "draft_step_bytes_over_ar": {str(int(f * 100)): round(floor[f], 4) for f in FRACTIONS},
+      "head_share_of_bytes": round(r["head_share"], 4),
       "int8_kernel": kernel_status(),
       "f32_few_row_kernel": kernel_status("f32_matmul"),
       "verify_over_ar": round(r["verify_over_ar"], 4),
@@ -236,9 +292,14 @@ def main() -> None:
         f"random plans with a given share of the {2 * L} sub-layers active (medians, "
         f"round-robin). The float32 matmuls of every step (AR, draft, verification) take "
         f"the few-row kernel (`cpu_kernels.f32_matmul`: {kernel_status('f32_matmul')}); "
-        f"`SPECJAX_CPU_KERNELS=int8_matmul` measures XLA's dots instead:",
+        f"`SPECJAX_CPU_KERNELS=int8_matmul` measures XLA's dots instead. Beside each, the "
+        f"weight bytes it reads over the AR step's, what it would cost if every step "
+        f"streamed its weights at one rate: the LM head "
+        f"is {r['head_share']:.0%} of the bytes, and every draft over the full vocabulary reads "
+        f"it whole. The last row scores a {shortlist}-token shortlist (FR-Spec's size; "
+        f"random ids, which do not bear on the cost):",
         "",
-        report.markdown_table(["step", "time ÷ AR step"], step_rows),
+        report.markdown_table(step_header, step_rows),
         "",
         f"Greedy AR decoding, {len(ids)}-token chat prompt, {args.tokens} new tokens, "
         f"median of {args.runs} runs; the roofline reads {weight_bytes(m) / 1e6:.0f} MB of "

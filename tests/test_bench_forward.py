@@ -1,0 +1,71 @@
+"""experiments/bench_forward.py: the weight bytes a step reads (each step's floor) add up
+as the plan says, and the step costs come back with them (a tiny model)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+
+import bench_forward  # noqa: E402
+
+from specjax.models.loader import load_model  # noqa: E402
+from specjax.plan import DraftPlan  # noqa: E402
+from specjax.quant import model_matrices, quantize_weights_int8  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gemma3"])
+def model(request):
+  return load_model(request.param)
+
+
+def _matrix_bytes(m) -> dict:
+  return {(l, name): w.nbytes for l, name, w in model_matrices(m.state, m.config.num_layers)}
+
+
+def _head_bytes(m) -> int:
+  cfg = m.config
+  return m.state["embedding" if cfg.tie_embeddings else "lm_head"][...].nbytes
+
+
+def test_read_bytes_counts_the_active_sub_layers_and_the_head(model):
+  L = model.config.num_layers
+  mats = _matrix_bytes(model)
+  full = DraftPlan.full(L)
+  assert bench_forward.read_bytes(model, full) == sum(mats.values()) + _head_bytes(model)
+  none = DraftPlan.from_bits(np.zeros(2 * L, bool))
+  assert bench_forward.read_bytes(model, none) == _head_bytes(model)
+  attn0 = np.zeros(2 * L, bool)
+  attn0[0] = True  # layer 0's attention alone
+  assert bench_forward.read_bytes(model, DraftPlan.from_bits(attn0)) == (
+      mats[0, "qkv"] + mats[0, "o"] + _head_bytes(model))
+
+
+def test_read_bytes_of_8_bit_weights_and_of_a_shortlist(model):
+  L, cfg = model.config.num_layers, model.config
+  full = DraftPlan.full(L)
+  int8 = full.replace(weights=quantize_weights_int8(model.state, L))
+  dense = bench_forward.read_bytes(model, full)
+  assert bench_forward.read_bytes(model, int8) == int8.weights.nbytes
+  assert 0.25 < int8.weights.nbytes / dense < 0.3  # a byte a weight, and a scale a channel
+  size = cfg.vocab_size // 4
+  short = bench_forward.with_shortlist_head(model, full, size, np.random.default_rng(0))
+  assert short.vocab.shape == (size,) and short.head_rows.shape == (size, cfg.embed_dim)
+  assert bench_forward.read_bytes(model, short) == (
+      dense - _head_bytes(model) + size * cfg.embed_dim * 4)
+
+
+def test_step_ratios_time_every_step_beside_its_floor(model):
+  r = bench_forward.step_ratios(model, context=16, rounds=1, steps=1,
+                                shortlist=model.config.vocab_size // 4)
+  assert r["ar_ms"] > 0 and r["verify_over_ar"] > 0 and r["shortlist_draft_over_ar"] > 0
+  floor = r["floor"]
+  assert floor[1.0] == pytest.approx(1.0)
+  assert [floor[f] for f in bench_forward.FRACTIONS] == sorted(
+      floor[f] for f in bench_forward.FRACTIONS)
+  assert floor[(1.0, 8)] < 0.3 and floor[(0.5, "shortlist")] < floor[0.5]
+  assert 0 < r["head_share"] < floor[0.25]
