@@ -123,21 +123,29 @@ def test_frspec_on_a_layer_drafter_is_lossless():
     assert isinstance(out.plans[0].head_rows, Int8Matrix) == (base is int8)
 
 
+def count_head_row_gathers(monkeypatch) -> list:
+  """The engine's shortlist head-row gathers, as they happen (its `compiled`, wrapped)."""
+  from specjax.decode import engine
+
+  gathers = []
+  real = engine.compiled
+
+  def counting(fn, *args, **kw):
+    if fn is engine.shortlist_rows:
+      gathers.append(fn)
+    return real(fn, *args, **kw)
+
+  monkeypatch.setattr(engine, "compiled", counting)
+  return gathers
+
+
 def test_frspec_gathers_its_head_rows_once_across_generations(monkeypatch):
   """One drafter over several prompts (a bench run) gathers its shortlist's head rows
   once: they cost 30-35 ms a prompt on SmolLM2 on the CPU. Another model, or that model's
   state dropped, gathers again; the tokens stay AR's."""
   from specjax.decode import engine
 
-  gathers = []
-  real = engine.compiled
-
-  def counting(fn, *args, **kw):  # the engine's `compiled`, counting the head-row gathers
-    if fn is engine.shortlist_rows:
-      gathers.append(fn)
-    return real(fn, *args, **kw)
-
-  monkeypatch.setattr(engine, "compiled", counting)
+  gathers = count_head_row_gathers(monkeypatch)
   config, graphdef, state = tiny()
   drafter = FRSpecDrafter(np.arange(0, V, 2))
   run = lambda st, prompt: speculative_generate(graphdef, st, config, prompt, drafter,
@@ -150,7 +158,24 @@ def test_frspec_gathers_its_head_rows_once_across_generations(monkeypatch):
   copy = jax.tree.map(lambda x: x, state)  # the same weights, another state object
   assert run(copy, PROMPT).tokens == first.tokens and len(gathers) == 2
   del copy
-  assert "last" not in engine._HEAD_ROWS  # dropped with the state it was gathered from
+  assert not engine._HEAD_ROWS  # dropped with the state it was gathered from
+
+
+def test_shortlist_drafters_taking_turns_gather_their_head_rows_once_each(monkeypatch):
+  """A bench run alternates drafters prompt by prompt: `frspec` (float32 rows) and
+  `8bit+frspec` (int8 rows) keep both sets, where holding one re-gathered at every turn."""
+  gathers = count_head_row_gathers(monkeypatch)
+  config, graphdef, state = tiny()
+  short = np.arange(0, V, 2)
+  int8 = quantize_weights_int8(state, config.num_layers)
+  drafters = [FRSpecDrafter(short), FRSpecDrafter(short, Int8WeightsDrafter(weights=int8))]
+  want = ar(n=8)
+  for _ in range(2):
+    for d in drafters:
+      out = speculative_generate(graphdef, state, config, PROMPT, d, max_new_tokens=8,
+                                 gamma=4, eos_ids=())
+      assert out.tokens == want
+  assert len(gathers) == 2
 
 
 # Sampling with a shortlist (q scattered onto vocabulary ids) is tested for distribution,

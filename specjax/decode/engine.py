@@ -262,12 +262,16 @@ def agreement(
   return jnp.mean(to_vocab(plan, jnp.argmax(out.logits[0], axis=-1)) == targets)
 
 
-# The last static shortlist's head rows, kept from one generation to the next: FR-Spec's
-# shortlist and the model stay the same from prompt to prompt, and gathering the rows
-# again cost 30-35 ms a prompt on SmolLM2 on the CPU (32k rows, 75 MB); an H200 run booked
-# a fifth of FR-Spec's decode time to selection, where this gather is. {"last": (weakref
-# to the state, vocab, weights, rows)}.
-_HEAD_ROWS: dict[str, tuple] = {}
+# The static shortlists' head rows gathered last, newest first, kept from one generation to
+# the next: FR-Spec's shortlist and the model stay the same from prompt to prompt, and
+# gathering the rows again cost 30-35 ms a prompt on SmolLM2 on the CPU (32k rows, 75 MB);
+# an H200 run booked a fifth of FR-Spec's decode time to selection, where this gather is.
+# More than one: a bench run alternates drafters prompt by prompt, and `self_sd+frspec`
+# beside `8bit+frspec` (float32 rows, then int8 rows) re-gathered at every prompt when one
+# set was held, 6 % of self_sd+frspec's decode time on Qwen2.5-0.5B. Entries are (weakref
+# to the state, vocab, weights, rows).
+_HEAD_ROWS: list[tuple] = []
+_HEAD_ROWS_HELD = 4  # 4 × 117 MB at most: Qwen2.5-0.5B's 32k float32 rows
 
 
 @dataclasses.dataclass
@@ -292,17 +296,18 @@ class Session:
     draft step cost more than the full head's matmul on a CPU."""
     if plan.vocab is None or plan.head_rows is not None:
       return plan
-    held = _HEAD_ROWS.get("last")
-    if held is None or held[0]() is not self.state or held[1] is not plan.vocab or (
-        held[2] is not plan.weights):
-      rows = compiled(shortlist_rows, self.state, plan.vocab, plan.weights,
-                      graphdef=self.graphdef, clock=self.clock)(self.state, plan.vocab,
-                                                                 plan.weights)
-      jax.block_until_ready(rows)  # its time is the caller's (selection), not a round's
-      # dropped with the model: the rows would otherwise outlive its weights
-      model = weakref.ref(self.state, lambda _: _HEAD_ROWS.clear())
-      held = _HEAD_ROWS["last"] = (model, plan.vocab, plan.weights, rows)
-    return plan.replace(head_rows=held[3])
+    for model, vocab, weights, rows in _HEAD_ROWS:
+      if model() is self.state and vocab is plan.vocab and weights is plan.weights:
+        return plan.replace(head_rows=rows)
+    rows = compiled(shortlist_rows, self.state, plan.vocab, plan.weights,
+                    graphdef=self.graphdef, clock=self.clock)(self.state, plan.vocab,
+                                                               plan.weights)
+    jax.block_until_ready(rows)  # its time is the caller's (selection), not a round's
+    # dropped with the model: the rows would otherwise outlive its weights
+    model = weakref.ref(self.state, lambda _: _HEAD_ROWS.clear())
+    _HEAD_ROWS.insert(0, (model, plan.vocab, plan.weights, rows))
+    del _HEAD_ROWS[_HEAD_ROWS_HELD:]
+    return plan.replace(head_rows=rows)
 
   def dense_cache(self) -> KVCache:
     """The verified cache as a full-precision `KVCache` (itself, or an 8-bit view of a
