@@ -360,25 +360,35 @@ class Transformer(nnx.Module):
       return jnp.einsum("btd,vd->btv", h, w, preferred_element_type=jnp.float32)
     return jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
 
-  def shortlist_rows(self, ids: jax.Array, weights: DraftWeights | None = None
-                     ) -> jax.Array | Int8Matrix:
+  def shortlist_rows(self, ids: jax.Array, weights: DraftWeights | None = None,
+                     head_rows: jax.Array | None = None) -> jax.Array | Int8Matrix:
     """The LM head's rows for shortlist ids[K] (padding, -1, reads row 0): float[K, D], or
-    the 8-bit head's K output channels when the draft reads quantised weights."""
+    the 8-bit head's K output channels when the draft reads quantised weights. An untied
+    head [D, V] gives columns, slow to gather; `head_rows`, its [V, D] transpose
+    (`untied_head_rows`), gives them as rows."""
     safe = jnp.maximum(ids, 0)
     if weights is not None and weights.head is not None:
       return weights.head.take_outputs(safe)
     if self.config.tie_embeddings:
       return jnp.take(self.embedding[...], safe, axis=0)
+    if head_rows is not None:
+      return jnp.take(head_rows, safe, axis=0)
     return jnp.take(self.lm_head[...], safe, axis=1).T
+
+  def untied_head_rows(self) -> jax.Array | None:
+    """An untied LM head as rows [V, D] (a copy), for drafts that gather a new shortlist
+    every step (DynaSpec); None for a tied head, whose rows are the embedding's."""
+    return None if self.config.tie_embeddings else self.lm_head[...].T
 
   def head_shortlist(self, hidden: jax.Array, ids: jax.Array,
                      weights: DraftWeights | None = None,
-                     rows: jax.Array | Int8Matrix | None = None) -> jax.Array:
+                     rows: jax.Array | Int8Matrix | None = None,
+                     head_rows: jax.Array | None = None) -> jax.Array:
     """Logits over the shortlist ids[K] only: the matmul with its head rows (`rows`, as
-    `shortlist_rows` gave them; gathered here when None). Padding ids (-1) get -inf.
-    [B, T, D] -> [B, T, K]."""
+    `shortlist_rows` gave them; gathered here when None, from `head_rows` when given).
+    Padding ids (-1) get -inf. [B, T, D] -> [B, T, K]."""
     h = self.final_norm(hidden)
-    rows = self.shortlist_rows(ids, weights) if rows is None else rows
+    rows = self.shortlist_rows(ids, weights, head_rows) if rows is None else rows
     if isinstance(rows, Int8Matrix):
       logits = rows.matmul(h.astype(jnp.float32))
     else:

@@ -224,7 +224,7 @@ def test_pairs_are_the_targets_own_distribution():
   assert np.array_equal(np.unique(pairs.group), np.arange(24))  # every sequence, in order
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2"])  # qwen2: an untied head
 def test_dynaspec_is_lossless(arch):
   m = tiny(arch)
   b, _ = bundle(arch, k_max=1)  # one cluster of eight: the shortlist misses the target's token
@@ -236,6 +236,52 @@ def test_dynaspec_is_lossless(arch):
                                  max_new_tokens=40, gamma=4, eos_ids=(), threshold=threshold)
       assert out.tokens == ar
       assert_exercised(out, deep=threshold == 0.0)
+
+
+def test_an_untied_head_is_held_as_rows_for_the_routed_gathers(monkeypatch):
+  """An untied head is [D, V]: a routed shortlist's rows are columns of it, 2976 of which
+  took 36 ms on Qwen2.5-0.5B's head (twice a pass over all of it) against 0.7 ms as rows.
+  The session holds its transpose once, for float drafts of untied models only, and the
+  logits are those of the column gather."""
+  from specjax.decode import engine
+  from specjax.drafters import Int8WeightsDrafter
+  from specjax.quant import quantize_weights_int8
+
+  m = tiny("qwen2")
+  module = nnx.merge(m.graphdef, m.state)
+  ids = jnp.asarray([5, -1, 40, 96, 0], jnp.int32)
+  h = jax.random.normal(jax.random.key(1), (1, 1, m.config.embed_dim))
+  np.testing.assert_allclose(module.head_shortlist(h, ids, head_rows=module.untied_head_rows()),
+                             module.head_shortlist(h, ids), rtol=1e-6, atol=1e-6)
+  assert tiny("llama").config.tie_embeddings and not m.config.tie_embeddings
+
+  held = []
+  real = engine.compiled
+
+  def counting(fn, *args, **kw):  # the engine's `compiled`, counting the head's copies
+    if fn is engine.untied_head_rows:
+      held.append(fn.__name__)
+    return real(fn, *args, **kw)
+
+  monkeypatch.setattr(engine, "compiled", counting)
+  monkeypatch.setattr(engine, "_HEAD_ROWS", [])  # none held by an earlier test
+
+  def decode(arch, drafter, prompt=PROMPT):
+    t = tiny(arch)
+    out = speculative_generate(t.graphdef, t.state, t.config, prompt, drafter,
+                               max_new_tokens=12, gamma=4, eos_ids=())
+    assert out.tokens == generate(t.graphdef, t.state, t.config, prompt, max_new_tokens=12,
+                                  eos_ids=()).tokens
+    return out
+
+  routed = DynaSpecDrafter(bundle("qwen2")[0])
+  decode("qwen2", routed)
+  decode("qwen2", routed, PROMPT[4:])
+  assert held == ["untied_head_rows"]  # once, across generations
+  decode("llama", DynaSpecDrafter(bundle("llama")[0]))  # tied: the embedding's rows
+  int8 = quantize_weights_int8(m.state, m.config.num_layers)
+  decode("qwen2", DynaSpecDrafter(bundle("qwen2")[0], Int8WeightsDrafter(weights=int8)))
+  assert held == ["untied_head_rows"]  # the 8-bit head is output-major already
 
 
 def test_k_is_a_decoding_setting():

@@ -114,7 +114,8 @@ def _routed_choice(state, graphdef, plan, h, i, key, vocab, sampling):
   def branch(k):
     def run(h, key):
       ids = router.shortlist(h, k)
-      logits = model.head_shortlist(h[None, None], ids, plan.weights)[0, 0]
+      logits = model.head_shortlist(h[None, None], ids, plan.weights,
+                                    head_rows=router.head_rows)[0, 0]
       if core is not None:  # the router's table leaves the core's ids out: no duplicates
         ids, logits = jnp.concatenate([core[0], ids]), jnp.concatenate([core[1], logits])
       nxt, conf, q = _choose(logits, ids, key, vocab, sampling)
@@ -130,6 +131,12 @@ def _routed_choice(state, graphdef, plan, h, i, key, vocab, sampling):
 def shortlist_rows(state, vocab, weights, *, graphdef):
   """The LM head's rows for shortlist `vocab` (`Transformer.shortlist_rows`)."""
   return nnx.merge(graphdef, state).shortlist_rows(vocab, weights)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def untied_head_rows(state, *, graphdef):
+  """An untied LM head as rows [V, D] (`Transformer.untied_head_rows`)."""
+  return nnx.merge(graphdef, state).untied_head_rows()
 
 
 def to_vocab(plan: DraftPlan, idx: jax.Array) -> jax.Array:
@@ -271,7 +278,8 @@ def agreement(
 # set was held, 6 % of self_sd+frspec's decode time on Qwen2.5-0.5B. Entries are (weakref
 # to the state, vocab, weights, rows).
 _HEAD_ROWS: list[tuple] = []
-_HEAD_ROWS_HELD = 4  # 4 × 117 MB at most: Qwen2.5-0.5B's 32k float32 rows
+_HEAD_ROWS_HELD = 4  # Qwen2.5-0.5B's 32k float32 rows are 117 MB, its untied head 545
+_UNTIED_HEAD = "untied head"  # the key of a router's head rows (`RouterPlan.head_rows`)
 
 
 @dataclasses.dataclass
@@ -290,24 +298,34 @@ class Session:
   _scorers: dict = dataclasses.field(default_factory=dict, repr=False)
 
   def with_head_rows(self, plan: DraftPlan) -> DraftPlan:
-    """`plan` with its static shortlist's head rows gathered (`DraftPlan.head_rows`), once
-    while the model, the shortlist and the draft weights stay the same objects: across
-    generations too (`_HEAD_ROWS`). Gathering 16k of a 1.5B's tied-embedding rows in every
-    draft step cost more than the full head's matmul on a CPU."""
+    """`plan` with its static shortlist's head rows gathered (`DraftPlan.head_rows`), and a
+    router's untied float head as rows (`RouterPlan.head_rows`), once while the model, the
+    shortlist and the draft weights stay the same objects: across generations too
+    (`_HEAD_ROWS`). Gathering 16k of a 1.5B's tied-embedding rows in every draft step cost
+    more than the full head's matmul on a CPU."""
+    router = plan.router
+    if (router is not None and router.head_rows is None and not self.config.tie_embeddings
+        and (plan.weights is None or plan.weights.head is None)):
+      rows = self._held(untied_head_rows, _UNTIED_HEAD, None)
+      plan = plan.replace(router=router.replace(head_rows=rows))
     if plan.vocab is None or plan.head_rows is not None:
       return plan
-    for model, vocab, weights, rows in _HEAD_ROWS:
-      if model() is self.state and vocab is plan.vocab and weights is plan.weights:
-        return plan.replace(head_rows=rows)
-    rows = compiled(shortlist_rows, self.state, plan.vocab, plan.weights,
-                    graphdef=self.graphdef, clock=self.clock)(self.state, plan.vocab,
-                                                               plan.weights)
+    return plan.replace(head_rows=self._held(shortlist_rows, plan.vocab, plan.weights))
+
+  def _held(self, gather, vocab, weights):
+    """`gather(state, vocab, weights)`'s rows (`gather(state)`'s for `_UNTIED_HEAD`),
+    computed once while they stay in `_HEAD_ROWS`."""
+    for model, held_vocab, held_weights, rows in _HEAD_ROWS:
+      if model() is self.state and held_vocab is vocab and held_weights is weights:
+        return rows
+    args = (self.state,) if vocab is _UNTIED_HEAD else (self.state, vocab, weights)
+    rows = compiled(gather, *args, graphdef=self.graphdef, clock=self.clock)(*args)
     jax.block_until_ready(rows)  # its time is the caller's (selection), not a round's
     # dropped with the model: the rows would otherwise outlive its weights
     model = weakref.ref(self.state, lambda _: _HEAD_ROWS.clear())
-    _HEAD_ROWS.insert(0, (model, plan.vocab, plan.weights, rows))
+    _HEAD_ROWS.insert(0, (model, vocab, weights, rows))
     del _HEAD_ROWS[_HEAD_ROWS_HELD:]
-    return plan.replace(head_rows=rows)
+    return rows
 
   def dense_cache(self) -> KVCache:
     """The verified cache as a full-precision `KVCache` (itself, or an 8-bit view of a
