@@ -89,6 +89,24 @@ def test_metrics_are_ratios_of_sums():
   assert metrics.by_category(recs)["a"]["x"]["speedup"] == pytest.approx(2.0)
 
 
+def test_the_median_per_prompt_speedup_shows_a_slow_ar_prompt():
+  """One prompt whose AR ran at a third of its speed (machine noise, seen in a real run)
+  lifts the total-time speedup of every method; the median of per-prompt speedups, each
+  against AR on the same prompt, stays with the other prompts."""
+  recs = []
+  for i, ar_s in enumerate([1.0, 1.0, 3.0, 1.0]):
+    recs += [dict(method="ar", prompt_id=f"p{i}", category="a", decode_tokens=10,
+                  decode_s=ar_s),
+             dict(method="x", prompt_id=f"p{i}", category="a", decode_tokens=10, decode_s=0.5,
+                  rounds=5, drafted=8, accepted=4, committed=10, matches_ar=True)]
+  s = metrics.summarize(recs)
+  assert s["x"]["speedup"] == pytest.approx(3.0)  # 40 tokens in 2 s against 40 in 6 s
+  assert s["x"]["median_speedup"] == pytest.approx(2.0)
+  assert s["ar"]["median_speedup"] == pytest.approx(1.0)
+  no_ids = [{k: v for k, v in r.items() if k != "prompt_id"} for r in recs]
+  assert metrics.summarize(no_ids)["x"]["median_speedup"] is None  # nothing to pair
+
+
 def test_mismatches_cannot_read_zero_by_omission():
   """A drafter record without its AR comparison is an error; sampled records (None) are
   'not compared', never 0; a mix of the two is refused."""
