@@ -243,7 +243,8 @@ def test_an_untied_head_is_held_as_rows_for_the_routed_gathers(monkeypatch):
   took 36 ms on Qwen2.5-0.5B's head (twice a pass over all of it) against 0.7 ms as rows.
   The session holds its transpose once, for float drafts of untied models only, and the
   logits are those of the column gather."""
-  from specjax.decode import engine
+  from test_shortlist import count_head_row_gathers
+
   from specjax.drafters import Int8WeightsDrafter
   from specjax.quant import quantize_weights_int8
 
@@ -255,16 +256,7 @@ def test_an_untied_head_is_held_as_rows_for_the_routed_gathers(monkeypatch):
                              module.head_shortlist(h, ids), rtol=1e-6, atol=1e-6)
   assert tiny("llama").config.tie_embeddings and not m.config.tie_embeddings
 
-  held = []
-  real = engine.compiled
-
-  def counting(fn, *args, **kw):  # the engine's `compiled`, counting the head's copies
-    if fn is engine.untied_head_rows:
-      held.append(fn.__name__)
-    return real(fn, *args, **kw)
-
-  monkeypatch.setattr(engine, "compiled", counting)
-  monkeypatch.setattr(engine, "_HEAD_ROWS", [])  # none held by an earlier test
+  held = count_head_row_gathers(monkeypatch, "untied_head_rows")
 
   def decode(arch, drafter, prompt=PROMPT):
     t = tiny(arch)

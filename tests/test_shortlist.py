@@ -123,19 +123,21 @@ def test_frspec_on_a_layer_drafter_is_lossless():
     assert isinstance(out.plans[0].head_rows, Int8Matrix) == (base is int8)
 
 
-def count_head_row_gathers(monkeypatch) -> list:
-  """The engine's shortlist head-row gathers, as they happen (its `compiled`, wrapped)."""
+def count_head_row_gathers(monkeypatch, name: str = "shortlist_rows") -> list:
+  """The engine's calls of its jitted `name` (a head-row gather), as they happen (its
+  `compiled`, wrapped); none held from an earlier test."""
   from specjax.decode import engine
 
   gathers = []
   real = engine.compiled
 
   def counting(fn, *args, **kw):
-    if fn is engine.shortlist_rows:
-      gathers.append(fn)
+    if fn is getattr(engine, name):
+      gathers.append(name)
     return real(fn, *args, **kw)
 
   monkeypatch.setattr(engine, "compiled", counting)
+  monkeypatch.setattr(engine, "_HEAD_ROWS", [])
   return gathers
 
 

@@ -306,19 +306,20 @@ class Session:
     router = plan.router
     if (router is not None and router.head_rows is None and not self.config.tie_embeddings
         and (plan.weights is None or plan.weights.head is None)):
-      rows = self._held(untied_head_rows, _UNTIED_HEAD, None)
+      rows = self._held(_UNTIED_HEAD, None, untied_head_rows)
       plan = plan.replace(router=router.replace(head_rows=rows))
     if plan.vocab is None or plan.head_rows is not None:
       return plan
-    return plan.replace(head_rows=self._held(shortlist_rows, plan.vocab, plan.weights))
+    return plan.replace(head_rows=self._held(plan.vocab, plan.weights, shortlist_rows,
+                                             plan.vocab, plan.weights))
 
-  def _held(self, gather, vocab, weights):
-    """`gather(state, vocab, weights)`'s rows (`gather(state)`'s for `_UNTIED_HEAD`),
+  def _held(self, vocab, weights, gather, *args):
+    """`gather(state, *args)`'s rows, held under (this state, `vocab`, `weights`) and
     computed once while they stay in `_HEAD_ROWS`."""
     for model, held_vocab, held_weights, rows in _HEAD_ROWS:
       if model() is self.state and held_vocab is vocab and held_weights is weights:
         return rows
-    args = (self.state,) if vocab is _UNTIED_HEAD else (self.state, vocab, weights)
+    args = (self.state, *args)
     rows = compiled(gather, *args, graphdef=self.graphdef, clock=self.clock)(*args)
     jax.block_until_ready(rows)  # its time is the caller's (selection), not a round's
     # dropped with the model: the rows would otherwise outlive its weights
