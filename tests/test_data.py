@@ -5,6 +5,7 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -69,6 +70,31 @@ def test_real_data_files():
   assert len(prompts) == 480 and counts["qa"] == 80 and counts["writing"] == 10
   gsm = data.load_gsm8k(SHARED, limit=5)
   assert len(gsm) == 5 and gsm[0].turns[0].strip()
+
+
+def test_pilot_prompts_are_held_out_and_spread_over_the_categories(tmp_path):
+  prompts = data.load_spec_bench(write_spec_bench(tmp_path))
+  evaluation, search = data.evaluation_and_search(prompts, per_category=1)
+  pilots = data.pilot_prompts(prompts, 1, 4, exclude=search)
+  # centred strides over 13 categories, not the first four
+  assert [p.category for p in pilots] == ["roleplay", "coding", "translation", "math_reasoning"]
+  assert not {p.id for p in pilots} & {p.id for p in evaluation + search}
+  # fewer categories than pilots: one from each; nothing held out: none
+  few = data.pilot_prompts(prompts[:9], 1, 4)  # writing, roleplay, reasoning
+  assert [p.category for p in few] == ["writing", "roleplay", "reasoning"]
+  assert data.pilot_prompts(prompts, 3, 4) == []
+  assert data.pilot_prompts(prompts, 1, 0) == []
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="shared data folder not present")
+def test_bench_pilots_on_spec_bench_are_apart_from_evaluation_and_search():
+  from specjax.bench import runner
+
+  cfg = SimpleNamespace(categories=data.SPEC_BENCH_CATEGORIES, per_category=1)
+  evaluation, search, pilots = runner.split_prompts(cfg, SHARED)
+  assert len(pilots) == runner.PILOT_PROMPTS == 4
+  assert [p.category for p in pilots] == ["roleplay", "coding", "translation", "math_reasoning"]
+  assert not {p.id for p in pilots} & {p.id for p in evaluation + search}
 
 
 def test_humaneval_from_its_package():

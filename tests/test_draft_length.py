@@ -187,7 +187,7 @@ def test_bench_auto_gamma_records_and_reuses_the_chosen_lengths(tmp_path, capsys
   assert set(saved) == {"early_exit", "8bit", "knapspec+8bit"}
   assert all(v["threshold"] in draft_length.THRESHOLDS for v in saved.values())
   assert saved["knapspec+8bit"]["gamma"] == 3  # KnapSpec picks its own γ: τ alone is fitted
-  # the rounds of several held-out prompts, pooled (3 categories: 3 search prompts)
+  # the rounds of several held-out prompts, pooled (3 categories: a pilot from each)
   assert all(v["pilot_prompts"] == 3 and v["pilot_rounds"] >= 3 for v in saved.values())
   records = [r for line in (out / "results.jsonl").read_text().splitlines()
              for r in json.loads(line)["records"]]

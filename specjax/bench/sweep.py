@@ -176,11 +176,11 @@ def run(sweep: Sweep, out_dir: Path, *, data_dir=None, resume: bool = False,
     model = models[(cfg.model, cfg.dtype)]
     if point.context is not None:  # the long prompts are token ids: tokenise now
       work = _tokenised(model, point, work, data_dir)
-    evaluation, search = bench.split_prompts(cfg, data_dir)
+    _, search, pilots = bench.split_prompts(cfg, data_dir)
     bar.set_postfix_str(", ".join(f"{a}={v}" for a, v in point.axes))
     # Per point: its draft lengths (auto_gamma) depend on its settings.
     bench.run_units(cfg, model, work, store, work_dir=out_dir / "points" / key,
-                    search_prompts=search, pilot_prompts=search or evaluation[:1],
+                    search_prompts=search, pilot_prompts=pilots,
                     data_dir=data_dir, settings_key=key, verbose=verbose,
                     progress=bar.update)
   bar.close()
@@ -200,7 +200,7 @@ def _prompts(point: Point, data_dir) -> list[tuple[str, str, Any]]:
     _, held = domain_prompts(data_dir, cfg.categories)
     stream = data.task_stream(held, point.stream_length, point.mix_ratio, cfg.seed)
     return [(f"r{point.mix_ratio}/{j}", p.category, p.turns) for j, p in enumerate(stream)]
-  evaluation, _ = bench.split_prompts(cfg, data_dir)
+  evaluation, _, _ = bench.split_prompts(cfg, data_dir)
   return [(p.id, p.category, p.turns) for p in evaluation]
 
 
