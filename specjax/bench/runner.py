@@ -137,8 +137,8 @@ def run_units(cfg: BenchConfig, model, units, store: ResultsStore, *, work_dir: 
 
 # Prompts whose pilot texts the (γ, τ) fit replays: one prompt of 64 tokens gives an 8-bit
 # draft of SmolLM2 about eight rounds at γ = 8, few for the fit's 80 (γ, τ) pairs. Four,
-# one per category spread over the set: the first three search prompts (until 2026-11-27,
-# all English prose) put a shortlisted draft's α at 0.956 against 0.79 over 13 categories.
+# one per category spread over the set (`data.pilot_prompts`); until 2026-11-27 the first
+# three search prompts, all MT-bench prose and the prompts Self-SD's skip set was chosen on.
 PILOT_PROMPTS = 4
 
 
@@ -260,6 +260,13 @@ def _plot(cats: dict, drafters: list[str], path: Path) -> None:
   plots.save(fig, path, dpi=120)
 
 
+# Under the geometric model a draft of γ tokens at per-token α accepts Σ α^k (k = 1..γ).
+PILOT_ALPHA = ("`pilot α` is per token (`draft_length.acceptance`): accepted drafts over "
+               "accepted drafts plus rejections, since no draft past a rejection is tested. "
+               "It runs above the first table's α, accepted over drafted: at γ = 8, a "
+               f"per-token α of 0.95 accepts {sum(0.95 ** k for k in range(1, 9)) / 8:.0%} "
+               "of the drafts on average.")
+
 
 def _lengths_table(saved: dict) -> str:
   """The chosen draft lengths and the measurements behind them, as a markdown table."""
@@ -298,7 +305,7 @@ def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict,
       f"`median per prompt` the median of each prompt's speedup, which one prompt's noise "
       f"moves little. Machine: {docs.machine()}.", "",
       table, "", "Speedup vs AR by category:", "", cat_table,
-  ] + (["", "Draft lengths (`--auto-gamma`):", "", lengths] if lengths else [])
+  ] + (["", "Draft lengths (`--auto-gamma`):", "", lengths, "", PILOT_ALPHA] if lengths else [])
     + ["", claims.section(claims.for_run(overall))])
   docs.write_section(section or f"bench-{cfg.model}", body, _command(cfg, section))
 
