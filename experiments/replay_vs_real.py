@@ -5,8 +5,9 @@ the speedup the same settings reach when the pilot's prompts are really decoded.
         [--pairs 8:0,8:0.4,4:0,4:0.4] [--prompts 3] [--max-new-tokens 64]
 
 Pilots and step costs come from the same code as `specjax bench --auto-gamma`
-(`specjax.decode.draft_length`): the held-out search prompts decoded at the largest γ with
-no early stop, replayed position by position under each (γ, τ) of `--pairs` and of the
+(`specjax.decode.draft_length`): the first `--prompts` held-out search prompts (the bench's
+pilots until 2026-11-27; it now takes other held-out prompts, `data.pilot_prompts`, so this
+script's section stays reproducible) decoded at the largest γ with no early stop, replayed position by position under each (γ, τ) of `--pairs` and of the
 fit. Then each pair decodes the same prompts for real (greedy, the device loop where the
 drafter allows it) beside AR; `real` is AR decode time over SSD decode time, medians of
 `--runs`. A replay that orders the pairs as the real runs do picks the right ones. Tables

@@ -321,8 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--gamma", type=int, default=4, help="maximum draft length")
   p.add_argument("--auto-gamma", action="store_true",
                  help="per drafter, the γ <= --gamma and early-stop threshold (unless --threshold "
-                 "is given) of highest tokens per time, replaying its rounds on three held-out "
-                 "pilot prompts "
+                 "is given) of highest tokens per time, replaying its rounds on four held-out "
+                 "pilot prompts (one per category, spread over the set) "
                  "with its draft/verify costs measured here (the threshold alone for drafters "
                  "that pick their own γ, as KnapSpec)")
   p.add_argument("--threshold", type=float, default=None,
