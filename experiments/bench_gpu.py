@@ -48,9 +48,14 @@ from specjax.models.loader import (DTYPE_CHOICES, load_model, resolve_dtype,  # 
 from specjax.plan import DraftPlan  # noqa: E402
 from specjax.quant import quantize_mlp_weights, quantize_weights_int8  # noqa: E402
 
-# Published shapes: Qwen2.5-1.5B (config.json of Qwen/Qwen2.5-1.5B) and Llama-3-8B
+# Published shapes: SmolLM2-135M, Qwen2.5-1.5B (config.json of Qwen/Qwen2.5-1.5B) and Llama-3-8B
 # (Meta's params.json: 32 layers, D 4096, F 14336, 32 / 8 heads, vocab 128256).
 SHAPES = {
+    # SmolLM2-135M-Instruct (read from its GGUF), for checks that must not wait for weights.
+    "smollm2-135m": ModelConfig(arch="llama", num_layers=30, embed_dim=576, hidden_dim=1536,
+                                num_heads=9, num_kv_heads=3, head_dim=64, vocab_size=49152,
+                                rope_base=1e5, rope_interleaved=True, tie_embeddings=True,
+                                max_context=8192),
     "qwen2-1.5b": ModelConfig(arch="qwen2", num_layers=28, embed_dim=1536, hidden_dim=8960,
                               num_heads=12, num_kv_heads=2, head_dim=128, vocab_size=151936,
                               rope_base=1e6, qkv_bias=True, tie_embeddings=True,

@@ -3,7 +3,8 @@
 # under the 600 s a call may run). Run through a bundle (experiments/gpu_bundle.py), which
 # sets SPECJAX_CACHE and SPECJAX_DATA_DIR; results go to $OUT (8 files at most come back).
 #
-#   bash experiments/gpu_checks.sh STEP [STEP ...]     STEP: fixed, cmdbuf, adaptive, all
+#   bash experiments/gpu_checks.sh STEP [STEP ...]     STEP: fixed, cmdbuf, adaptive,
+#                                                      conditionals, all
 #
 #   fixed     the device-loop drafters end to end in --dtype mixed: 0 mismatches now that
 #             float32 dots ask for HIGHEST precision (efe3747), and FR-Spec's selection
@@ -13,6 +14,12 @@
 #             paying a host round trip per lax.cond?
 #   adaptive  KnapSpec's latency profile at two cache sizes, then SWIFT, CLaSp and
 #             KnapSpec end to end (their plans change per round: traced)
+#   conditionals  the same question as cmdbuf on a random-init SmolLM2 shape, end to end
+#             too (experiments/gpu_conditionals.py): needs no bundle, so it can run in the
+#             call that carries the bundle's first part
+#
+# Each step's time limit in seconds can be lowered to fit a lease: FIXED_S, CMDBUF_S,
+# PROFILE_S, ADAPTIVE_S, CONDITIONALS_S (per flag setting).
 set -uo pipefail
 MODEL=${MODEL:-smollm2-135m-instruct}
 OUT=${OUT:-/tmp/gpu-checks}
@@ -37,24 +44,28 @@ bench() {  # NAME DRAFTERS SECONDS
 
 forward() {  # NAME XLA_FLAGS
   log "bench_gpu $1 (XLA_FLAGS=$2)"
-  XLA_FLAGS="$2" timeout 200 python3 experiments/bench_gpu.py --models "$MODEL" \
+  XLA_FLAGS="$2" timeout "${CMDBUF_S:-200}" python3 experiments/bench_gpu.py --models "$MODEL" \
     --repeats 5 --chain 10 --loop-steps 32 --out "$OUT/forward-$1.jsonl" 2>&1 \
     | tail -n 15 | tee -a "$OUT/checks.log"
 }
 
 step() {
   case "$1" in
-    fixed) bench fixed "${FIXED:-8bit,frspec,dynaspec,self_sd,early_exit}" 420 ;;
+    fixed) bench fixed "${FIXED:-8bit,frspec,dynaspec,self_sd,early_exit}" "${FIXED_S:-420}" ;;
     cmdbuf)
       forward default ""
       forward cmdbuf "--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE" ;;
     adaptive)
       log "profile"
-      timeout 150 python3 -m specjax.cli profile --model "$MODEL" --dtype mixed \
+      timeout "${PROFILE_S:-150}" python3 -m specjax.cli profile --model "$MODEL" --dtype mixed \
         --lengths 256,512 > "$OUT/profile.json" 2>> "$OUT/checks.log"
-      bench adaptive "${ADAPTIVE:-swift,clasp,knapspec}" 400 ;;
+      bench adaptive "${ADAPTIVE:-swift,clasp,knapspec}" "${ADAPTIVE_S:-400}" ;;
+    conditionals)
+      log "gpu_conditionals"
+      python3 experiments/gpu_conditionals.py --timeout "${CONDITIONALS_S:-150}" \
+        --out "$OUT/conditionals.jsonl" 2>&1 | tail -n 12 | tee -a "$OUT/checks.log" ;;
     all) step fixed; step cmdbuf; step adaptive ;;
-    *) echo "unknown step '$1' (fixed, cmdbuf, adaptive, all)" >&2; exit 2 ;;
+    *) echo "unknown step '$1' (fixed, cmdbuf, adaptive, conditionals, all)" >&2; exit 2 ;;
   esac
 }
 
