@@ -11,7 +11,8 @@
 #             share now that its head rows are gathered once (a94978f)
 #   cmdbuf    the step table in the device loop with and without CUDA-graph conditionals
 #             (XLA_FLAGS=--xla_gpu_enable_command_buffer=...): do traced plans stop
-#             paying a host round trip per lax.cond?
+#             paying a host round trip per lax.cond? (conditionals answered it on an H200,
+#             2026-11-27: no, a traced draft step cost 2.7 times more with them)
 #   adaptive  KnapSpec's latency profile at two cache sizes, then SWIFT, CLaSp and
 #             KnapSpec end to end (their plans change per round: traced)
 #   conditionals  the same question as cmdbuf on a random-init SmolLM2 shape, end to end
@@ -62,7 +63,8 @@ step() {
       bench adaptive "${ADAPTIVE:-swift,clasp,knapspec}" "${ADAPTIVE_S:-400}" ;;
     conditionals)
       log "gpu_conditionals"
-      python3 experiments/gpu_conditionals.py --timeout "${CONDITIONALS_S:-150}" \
+      # specjax from this checkout: without a bundle, nothing else puts it on the path
+      PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 experiments/gpu_conditionals.py --timeout "${CONDITIONALS_S:-150}" \
         --out "$OUT/conditionals.jsonl" 2>&1 | tail -n 12 | tee -a "$OUT/checks.log" ;;
     all) step fixed; step cmdbuf; step adaptive ;;
     *) echo "unknown step '$1' (fixed, cmdbuf, adaptive, conditionals, all)" >&2; exit 2 ;;

@@ -30,3 +30,23 @@ def test_smoke_run_measures_every_step_and_renders_its_section(tmp_path):
   out = _script("--report", str(lines))
   assert json.loads(out[-1])["models"] == [row]
   assert any(line.startswith("| draft, 50 %, frozen ÷ AR |") for line in out)
+
+
+def test_conditionals_check_measures_under_the_command_buffer_flags(tmp_path):
+  """experiments/gpu_conditionals.py on a CPU, its GPU flag setting alone (a child process
+  started with that XLA_FLAGS, which a CPU accepts and ignores): every figure present, and
+  on a float32 tiny model each of the three SSD loops commits AR's tokens."""
+  lines = tmp_path / "cond.jsonl"
+  out = subprocess.run([sys.executable, "experiments/gpu_conditionals.py", "--model",
+                        "shape:tiny", "--settings", "cmdbuf", "--tokens", "8", "--loop-steps",
+                        "2", "--repeats", "1", "--out", str(lines)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  rows = [json.loads(line) for line in lines.read_text().splitlines()]
+  (row,) = rows
+  assert "error" not in row, row
+  assert row["setting"] == "cmdbuf" and "+CONDITIONAL" in row["xla_flags"]
+  assert row["loop_ar_ms"] > 0 and row["ar_tok_s"] > 0
+  for loop in ("device frozen", "device traced", "host traced"):
+    assert row[f"ssd {loop}"]["same_as_ar"], loop
+  assert json.loads(out.stdout.strip().splitlines()[-1])["settings"] == rows
