@@ -1,6 +1,7 @@
 """The device round loop (`round_loop`) against the host loop it replaces: the same tokens,
-rounds and acceptance for every drafter whose plan is fixed, greedy and sampled; stops at
-EOS and at the budget mid-round; no cache copy in its executable; and AR in chunks."""
+rounds and acceptance for every drafter whose plan is fixed, greedy and sampled, and for
+CLaSp, which selects between calls; stops at EOS and at the budget mid-round; no cache
+copy in its executable; and AR in chunks."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from specjax.kv_cache import KVCache
 from specjax.plan import DraftPlan
 from specjax.quant_kv_cache import QuantKV
 from specjax.sampling import SamplingParams
+from specjax.selection.layer_probe import Window
 
 SKIP = DraftPlan.from_skips(6, [1, 3], [2])
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.95)
@@ -126,20 +128,55 @@ def test_adaptive_drafters_keep_the_host_loop():
     speculative_generate(graphdef, state, config, PROMPT, SwiftDrafter(trials=4, window=16),
                          loop="device")
   out = speculative_generate(graphdef, state, config, PROMPT,
-                             FRSpecDrafter(np.arange(97), ClaspDrafter(skip=1, interval=3)),
+                             FRSpecDrafter(np.arange(97), SwiftDrafter(trials=4, window=16)),
                              max_new_tokens=8, eos_ids=())
   assert out.loop == "host"  # an overlay is as adaptive as its base
 
 
+@pytest.mark.parametrize("overlay, sampling, per_call", [
+    (False, SamplingParams(), None), (True, SAMPLED, 2)], ids=["greedy", "shortlist-sampled"])
+def test_clasp_runs_the_rounds_between_its_selections_on_the_device(overlay, sampling,
+                                                                    per_call):
+  """CLaSp's plan holds for `interval` rounds, and between selections its update only
+  extends its window of verified rows: the device loop runs those rounds (at most
+  `per_call` a call), extending the window itself, and the host selects between calls.
+  The same selections, plans and tokens as the host loop, under an overlay too."""
+  config, graphdef, state = target("llama")
+  drafter = ClaspDrafter(skip=2, interval=3)
+  if overlay:
+    drafter = FRSpecDrafter(np.arange(0, 97, 2), drafter)
+  run = lambda loop: speculative_generate(
+      graphdef, state, config, PROMPT, drafter, max_new_tokens=48, eos_ids=(), gamma=4,
+      threshold=0.0, sampling=sampling, loop=loop, rounds_per_call=per_call,
+      record_rounds=True)
+  host, device = run("host"), run("auto")
+  assert_same(host, device)
+  own = lambda gen: gen.drafter_state.base if overlay else gen.drafter_state
+  selections = own(device).plans
+  assert len(selections) == len(own(host).plans) >= 4
+  for a, b in zip(own(host).plans, selections):
+    np.testing.assert_array_equal(a, b)
+  assert len({tuple(np.asarray(p.attn)) for p in device.plans}) > 1  # plans did change
+  assert device.selection_s > 0 and device.rounds_s > 0
+  if sampling.greedy:
+    assert device.tokens == ar_tokens("llama")
+
+
 def test_device_loop_copies_no_cache_layer():
   """Draft (reading the cache in conditionals) and verification (writing it) in one loop
-  body: XLA still updates the cache in place."""
+  body, with a chunked drafter's window too: XLA still updates the cache in place."""
   from test_model import _layer_copies
 
   config, graphdef, state = target("gemma3")
   cache = KVCache.create(config, 1, 512)
-  for sampling in (SamplingParams(), SAMPLED):
-    carry = Decoding.start(cache, jnp.asarray([1]), jax.random.key(0), 64)
+  L, W = config.num_layers, 2
+  window = Window(tokens=jnp.zeros((W,), jnp.int32), positions=jnp.zeros((W,), jnp.int32),
+                  next_tokens=jnp.zeros((W,), jnp.int32),
+                  residuals=jnp.zeros((2 * L, W, config.embed_dim)),
+                  valid=jnp.zeros((W,), bool))
+  for sampling, window in ((SamplingParams(), None), (SAMPLED, None),
+                           (SamplingParams(), window)):  # a chunked drafter's carry
+    carry = Decoding.start(cache, jnp.asarray([1]), jax.random.key(0), 64, window=window)
     hlo = decode_rounds.lower(state, carry, SKIP, jnp.int32(40), jnp.asarray([-1]),
                               graphdef=graphdef, vocab=config.vocab_size, gamma=4,
                               threshold=0.5, sampling=sampling,

@@ -459,13 +459,15 @@ def speculative_generate(
   `prefilled`: this prompt's `generate.prefill_prompt` (same cache type, sampling and seed,
   room for max_new_tokens + gamma + 1) to start from instead of prefilling again.
   `loop`: "device" runs the rounds inside one jitted loop (`round_loop`; drafters whose
-  plan is fixed for the generation), "host" a draft and a verify call per round with
-  their times apart (adaptive drafters; profiling), "auto" the device loop where it can.
+  plan is fixed for the generation, and `chunked` ones between their selections), "host"
+  a draft and a verify call per round with their times apart (the other adaptive
+  drafters; profiling), "auto" the device loop where it can.
   `rounds_per_call` (device loop): rounds between host reads (default: all of them, or
   4 when streaming to `on_token`). `static_plan` (device loop): compile the drafter's
   plan into the executable (`DraftPlan.freeze`: no per-layer conditional, one compile
-  per plan; the default on accelerators, where each conditional is a host round trip)
-  rather than trace it (one executable for every plan; the default on a CPU).
+  per plan; the default on accelerators for a fixed plan, where each conditional is a
+  host round trip) rather than trace it (one executable for every plan; the default on a
+  CPU, and for a `chunked` drafter's plans, which change at every selection).
   `record_rounds` keeps each round's plan and, on the host loop, its drafts' top-1
   probabilities (what `draft_length.best_length_and_threshold` replays): a diagnostic,
   one more host read per round.
@@ -478,7 +480,8 @@ def speculative_generate(
     raise ConfigError(f"threshold must be in [0, 1], got {threshold}")
   if loop not in ("auto", "host", "device"):
     raise ConfigError(f"loop must be 'auto', 'host' or 'device', got {loop!r}")
-  if loop == "device" and drafter.adaptive:
+  on_host = drafter.adaptive and not drafter.chunked  # its update needs every round
+  if loop == "device" and on_host:
     raise ConfigError(f"the {drafter.name} drafter changes its plan between rounds on the host: "
                      f"it runs with loop='host' (or 'auto')")
   size = check_prompt(prompt_tokens, max_new_tokens + gamma + 1, config.max_context)
@@ -501,13 +504,13 @@ def speculative_generate(
   run = _Run(graphdef, state, config, list(prompt_tokens), drafter, dstate, session, cache,
              first, pre.key, max_new_tokens, gamma, threshold, sampling,
              set(config.eos_ids if eos_ids is None else eos_ids), on_token, kv_cache)
-  if loop == "host" or (loop == "auto" and drafter.adaptive):
+  if loop == "host" or (loop == "auto" and on_host):
     gen = _host_rounds(run, record_rounds)
   else:
     from specjax.decode.round_loop import device_rounds
 
     if static_plan is None:
-      static_plan = jax.default_backend() != "cpu"
+      static_plan = jax.default_backend() != "cpu" and not drafter.adaptive
     gen = device_rounds(run, record_rounds, rounds_per_call, static_plan)
   gen.compile_s += pre.compile_s + init_compile_s
   gen.compiles = pre.compiles + clock.count

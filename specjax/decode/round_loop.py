@@ -1,5 +1,7 @@
 """Self-speculative rounds on the device: draft, verify, accept and commit, repeated inside
-one jitted `lax.while_loop`, for drafters whose plan is fixed for the generation.
+one jitted `lax.while_loop`, for drafters whose plan is fixed for the generation, and for
+`chunked` ones (CLaSp) between their selections: the loop then also extends their window
+of verified rows, and the host selects between calls.
 
 The host loop (`engine.speculative_generate(loop="host")`) reads the device five times a
 round (the draft's length, the accepted count, the committed tokens, ...) and dispatches
@@ -26,6 +28,7 @@ from specjax.jit_cache import compiled
 from specjax.kv_cache import KVCache
 from specjax.plan import DraftPlan
 from specjax.sampling import SamplingParams
+from specjax.selection.layer_probe import Window, push_step
 
 ALL_ROUNDS = 1 << 30  # rounds per call when nothing streams: until done
 TOKEN_BUCKET = 256  # the committed-token buffer grows in these steps
@@ -44,15 +47,24 @@ class Decoding:
   rounds: jax.Array  # int32
   drafted: jax.Array  # int32[C]: per round (the first `rounds` entries are valid)
   accepted: jax.Array  # int32[C]: per round, drafts accepted (before EOS truncation)
+  # A `chunked` drafter's window: each round's verified rows are pushed into it, as its
+  # `update` would on the host. None: the loop asks verification for no residuals.
+  window: Window | None = None
 
   @classmethod
-  def start(cls, cache, first: jax.Array, key: jax.Array, capacity: int) -> Decoding:
+  def start(cls, cache, first: jax.Array, key: jax.Array, capacity: int,
+            window: Window | None = None) -> Decoding:
     zeros = lambda: jnp.zeros((capacity,), jnp.int32)  # one buffer each: all are donated
     # The key is copied: a shared prefill (`Prefilled`) keeps its own.
     return cls(cache=cache, last=first[0].astype(jnp.int32), key=jnp.copy(key),
                tokens=zeros().at[0].set(first[0]),
                count=jnp.int32(1), done=jnp.bool_(False), rounds=jnp.int32(0),
-               drafted=zeros(), accepted=zeros())
+               drafted=zeros(), accepted=zeros(), window=_own(window))
+
+
+def _own(window: Window | None) -> Window | None:
+  """A copy for the carry, which each call donates: the drafter's state keeps its own."""
+  return None if window is None else jax.tree.map(jnp.copy, window)
 
 
 def _commit(tokens: jax.Array, n_commit: jax.Array, count: jax.Array, budget: jax.Array,
@@ -88,28 +100,40 @@ def decode_rounds(state: nnx.State, carry: Decoding, plan: DraftPlan, budget: ja
     draft = draft_fn(state, c.cache, c.last, plan, k_draft, jnp.int32(gamma), graphdef=graphdef,
                      vocab=vocab, gamma=gamma, threshold=threshold, sampling=sampling)
     out, cache = verify_fn(state, c.cache, c.last, draft, full, k_accept, graphdef=graphdef,
-                           sampling=sampling)
+                           sampling=sampling, residuals=c.window is not None)
     keep, done = _commit(out.tokens, out.n_commit, c.count, budget, eos)
     tokens = jax.lax.dynamic_update_slice_in_dim(c.tokens, out.tokens, c.count, axis=0)
+    window = c.window
+    if window is not None:  # `last` sits at the verified length: the round's first position
+      window = push_step(window, out.residuals, c.last, out.tokens, c.cache.length,
+                         out.n_commit)
     return c.replace(
         cache=cache, last=out.tokens[out.n_commit - 1], key=key,
         tokens=tokens, count=c.count + keep, done=done, rounds=c.rounds + 1,
         drafted=c.drafted.at[c.rounds].set(out.n_drafted),
-        accepted=c.accepted.at[c.rounds].set(out.n_commit - 1))
+        accepted=c.accepted.at[c.rounds].set(out.n_commit - 1), window=window)
 
   return jax.lax.while_loop(cond, body, carry)
 
 
 def device_rounds(run, record_rounds: bool, rounds_per_call: int | None, static_plan: bool):
-  """`engine.speculative_generate`'s device driver: the drafter's one plan (frozen into
-  the executable when `static_plan`), then calls of `decode_rounds` until done, one host
-  read each (`engine._Run` in, `SSDGeneration` out)."""
-  t0, c0 = time.perf_counter(), run.session.clock.seconds
-  plan = run.session.with_head_rows(run.drafter.plan(run.dstate))
-  if static_plan:
-    plan = plan.freeze()
-  rows_compile_s = run.session.clock.seconds - c0  # a static shortlist's row gather
-  selection_s = time.perf_counter() - t0 - rows_compile_s
+  """`engine.speculative_generate`'s device driver: the drafter's plan (frozen into the
+  executable when `static_plan`), then calls of `decode_rounds` until done, one host read
+  each (`engine._Run` in, `SSDGeneration` out). A `chunked` drafter's call runs no more
+  rounds than are left to its next selection; between calls the host hands it the window
+  the loop extended (`Drafter.resume`, timed as selection) and takes its next plan."""
+  session, drafter, clock = run.session, run.drafter, run.session.clock
+  chunked = drafter.adaptive  # the engine sends an adaptive drafter here only if chunked
+  dstate = run.dstate
+
+  def next_plan():
+    plan = session.with_head_rows(drafter.plan(dstate))
+    return plan.freeze() if static_plan else plan
+
+  t0, c0 = time.perf_counter(), clock.seconds
+  plan = next_plan()
+  compile_s = clock.seconds - c0  # a static shortlist's row gather
+  selection_s = time.perf_counter() - t0 - compile_s
   budget = run.max_new_tokens
   # Static sizes that do not follow the budget, so every max_new_tokens shares one compile.
   per_call = rounds_per_call or (4 if run.on_token else ALL_ROUNDS)
@@ -117,26 +141,50 @@ def device_rounds(run, record_rounds: bool, rounds_per_call: int | None, static_
     raise ConfigError(f"rounds_per_call must be >= 1, got {per_call}")
   capacity = -(-(budget + run.gamma + 1) // TOKEN_BUCKET) * TOKEN_BUCKET
   carry = Decoding.start(run.cache, jnp.asarray([run.first], jnp.int32), run.key,
-                         capacity=capacity)
+                         capacity=capacity, window=drafter.carried_window(dstate) if chunked else None)
   eos = eos_array(run.eos)
-  args = (run.state, carry, plan, jnp.int32(budget), eos)
-  t_compile = time.perf_counter()
-  exe = compiled(decode_rounds, *args, rounds_per_call=per_call, clock=run.session.clock,
-                 **run.draft_static)
-  compile_s = time.perf_counter() - t_compile + rows_compile_s
-  tokens = [run.first]
+  exes: dict = {}
+
+  def executable(plan: DraftPlan, rounds: int):
+    """One per plan structure (per plan when frozen) and rounds per call, compiled ahead;
+    kept here, since `compiled`'s lookup walks every parameter."""
+    sig = (rounds, jax.tree.structure(plan), tuple(x.shape for x in jax.tree.leaves(plan)))
+    if sig not in exes:
+      exes[sig] = compiled(decode_rounds, run.state, carry, plan, jnp.int32(budget), eos,
+                           rounds_per_call=rounds, clock=clock, **run.draft_static)
+    return exes[sig]
+
+  tokens, plans = [run.first], []
   done = run.first in run.eos or budget <= 1
-  rounds_s = 0.0
+  rounds_s = loop_compile_s = loop_selection_s = 0.0  # inside the loop below
+  n_done = 0
   t1 = time.perf_counter()
   while not done:
+    rounds = min(per_call, max(drafter.rounds_left(dstate), 1)) if chunked else per_call
+    t_c = time.perf_counter()
+    exe = executable(plan, rounds)
     t_a = time.perf_counter()
+    loop_compile_s += t_a - t_c
     carry = exe(run.state, carry, plan, jnp.int32(budget), eos)
-    count, done, new = jax.device_get((carry.count, carry.done, carry.tokens))  # one read
+    count, done, new, n = jax.device_get(  # one read
+        (carry.count, carry.done, carry.tokens, carry.rounds))
     rounds_s += time.perf_counter() - t_a
     for t in new[len(tokens):count].tolist():
       tokens.append(t)
       if run.on_token:
         run.on_token(t)
+    if record_rounds:
+      plans += [plan] * (int(n) - n_done)
+    if chunked and not done:
+      t_s, c_s = time.perf_counter(), clock.seconds
+      session.cache, session.context = carry.cache, run.prompt_tokens + tokens
+      dstate = drafter.resume(dstate, carry.window, int(n) - n_done, session)
+      plan = next_plan()
+      carry = carry.replace(window=_own(drafter.carried_window(dstate)))
+      late_compile_s = clock.seconds - c_s  # a selection's first DP compiles
+      loop_compile_s += late_compile_s
+      loop_selection_s += time.perf_counter() - t_s - late_compile_s
+    n_done = int(n)
   if run.kv_cache is not None:
     carry.cache.check_finite()
   n, drafted, accepted = jax.device_get((carry.rounds, carry.drafted, carry.accepted))
@@ -144,9 +192,9 @@ def device_rounds(run, record_rounds: bool, rounds_per_call: int | None, static_
   return SSDGeneration(
       prompt_tokens=run.prompt_tokens, tokens=tokens, rounds=int(n),
       drafted=int(drafted[:n].sum()), accepted=int(accepted[:n].sum()),
-      committed=len(tokens) - 1, compile_s=compile_s, prefill_s=0.0, draft_s=0.0,
-      verify_s=0.0, selection_s=selection_s, other_s=(t2 - t1) - rounds_s,
+      committed=len(tokens) - 1, compile_s=compile_s + loop_compile_s, prefill_s=0.0,
+      draft_s=0.0, verify_s=0.0, selection_s=selection_s + loop_selection_s,
+      other_s=(t2 - t1) - rounds_s - loop_compile_s - loop_selection_s,
       stopped_on_eos=tokens[-1] in run.eos, rounds_s=rounds_s, loop="device",
-      plans=[plan] * int(n) if record_rounds else [],
-      round_drafted=drafted[:n].tolist(), round_accepted=accepted[:n].tolist(),
-      drafter_state=run.dstate)
+      plans=plans, round_drafted=drafted[:n].tolist(), round_accepted=accepted[:n].tolist(),
+      drafter_state=dstate)

@@ -3,6 +3,8 @@
     state = drafter.init(session, prior)    # once, after prefill
     plan = drafter.plan(state)              # before each round
     state = drafter.update(state, out, session)   # after each round
+    state = drafter.resume(state, window, n, session)   # after n rounds on the device
+                                                        # (`chunked` drafters)
 
 No hidden state lives in the drafter object, and any randomness is a `jax.random` key in
 the state, so strategies compose and a run can be replayed. `session` gives read-only
@@ -11,8 +13,9 @@ candidate plans by agreement (`session.score`).
 
 What a drafter needs (a plan, a profile, a library, a shortlist, quantised weights) is a
 constructor argument, or comes from one documented factory (`for_model`). What composes
-— `threshold`, `draft_length` / `own_gamma`, `wants_residuals`, `kv_cache`, `adaptive`, and
-the plan fields an overlay sets — an overlay passes through from its base (`overlay.py`).
+— `threshold`, `draft_length` / `own_gamma`, `wants_residuals`, `kv_cache`, `adaptive`,
+`chunked` and the plan fields an overlay sets — an overlay passes through from its base
+(`overlay.py`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ class Drafter(abc.ABC):
   # It chooses each round's draft length itself (`draft_length`, KnapSpec): callers that
   # pick γ from measured costs (`specjax bench --auto-gamma`) leave it alone.
   own_gamma: ClassVar[bool] = False
+  # An adaptive drafter whose plan and draft length hold between selections some rounds
+  # apart, and whose `update` between them only folds each round's verified rows into a
+  # `layer_probe.Window` (CLaSp). The device loop then runs the rounds up to a selection
+  # as one call, carrying the window (`carried_window`, `rounds_left`, `resume`).
+  chunked: ClassVar[bool] = False
 
   @property
   def threshold(self) -> float:
@@ -62,3 +70,17 @@ class Drafter(abc.ABC):
   def update(self, state: Any, out, session) -> Any:
     """Fold one round's outcome (`engine.RoundOut`, on host) into the state."""
     return state
+
+  # --- `chunked` drafters only ----------------------------------------------------------
+  def carried_window(self, state: Any) -> Any:
+    """The window of verified rows that the device loop carries and extends each round."""
+    raise NotImplementedError(f"{self.name} does not run its rounds in chunks")
+
+  def rounds_left(self, state: Any) -> int:
+    """Rounds until the next selection: the device loop's next call runs no more."""
+    raise NotImplementedError(f"{self.name} does not run its rounds in chunks")
+
+  def resume(self, state: Any, window: Any, rounds: int, session) -> Any:
+    """`update` for `rounds` rounds that ran on the device, whose verified rows `window`
+    already holds: selects when one is due."""
+    raise NotImplementedError(f"{self.name} does not run its rounds in chunks")

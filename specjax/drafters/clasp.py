@@ -5,7 +5,9 @@ them skipped, best meaning closest (cosine) to the full model's residual after l
 for the last verified token(s); g[l+1][m] comes from running layer l on g[l][m] or
 skipping it from g[l][m−1]. All m-branches of a layer run as one batched call against the
 verified KV cache (`layer_dp` with run cost 0, skip cost 1); the plan at m = `skip` is
-backtracked. Selection reruns every `interval` rounds on the newest verified tokens.
+backtracked. Selection reruns every `interval` rounds on the newest verified tokens;
+between selections the plan is fixed, so the device loop runs those rounds as one call
+(`chunked`), extending the window on the device.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class ClaspState:
 class ClaspDrafter(Drafter):
   name = "clasp"
   wants_residuals: ClassVar[bool] = True
+  chunked: ClassVar[bool] = True  # the device loop runs the rounds between selections
   skip: int | None = None  # layers skipped; default half of them
   window: int = 1  # verified tokens compared (CLaSp: the last one)
   interval: int = 8  # rounds between selections
@@ -61,8 +64,16 @@ class ClaspDrafter(Drafter):
     return state.plan
 
   def update(self, state: ClaspState, out, session) -> ClaspState:
-    window = push_round(state.window, out, session)
-    state = dataclasses.replace(state, window=window, rounds=state.rounds + 1)
+    return self.resume(state, push_round(state.window, out, session), 1, session)
+
+  def carried_window(self, state: ClaspState):
+    return state.window
+
+  def rounds_left(self, state: ClaspState) -> int:
+    return self.interval - state.rounds
+
+  def resume(self, state: ClaspState, window, rounds: int, session) -> ClaspState:
+    state = dataclasses.replace(state, window=window, rounds=state.rounds + rounds)
     return self._select(state, session) if state.rounds >= self.interval else state
 
   def _select(self, state: ClaspState, session) -> ClaspState:

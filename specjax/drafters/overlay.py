@@ -3,7 +3,7 @@
 An overlay contributes fields of the plan (a shortlist, a router, a KV precision,
 quantised weights) and passes everything else through from its `base` drafter (the full
 model when there is none): the layers, the draft length, the early-stop threshold, the
-residuals it asks for, the KV cache it needs and the per-round updates. So KnapSpec ×
+residuals it asks for, the KV cache it needs and the per-round (or per-chunk) updates. So KnapSpec ×
 DynaSpec is `DynaSpecDrafter(bundle, KnapSpecDrafter(...))`, and KnapSpec × QuantSpec
 `QuantSpecDrafter.for_model(model, base=KnapSpecDrafter(...))`. Over another overlay that
 sets the same field, the outer one's value is the draft's (8-bit weights over QuantSpec:
@@ -50,6 +50,10 @@ class OverlayDrafter(Drafter):
     return bool(self.base and self.base.own_gamma)
 
   @property
+  def chunked(self) -> bool:  # type: ignore[override]
+    return bool(self.base and self.base.chunked)
+
+  @property
   def kv_cache(self):  # type: ignore[override]
     """The base's cache (QuantSpec's, under FR-Spec or 8-bit weights); an overlay that
     needs its own (QuantSpec) declares it as a field, which overrides this."""
@@ -80,3 +84,13 @@ class OverlayDrafter(Drafter):
     if self.base is None:
       return state
     return dataclasses.replace(state, base=self.base.update(state.base, out, session))
+
+  def carried_window(self, state: OverlayState) -> Any:
+    return self.base.carried_window(state.base)
+
+  def rounds_left(self, state: OverlayState) -> int:
+    return self.base.rounds_left(state.base)
+
+  def resume(self, state: OverlayState, window, rounds: int, session) -> OverlayState:
+    return dataclasses.replace(state, base=self.base.resume(state.base, window, rounds,
+                                                            session))
