@@ -1,0 +1,102 @@
+"""The device round loop against the host loop, per drafter, on a real model.
+
+    python experiments/bench_loops.py --model smollm2-135m-instruct --drafters clasp,8bit
+
+`speculative_generate(loop="host")` dispatches a draft call and a verify call per round
+and reads the device between them; `loop="device"` runs rounds inside one jitted loop
+(for CLaSp, the rounds between its selections). For each drafter and prompt (one
+Spec-Bench prompt of each of `--categories`, `--max-new-tokens` tokens, greedy, γ =
+`--gamma`), both loops decode `--repeats` + 1 times in alternation (the first pass
+compiles and is dropped); the table gives each loop's decode tokens/s (total tokens over
+total time, per loop: medians over repeats of those totals) and whether the two commit
+identical tokens. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report  # noqa: E402
+
+from specjax.bench import data  # noqa: E402
+from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
+from specjax.bench.harness import prompt_ids  # noqa: E402
+from specjax.decode.engine import speculative_generate  # noqa: E402
+from specjax.models.loader import load_model  # noqa: E402
+
+LOOPS = ("host", "device")
+
+
+def first_of_each(prompts, categories: list[str]) -> list:
+  """The first prompt of each category, in `categories` order."""
+  firsts = {}
+  for p in prompts:
+    firsts.setdefault(p.category, p)
+  missing = [c for c in categories if c not in firsts]
+  if missing:
+    raise SystemExit(f"no Spec-Bench prompt of category {missing[0]!r}")
+  return [firsts[c] for c in categories]
+
+
+def measure(model, drafter, prompts: list[list[int]], args) -> dict:
+  """Per loop, the median over repeats of the decode tokens/s over all prompts; and
+  whether every prompt's tokens agree between the loops."""
+  totals = {loop: [] for loop in LOOPS}
+  same = True
+  for rep in range(args.repeats + 1):
+    sums = {loop: [0, 0.0] for loop in LOOPS}
+    for ids in prompts:
+      gens = {loop: speculative_generate(model.graphdef, model.state, model.config, ids,
+                                         drafter, max_new_tokens=args.max_new_tokens,
+                                         gamma=args.gamma, loop=loop)
+              for loop in LOOPS}
+      same &= gens["host"].tokens == gens["device"].tokens
+      for loop, g in gens.items():
+        sums[loop][0] += len(g.tokens) - 1
+        sums[loop][1] += g.decode_s
+    if rep:  # the first pass compiles
+      for loop, (n, s) in sums.items():
+        totals[loop].append(n / s)
+  tok_s = {loop: statistics.median(v) for loop, v in totals.items()}
+  return {"host_tok_s": tok_s["host"], "device_tok_s": tok_s["device"],
+          "device_over_host": tok_s["device"] / tok_s["host"], "same_tokens": same,
+          "runs": {loop: [round(v, 3) for v in vals] for loop, vals in totals.items()}}
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--model", default="smollm2-135m-instruct")
+  ap.add_argument("--drafters", default="clasp", help="comma-separated `specjax bench` names")
+  ap.add_argument("--categories", default="writing,math,coding,extraction")
+  ap.add_argument("--max-new-tokens", type=int, default=64)
+  ap.add_argument("--gamma", type=int, default=4)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--data-dir", help="Spec-Bench's folder (default: SPECJAX_DATA_DIR)")
+  args = ap.parse_args()
+
+  model = load_model(args.model)
+  chosen = first_of_each(data.load_spec_bench(args.data_dir), args.categories.split(","))
+  prompts = [prompt_ids(model.tokenizer, p.turns[:1]) for p in chosen]
+  factory = DrafterFactory(model, gamma=args.gamma, data_dir=args.data_dir)
+  rows = {}
+  for name in args.drafters.split(","):
+    rows[name] = measure(model, factory.make(name), prompts, args)
+    r = rows[name]
+    print(f"{name}: host {r['host_tok_s']:.2f} tok/s, device {r['device_tok_s']:.2f} "
+          f"({r['device_over_host']:.3f}×), same tokens: {r['same_tokens']}", flush=True)
+  print(report.markdown_table(
+      ["drafter", "host loop tok/s", "device loop tok/s", "device ÷ host", "same tokens"],
+      [[n, f"{r['host_tok_s']:.2f}", f"{r['device_tok_s']:.2f}",
+        f"{r['device_over_host']:.3f}", r["same_tokens"]] for n, r in rows.items()]))
+  report.print_json({"model": args.model, "machine": report.machine(),
+                     "commit": report.git_revision(), "prompts": len(prompts),
+                     "max_new_tokens": args.max_new_tokens, "gamma": args.gamma,
+                     "repeats": args.repeats, "drafters": rows})
+
+
+if __name__ == "__main__":
+  main()
