@@ -4,12 +4,13 @@
 
 `speculative_generate(loop="host")` dispatches a draft call and a verify call per round
 and reads the device between them; `loop="device"` runs rounds inside one jitted loop
-(for CLaSp, the rounds between its selections). For each drafter and prompt (one
-Spec-Bench prompt of each of `--categories`, `--max-new-tokens` tokens, greedy, γ =
-`--gamma`), both loops decode `--repeats` + 1 times in alternation (the first pass
-compiles and is dropped); the table gives each loop's decode tokens/s (total tokens over
-total time, per loop: medians over repeats of those totals) and whether the two commit
-identical tokens. The last line is JSON.
+(for CLaSp and SWIFT, the rounds between their selections). For each drafter, both loops
+decode the prompts (one Spec-Bench prompt of each of `--categories`, `--max-new-tokens`
+tokens, greedy, γ = `--gamma`) in alternation, each loop handing the drafter's state
+from prompt to prompt as `specjax bench` does (SWIFT's search spans prompts); `--repeats`
++ 1 passes, the first compiles and is dropped. The table gives each loop's decode
+tokens/s (total tokens over total time; the median over passes) and whether the two
+loops commit identical tokens. The last line is JSON.
 """
 
 from __future__ import annotations
@@ -49,15 +50,18 @@ def measure(model, drafter, prompts: list[list[int]], args) -> dict:
   same = True
   for rep in range(args.repeats + 1):
     sums = {loop: [0, 0.0] for loop in LOOPS}
+    carried = dict.fromkeys(LOOPS)  # a drafter's state, prompt to prompt, as the bench does
     for ids in prompts:
       gens = {loop: speculative_generate(model.graphdef, model.state, model.config, ids,
                                          drafter, max_new_tokens=args.max_new_tokens,
-                                         gamma=args.gamma, loop=loop)
+                                         gamma=args.gamma, loop=loop,
+                                         drafter_state=carried[loop])
               for loop in LOOPS}
       same &= gens["host"].tokens == gens["device"].tokens
       for loop, g in gens.items():
         sums[loop][0] += len(g.tokens) - 1
         sums[loop][1] += g.decode_s
+        carried[loop] = g.drafter_state
     if rep:  # the first pass compiles
       for loop, (n, s) in sums.items():
         totals[loop].append(n / s)

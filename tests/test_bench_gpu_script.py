@@ -37,10 +37,10 @@ def test_conditionals_check_measures_under_the_command_buffer_flags(tmp_path):
   started with that XLA_FLAGS, which a CPU accepts and ignores): every figure present, and
   on a float32 tiny model each of the three SSD loops commits AR's tokens."""
   lines = tmp_path / "cond.jsonl"
-  out = subprocess.run([sys.executable, "experiments/gpu_conditionals.py", "--model",
-                        "shape:tiny", "--settings", "cmdbuf", "--tokens", "8", "--loop-steps",
-                        "2", "--repeats", "1", "--out", str(lines)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600)
+  argv = ["--model", "shape:tiny", "--settings", "cmdbuf", "--tokens", "8", "--loop-steps",
+          "2", "--repeats", "1", "--out", str(lines)]
+  out = subprocess.run([sys.executable, "experiments/gpu_conditionals.py", *argv], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-2000:]
   rows = [json.loads(line) for line in lines.read_text().splitlines()]
   (row,) = rows

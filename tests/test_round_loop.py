@@ -1,7 +1,7 @@
 """The device round loop (`round_loop`) against the host loop it replaces: the same tokens,
 rounds and acceptance for every drafter whose plan is fixed, greedy and sampled, and for
-CLaSp, which selects between calls; stops at EOS and at the budget mid-round; no cache
-copy in its executable; and AR in chunks."""
+CLaSp and SWIFT, which select between calls; stops at EOS and at the budget mid-round; no
+cache copy in its executable; and AR in chunks."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from specjax.drafters import (
   DynaSpecDrafter,
   EarlyExitDrafter,
   FRSpecDrafter,
+  KnapSpecDrafter,
   QuantSpecDrafter,
   StaticDrafter,
   SwiftDrafter,
@@ -122,15 +123,38 @@ def test_device_loop_stops_at_eos_and_at_the_budget_inside_a_round(budget):
     assert device.stopped_on_eos == (eos in eos_ids and want[-1] == eos)
 
 
-def test_adaptive_drafters_keep_the_host_loop():
+def test_knapspec_keeps_the_host_loop():
+  """KnapSpec decides after every round whether a selection is due (and, with `realised`,
+  may change its plan): it is not `chunked`, and runs its rounds from the host."""
+  from test_knapspec import synthetic_profile
+
   config, graphdef, state = target("llama")
+  knapspec = KnapSpecDrafter(synthetic_profile())
   with pytest.raises(ValueError, match="loop='host'"):
-    speculative_generate(graphdef, state, config, PROMPT, SwiftDrafter(trials=4, window=16),
-                         loop="device")
+    speculative_generate(graphdef, state, config, PROMPT, knapspec, loop="device")
   out = speculative_generate(graphdef, state, config, PROMPT,
-                             FRSpecDrafter(np.arange(97), SwiftDrafter(trials=4, window=16)),
-                             max_new_tokens=8, eos_ids=())
+                             FRSpecDrafter(np.arange(97), knapspec), max_new_tokens=8,
+                             eos_ids=())
   assert out.loop == "host"  # an overlay is as adaptive as its base
+
+
+def test_swift_optimises_a_round_a_call_then_runs_the_rest_in_one():
+  """SWIFT's update scores a candidate on the session after each round, until its plan is
+  frozen: the device loop runs a round per call while it optimises, then all the rest.
+  The same tokens and the same search (candidates, scores) as the host loop, and across
+  prompts (the second starts where the first stopped, frozen)."""
+  config, graphdef, state = target("llama")
+  drafter = SwiftDrafter(trials=4, window=16)
+  run = lambda loop, prior: speculative_generate(
+      graphdef, state, config, PROMPT, drafter, max_new_tokens=48, eos_ids=(), gamma=4,
+      threshold=0.0, loop=loop, drafter_state=prior)
+  host, device = run("host", None), run("auto", None)
+  assert_same(host, device)
+  assert device.drafter_state.trials == host.drafter_state.trials == 4
+  assert device.drafter_state.ys == host.drafter_state.ys
+  again = run("host", host.drafter_state), run("auto", device.drafter_state)
+  assert_same(*again)
+  assert again[1].tokens == ar_tokens("llama")
 
 
 @pytest.mark.parametrize("overlay, sampling, per_call", [
@@ -170,12 +194,13 @@ def test_device_loop_copies_no_cache_layer():
   config, graphdef, state = target("gemma3")
   cache = KVCache.create(config, 1, 512)
   L, W = config.num_layers, 2
-  window = Window(tokens=jnp.zeros((W,), jnp.int32), positions=jnp.zeros((W,), jnp.int32),
-                  next_tokens=jnp.zeros((W,), jnp.int32),
-                  residuals=jnp.zeros((2 * L, W, config.embed_dim)),
-                  valid=jnp.zeros((W,), bool))
+  clasp_window = Window(tokens=jnp.zeros((W,), jnp.int32),
+                        positions=jnp.zeros((W,), jnp.int32),
+                        next_tokens=jnp.zeros((W,), jnp.int32),
+                        residuals=jnp.zeros((2 * L, W, config.embed_dim)),
+                        valid=jnp.zeros((W,), bool))
   for sampling, window in ((SamplingParams(), None), (SAMPLED, None),
-                           (SamplingParams(), window)):  # a chunked drafter's carry
+                           (SamplingParams(), clasp_window)):  # a chunked drafter's carry
     carry = Decoding.start(cache, jnp.asarray([1]), jax.random.key(0), 64, window=window)
     hlo = decode_rounds.lower(state, carry, SKIP, jnp.int32(40), jnp.asarray([-1]),
                               graphdef=graphdef, vocab=config.vocab_size, gamma=4,

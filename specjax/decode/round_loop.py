@@ -140,8 +140,9 @@ def device_rounds(run, record_rounds: bool, rounds_per_call: int | None, static_
   if per_call < 1:
     raise ConfigError(f"rounds_per_call must be >= 1, got {per_call}")
   capacity = -(-(budget + run.gamma + 1) // TOKEN_BUCKET) * TOKEN_BUCKET
+  window = drafter.carried_window(dstate) if chunked else None
   carry = Decoding.start(run.cache, jnp.asarray([run.first], jnp.int32), run.key,
-                         capacity=capacity, window=drafter.carried_window(dstate) if chunked else None)
+                         capacity=capacity, window=window)
   eos = eos_array(run.eos)
   exes: dict = {}
 

@@ -3,11 +3,12 @@
 An overlay contributes fields of the plan (a shortlist, a router, a KV precision,
 quantised weights) and passes everything else through from its `base` drafter (the full
 model when there is none): the layers, the draft length, the early-stop threshold, the
-residuals it asks for, the KV cache it needs and the per-round (or per-chunk) updates. So KnapSpec ×
-DynaSpec is `DynaSpecDrafter(bundle, KnapSpecDrafter(...))`, and KnapSpec × QuantSpec
-`QuantSpecDrafter.for_model(model, base=KnapSpecDrafter(...))`. Over another overlay that
-sets the same field, the outer one's value is the draft's (8-bit weights over QuantSpec:
-its cache, 8-bit matmuls); the drafter factory refuses such names as ambiguous.
+residuals it asks for, the KV cache it needs and the updates after each round (or chunk
+of rounds). So KnapSpec × DynaSpec is `DynaSpecDrafter(bundle, KnapSpecDrafter(...))`,
+and KnapSpec × QuantSpec `QuantSpecDrafter.for_model(model, base=KnapSpecDrafter(...))`.
+Over another overlay that sets the same field, the outer one's value is the draft's
+(8-bit weights over QuantSpec: its cache, 8-bit matmuls); the drafter factory refuses
+such names as ambiguous.
 """
 
 from __future__ import annotations

@@ -6,11 +6,16 @@ the target over the last `window` committed tokens (teacher-forced against the v
 cache, no writes). The best plan so far drafts. The first and last layers are never
 skipped. After `trials` candidates the plan is frozen. As in SWIFT, the search spans a
 stream of prompts: pass a generation's final state as the next one's `prior`.
+
+Its update reads the session, not the round (`chunked`): while it optimises, the device
+loop runs one round a call and the host scores a candidate between calls; once the plan
+is frozen, the device loop runs every remaining round in one call.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import numpy as np
@@ -32,6 +37,7 @@ class SwiftState:
 @dataclasses.dataclass(frozen=True)
 class SwiftDrafter(Drafter):
   name = "swift"
+  chunked: ClassVar[bool] = True
   skip_ratio: float = 0.45  # share of the skippable sub-layers a candidate skips
   trials: int = 40  # candidates evaluated before the plan is frozen
   bo_every: int = 25
@@ -65,6 +71,16 @@ class SwiftDrafter(Drafter):
 
   def plan(self, state: SwiftState) -> DraftPlan:
     return state.best
+
+  def carried_window(self, state: SwiftState) -> None:
+    return None  # its candidates are scored on the session's committed tokens
+
+  def rounds_left(self, state: SwiftState) -> int:
+    """One while it optimises (a candidate after every round), then all of them."""
+    return 1 if state.trials < self.trials else 1 << 30
+
+  def resume(self, state: SwiftState, window, rounds: int, session) -> SwiftState:
+    return self.update(state, None, session)  # `rounds` is 1 while it optimises
 
   def update(self, state: SwiftState, out, session) -> SwiftState:
     if state.trials >= self.trials:
