@@ -204,9 +204,10 @@ def run_pilot(graphdef, state, config, drafter, prompts: Sequence[Sequence[int]]
   rounds = [pilot_rounds(g) for g in gens]
   alpha = acceptance([n for g in gens for n in g.round_drafted],
                      [n for g in gens for n in g.round_accepted])
+  on_device = not drafter.adaptive or drafter.chunked  # the loop its rounds will run in
   costs = measure_step_costs(graphdef, state, config, gens[0].plans[0],
                              gammas=sorted({1, max(1, gamma // 2), gamma}),
-                             device_loop=not drafter.adaptive)
+                             device_loop=on_device, static_plan=not drafter.adaptive)
   return Pilot([PilotTrack.from_rounds(r) for r in rounds], sum(map(len, rounds)), alpha,
                costs)
 
@@ -355,17 +356,19 @@ LOOP_STEPS = 16  # steps per timed loop where costs are measured inside one
 
 def measure_step_costs(graphdef, state, config, plan: DraftPlan, *,
                        gammas: Sequence[int] = (1, 4, 8), context: int = 256,
-                       repeats: int = 7, device_loop: bool = False) -> StepCosts:
+                       repeats: int = 7, device_loop: bool = False,
+                       static_plan: bool = True) -> StepCosts:
   """One draft step under `plan` and verification at each γ in `gammas`, as ratios to the
   AR step, measured together (`step_times`). `device_loop`: the drafter's rounds will run
   in the device loop, which pays no call per step, so the steps are timed that way
   (`LOOP_STEPS` chained in a jitted loop; on an accelerator with the plan frozen into the
-  executable, as that loop does). For the host loop each step is a call. On a CPU the
+  executable, as that loop does for a fixed plan, unless `static_plan` is False: a
+  chunked drafter's plans stay traced). For the host loop each step is a call. On a CPU the
   difference is not small: SmolLM2's 8-bit draft step costs 0.43-0.44 AR steps as calls
   and 0.33-0.38 in a loop (Intel Xeon), and timed as calls the fit chose γ = 5 where
   γ = 8 ran fastest (`experiments/replay_vs_real.py`)."""
   loop = LOOP_STEPS if device_loop else 0
-  if device_loop and jax.default_backend() != "cpu":
+  if device_loop and static_plan and jax.default_backend() != "cpu":
     plan = plan.freeze()
   t = step_times(graphdef, state, config, {"plan": [plan]}, gammas=gammas, context=context,
                  repeats=repeats, loop=loop)
