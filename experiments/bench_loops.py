@@ -26,6 +26,7 @@ import report  # noqa: E402
 from specjax.bench import data  # noqa: E402
 from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
 from specjax.bench.harness import prompt_ids  # noqa: E402
+from specjax.cli import add_dtype_arg  # noqa: E402
 from specjax.decode.engine import speculative_generate  # noqa: E402
 from specjax.models.loader import load_model  # noqa: E402
 
@@ -80,9 +81,10 @@ def main() -> None:
   ap.add_argument("--gamma", type=int, default=4)
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--data-dir", help="Spec-Bench's folder (default: SPECJAX_DATA_DIR)")
+  add_dtype_arg(ap)
   args = ap.parse_args()
 
-  model = load_model(args.model)
+  model = load_model(args.model, dtype=args.dtype)
   chosen = first_of_each(data.load_spec_bench(args.data_dir), args.categories.split(","))
   prompts = [prompt_ids(model.tokenizer, p.turns[:1]) for p in chosen]
   factory = DrafterFactory(model, gamma=args.gamma, data_dir=args.data_dir)
@@ -96,7 +98,7 @@ def main() -> None:
       ["drafter", "host loop tok/s", "device loop tok/s", "device ÷ host", "same tokens"],
       [[n, f"{r['host_tok_s']:.2f}", f"{r['device_tok_s']:.2f}",
         f"{r['device_over_host']:.3f}", r["same_tokens"]] for n, r in rows.items()]))
-  report.print_json({"model": args.model, "machine": report.machine(),
+  report.print_json({"model": args.model, "dtype": args.dtype, "machine": report.machine(),
                      "commit": report.git_revision(), "prompts": len(prompts),
                      "max_new_tokens": args.max_new_tokens, "gamma": args.gamma,
                      "repeats": args.repeats, "drafters": rows})

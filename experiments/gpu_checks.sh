@@ -4,7 +4,7 @@
 # sets SPECJAX_CACHE and SPECJAX_DATA_DIR; results go to $OUT (8 files at most come back).
 #
 #   bash experiments/gpu_checks.sh STEP [STEP ...]     STEP: fixed, cmdbuf, adaptive,
-#                                                      conditionals, all
+#                                                      loops, conditionals, all
 #
 #   fixed     the device-loop drafters end to end in --dtype mixed: 0 mismatches now that
 #             float32 dots ask for HIGHEST precision (efe3747), and FR-Spec's selection
@@ -15,12 +15,15 @@
 #             2026-11-27: no, a traced draft step cost 2.7 times more with them)
 #   adaptive  KnapSpec's latency profile at two cache sizes, then SWIFT, CLaSp and
 #             KnapSpec end to end (their plans change per round: traced)
+#   loops     CLaSp, SWIFT and 8bit with the host loop against the device loop (CLaSp and
+#             SWIFT run their rounds between selections there since 2026-11-27;
+#             experiments/bench_loops.py, --dtype mixed): same tokens, and the speed ratio
 #   conditionals  the same question as cmdbuf on a random-init SmolLM2 shape, end to end
 #             too (experiments/gpu_conditionals.py): needs no bundle, so it can run in the
 #             call that carries the bundle's first part
 #
 # Each step's time limit in seconds can be lowered to fit a lease: FIXED_S, CMDBUF_S,
-# PROFILE_S, ADAPTIVE_S, CONDITIONALS_S (per flag setting).
+# PROFILE_S, ADAPTIVE_S, LOOPS_S, CONDITIONALS_S (per flag setting).
 set -uo pipefail
 MODEL=${MODEL:-smollm2-135m-instruct}
 OUT=${OUT:-/tmp/gpu-checks}
@@ -61,13 +64,19 @@ step() {
       timeout "${PROFILE_S:-150}" python3 -m specjax.cli profile --model "$MODEL" --dtype mixed \
         --lengths 256,512 > "$OUT/profile.json" 2>> "$OUT/checks.log"
       bench adaptive "${ADAPTIVE:-swift,clasp,knapspec}" "${ADAPTIVE_S:-400}" ;;
+    loops)
+      log "bench_loops"
+      timeout "${LOOPS_S:-400}" python3 experiments/bench_loops.py --model "$MODEL" \
+        --dtype mixed --drafters "${LOOPS:-clasp,swift,8bit}" --repeats 2 2>&1 \
+        | grep -v '%|' | tail -n 8 | tee -a "$OUT/checks.log" "$OUT/loops.txt" ;;
     conditionals)
       log "gpu_conditionals"
       # specjax from this checkout: without a bundle, nothing else puts it on the path
       PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 experiments/gpu_conditionals.py --timeout "${CONDITIONALS_S:-150}" \
         --out "$OUT/conditionals.jsonl" 2>&1 | tail -n 12 | tee -a "$OUT/checks.log" ;;
     all) step fixed; step cmdbuf; step adaptive ;;
-    *) echo "unknown step '$1' (fixed, cmdbuf, adaptive, conditionals, all)" >&2; exit 2 ;;
+    *) echo "unknown step '$1' (fixed, cmdbuf, adaptive, loops, conditionals, all)" >&2
+       exit 2 ;;
   esac
 }
 
