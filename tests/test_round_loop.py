@@ -5,6 +5,7 @@ cache copy in its executable; and AR in chunks."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import jax
@@ -123,19 +124,46 @@ def test_device_loop_stops_at_eos_and_at_the_budget_inside_a_round(budget):
     assert device.stopped_on_eos == (eos in eos_ids and want[-1] == eos)
 
 
-def test_knapspec_keeps_the_host_loop():
-  """KnapSpec decides after every round whether a selection is due (and, with `realised`,
-  may change its plan): it is not `chunked`, and runs its rounds from the host."""
+@dataclasses.dataclass(frozen=True)
+class _EveryRound(StaticDrafter):
+  """An adaptive drafter that is not `chunked`: its update would need the host after
+  every round."""
+
+  name = "every_round"
+  adaptive = True
+
+
+def test_adaptive_drafters_that_are_not_chunked_keep_the_host_loop():
+  config, graphdef, state = target("llama")
+  with pytest.raises(ValueError, match="loop='host'"):
+    speculative_generate(graphdef, state, config, PROMPT, _EveryRound(SKIP), loop="device")
+  out = speculative_generate(graphdef, state, config, PROMPT,
+                             FRSpecDrafter(np.arange(97), _EveryRound(SKIP)),
+                             max_new_tokens=8, eos_ids=())
+  assert out.loop == "host"  # an overlay is as adaptive as its base
+
+
+@pytest.mark.parametrize("realised", [False, True], ids=["fixed-between", "realised"])
+def test_knapspec_runs_its_rounds_between_selections_on_the_device(realised):
+  """KnapSpec's plan and draft length hold between selections (`realised` re-prices them
+  after every round: a round a call). The device loop drafts at the chosen length and
+  hands back each round's counts: the same selections, draft lengths and tokens as the
+  host loop (greedy; no selection budget, whose DP timings differ run to run)."""
   from test_knapspec import synthetic_profile
 
   config, graphdef, state = target("llama")
-  knapspec = KnapSpecDrafter(synthetic_profile())
-  with pytest.raises(ValueError, match="loop='host'"):
-    speculative_generate(graphdef, state, config, PROMPT, knapspec, loop="device")
-  out = speculative_generate(graphdef, state, config, PROMPT,
-                             FRSpecDrafter(np.arange(97), knapspec), max_new_tokens=8,
-                             eos_ids=())
-  assert out.loop == "host"  # an overlay is as adaptive as its base
+  drafter = KnapSpecDrafter(synthetic_profile(), interval=3, selection_budget=None,
+                            realised=realised)
+  run = lambda loop: speculative_generate(graphdef, state, config, PROMPT, drafter,
+                                          max_new_tokens=48, eos_ids=(), gamma=5, loop=loop)
+  host, device = run("host"), run("auto")
+  assert_same(host, device)
+  picks = lambda gen: [(s.round, s.gamma, s.chosen_bits.tolist())
+                       for s in gen.drafter_state.selections]
+  assert picks(device) == picks(host) and len(picks(host)) >= 4
+  assert device.drafter_state.since_s == host.drafter_state.since_s
+  assert device.drafter_state.tallies == host.drafter_state.tallies
+  assert device.tokens == ar_tokens("llama")
 
 
 def test_swift_optimises_a_round_a_call_then_runs_the_rest_in_one():

@@ -146,13 +146,15 @@ def device_rounds(run, record_rounds: bool, rounds_per_call: int | None, static_
   eos = eos_array(run.eos)
   exes: dict = {}
 
-  def executable(plan: DraftPlan, rounds: int):
-    """One per plan structure (per plan when frozen) and rounds per call, compiled ahead;
-    kept here, since `compiled`'s lookup walks every parameter."""
-    sig = (rounds, jax.tree.structure(plan), tuple(x.shape for x in jax.tree.leaves(plan)))
+  def executable(plan: DraftPlan, rounds: int, gamma: int):
+    """One per plan structure (per plan when frozen), rounds per call and draft length,
+    compiled ahead; kept here, since `compiled`'s lookup walks every parameter."""
+    sig = (rounds, gamma, jax.tree.structure(plan),
+           tuple(x.shape for x in jax.tree.leaves(plan)))
     if sig not in exes:
       exes[sig] = compiled(decode_rounds, run.state, carry, plan, jnp.int32(budget), eos,
-                           rounds_per_call=rounds, clock=clock, **run.draft_static)
+                           rounds_per_call=rounds, clock=clock,
+                           **{**run.draft_static, "gamma": gamma})
     return exes[sig]
 
   tokens, plans = [run.first], []
@@ -161,14 +163,16 @@ def device_rounds(run, record_rounds: bool, rounds_per_call: int | None, static_
   n_done = 0
   t1 = time.perf_counter()
   while not done:
-    rounds = min(per_call, max(drafter.rounds_left(dstate), 1)) if chunked else per_call
+    rounds = min(per_call, max(drafter.rounds_left(dstate, session), 1)) if chunked else per_call
+    # the draft length the host loop would use (a drafter may choose one per selection)
+    gamma = min(max(drafter.draft_length(dstate) or run.gamma, 1), run.gamma)
     t_c = time.perf_counter()
-    exe = executable(plan, rounds)
+    exe = executable(plan, rounds, gamma)
     t_a = time.perf_counter()
     loop_compile_s += t_a - t_c
     carry = exe(run.state, carry, plan, jnp.int32(budget), eos)
-    count, done, new, n = jax.device_get(  # one read
-        (carry.count, carry.done, carry.tokens, carry.rounds))
+    count, done, new, n, drafted, accepted = jax.device_get(  # one read
+        (carry.count, carry.done, carry.tokens, carry.rounds, carry.drafted, carry.accepted))
     rounds_s += time.perf_counter() - t_a
     for t in new[len(tokens):count].tolist():
       tokens.append(t)
@@ -176,10 +180,13 @@ def device_rounds(run, record_rounds: bool, rounds_per_call: int | None, static_
         run.on_token(t)
     if record_rounds:
       plans += [plan] * (int(n) - n_done)
-    if chunked and not done:
+    # The host loop updates the drafter after every round but the last: so does this.
+    ran = slice(n_done, int(n) if not done else int(n) - 1)
+    if chunked and ran.stop > ran.start:
       t_s, c_s = time.perf_counter(), clock.seconds
       session.cache, session.context = carry.cache, run.prompt_tokens + tokens
-      dstate = drafter.resume(dstate, carry.window, int(n) - n_done, session)
+      dstate = drafter.resume(dstate, carry.window, drafted[ran].tolist(),
+                              accepted[ran].tolist(), session)
       plan = next_plan()
       carry = carry.replace(window=_own(drafter.carried_window(dstate)))
       late_compile_s = clock.seconds - c_s  # a selection's first DP compiles

@@ -3,8 +3,8 @@
     state = drafter.init(session, prior)    # once, after prefill
     plan = drafter.plan(state)              # before each round
     state = drafter.update(state, out, session)   # after each round
-    state = drafter.resume(state, window, n, session)   # after n rounds on the device
-                                                        # (`chunked` drafters)
+    state = drafter.resume(state, window, drafted, accepted, session)
+                            # after rounds on the device (`chunked` drafters)
 
 No hidden state lives in the drafter object, and any randomness is a `jax.random` key in
 the state, so strategies compose and a run can be replayed. `session` gives read-only
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from specjax.plan import DraftPlan
@@ -42,10 +43,11 @@ class Drafter(abc.ABC):
   # It chooses each round's draft length itself (`draft_length`, KnapSpec): callers that
   # pick γ from measured costs (`specjax bench --auto-gamma`) leave it alone.
   own_gamma: ClassVar[bool] = False
-  # An adaptive drafter whose plan and draft length hold between selections some rounds
-  # apart, and whose `update` between them only folds each round's verified rows into a
-  # `layer_probe.Window` (CLaSp). The device loop then runs the rounds up to a selection
-  # as one call, carrying the window (`carried_window`, `rounds_left`, `resume`).
+  # An adaptive drafter whose plan and draft length hold for runs of rounds, and whose
+  # `update` within a run needs no more than each round's verified rows (folded into a
+  # `layer_probe.Window`) and its draft and acceptance counts (CLaSp, SWIFT, KnapSpec).
+  # The device loop then runs each run as one call, carrying the window, and the host
+  # folds the run in between calls (`carried_window`, `rounds_left`, `resume`).
   chunked: ClassVar[bool] = False
 
   @property
@@ -76,11 +78,13 @@ class Drafter(abc.ABC):
     """The window of verified rows that the device loop carries and extends each round."""
     raise NotImplementedError(f"{self.name} does not run its rounds in chunks")
 
-  def rounds_left(self, state: Any) -> int:
-    """Rounds until the next selection: the device loop's next call runs no more."""
+  def rounds_left(self, state: Any, session) -> int:
+    """Rounds the plan and draft length surely hold for (no selection can fall due
+    before the last of them): the device loop's next call runs no more."""
     raise NotImplementedError(f"{self.name} does not run its rounds in chunks")
 
-  def resume(self, state: Any, window: Any, rounds: int, session) -> Any:
-    """`update` for `rounds` rounds that ran on the device, whose verified rows `window`
-    already holds: selects when one is due."""
+  def resume(self, state: Any, window: Any, drafted: Sequence[int], accepted: Sequence[int],
+             session) -> Any:
+    """`update` for rounds that ran on the device (each one's drafts and accepted drafts),
+    whose verified rows `window` already holds: selects when one is due."""
     raise NotImplementedError(f"{self.name} does not run its rounds in chunks")

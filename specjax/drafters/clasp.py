@@ -64,15 +64,19 @@ class ClaspDrafter(Drafter):
     return state.plan
 
   def update(self, state: ClaspState, out, session) -> ClaspState:
-    return self.resume(state, push_round(state.window, out, session), 1, session)
+    return self._after(state, push_round(state.window, out, session), 1, session)
 
   def carried_window(self, state: ClaspState):
     return state.window
 
-  def rounds_left(self, state: ClaspState) -> int:
+  def rounds_left(self, state: ClaspState, session) -> int:
     return self.interval - state.rounds
 
-  def resume(self, state: ClaspState, window, rounds: int, session) -> ClaspState:
+  def resume(self, state: ClaspState, window, drafted, accepted, session) -> ClaspState:
+    return self._after(state, window, len(drafted), session)
+
+  def _after(self, state: ClaspState, window, rounds: int, session) -> ClaspState:
+    """The state after `rounds` rounds whose rows `window` holds: a selection if due."""
     state = dataclasses.replace(state, window=window, rounds=state.rounds + rounds)
     return self._select(state, session) if state.rounds >= self.interval else state
 

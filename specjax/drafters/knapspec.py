@@ -135,6 +135,9 @@ class KnapSpecDrafter(Drafter):
   wants_residuals: ClassVar[bool] = True
   early_stop: ClassVar[float] = 0.7  # KnapSpec's draft early exit
   own_gamma: ClassVar[bool] = True  # picks (plan, γ) by predicted tokens per second
+  # Between selections the plan and γ hold (unless `realised` re-prices them each round),
+  # and a round adds its rows to the window and its drafts to the predicted time.
+  chunked: ClassVar[bool] = True
   profile: LatencyProfile  # `profiler.load_profile`, or `specjax profile`
   # Verified tokens scored, the newest (the paper: those of the last m = 5 rounds). The
   # DP runs (budgets × window) token-states through the model: cheap on a GPU, but
@@ -198,22 +201,50 @@ class KnapSpecDrafter(Drafter):
     return state.gamma
 
   def update(self, state: KnapSpecState, out, session) -> KnapSpecState:
-    window = push_round(state.window, out, session)
+    return self.resume(state, push_round(state.window, out, session), [int(out.n_drafted)],
+                       [int(out.n_commit) - 1], session)
+
+  def carried_window(self, state: KnapSpecState) -> Window:
+    return state.window
+
+  def rounds_left(self, state: KnapSpecState, session) -> int:
+    """One while `realised` re-prices the plan after every round. Else the rounds before
+    a selection can fall due: `interval`, and with a budget, the rounds the predicted
+    time needs to reach dp_seconds / budget if every round drafted γ tokens."""
+    if self._repriced(state):
+      return 1
+    rounds = self.interval - state.rounds
+    if self.selection_budget is not None:
+      n = session.cache.size
+      most = (state.gamma * float(self.profile.draft_time(state.bits, n))
+              + self.profile.t_target(n, state.gamma + 1))  # the most a round adds
+      short = state.dp_seconds / self.selection_budget - state.since_s
+      rounds = max(rounds, int(short // most))
+    return max(rounds, 1)
+
+  def resume(self, state: KnapSpecState, window, drafted, accepted,
+             session) -> KnapSpecState:
+    """Each round's drafts priced by the profile, and, under `realised`, tallied for its
+    plan; then a selection if one is due, else (`realised`) the best candidate again."""
     n = session.cache.size
-    if self.realised:
-      state = dataclasses.replace(state, tallies=tally(state.tallies, state.bits,
-                                                       int(out.n_drafted),
-                                                       int(out.n_commit) - 1))
-    round_s = (int(out.n_drafted) * float(self.profile.draft_time(state.bits, n))
-               + self.profile.t_target(n, state.gamma + 1))
-    state = dataclasses.replace(state, window=window, rounds=state.rounds + 1,
-                                total_rounds=state.total_rounds + 1,
-                                since_s=state.since_s + round_s)
+    t_draft = float(self.profile.draft_time(state.bits, n))
+    t_target = self.profile.t_target(n, state.gamma + 1)
+    tallies, since_s = state.tallies, state.since_s
+    for d, a in zip(drafted, accepted):
+      if self.realised:
+        tallies = tally(tallies, state.bits, int(d), int(a))
+      since_s += int(d) * t_draft + t_target
+    state = dataclasses.replace(state, window=window, tallies=tallies,
+                                rounds=state.rounds + len(drafted),
+                                total_rounds=state.total_rounds + len(drafted),
+                                since_s=since_s)
     if self._due(state):
-      state = self._select(state, session)
-    elif self.realised and self.objective == "tpt" and state.candidates is not None:
-      state = self._rechoose(state, n)
-    return state
+      return self._select(state, session)
+    return self._rechoose(state, n) if self._repriced(state) else state
+
+  def _repriced(self, state: KnapSpecState) -> bool:
+    """Whether the plan is chosen again after every round (`realised` under "tpt")."""
+    return self.realised and self.objective == "tpt" and state.candidates is not None
 
   def _rechoose(self, state: KnapSpecState, n: int) -> KnapSpecState:
     """The best (plan, γ) among the last DP's candidates at cache size n, priced by what

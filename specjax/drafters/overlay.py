@@ -89,9 +89,9 @@ class OverlayDrafter(Drafter):
   def carried_window(self, state: OverlayState) -> Any:
     return self.base.carried_window(state.base)
 
-  def rounds_left(self, state: OverlayState) -> int:
-    return self.base.rounds_left(state.base)
+  def rounds_left(self, state: OverlayState, session) -> int:
+    return self.base.rounds_left(state.base, session)
 
-  def resume(self, state: OverlayState, window, rounds: int, session) -> OverlayState:
-    return dataclasses.replace(state, base=self.base.resume(state.base, window, rounds,
-                                                            session))
+  def resume(self, state: OverlayState, window, drafted, accepted, session) -> OverlayState:
+    return dataclasses.replace(state, base=self.base.resume(state.base, window, drafted,
+                                                            accepted, session))

@@ -75,12 +75,12 @@ class SwiftDrafter(Drafter):
   def carried_window(self, state: SwiftState) -> None:
     return None  # its candidates are scored on the session's committed tokens
 
-  def rounds_left(self, state: SwiftState) -> int:
+  def rounds_left(self, state: SwiftState, session) -> int:
     """One while it optimises (a candidate after every round), then all of them."""
     return 1 if state.trials < self.trials else 1 << 30
 
-  def resume(self, state: SwiftState, window, rounds: int, session) -> SwiftState:
-    return self.update(state, None, session)  # `rounds` is 1 while it optimises
+  def resume(self, state: SwiftState, window, drafted, accepted, session) -> SwiftState:
+    return self.update(state, None, session)  # one round while it optimises
 
   def update(self, state: SwiftState, out, session) -> SwiftState:
     if state.trials >= self.trials:
