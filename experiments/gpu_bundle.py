@@ -3,7 +3,7 @@
     python experiments/gpu_bundle.py --out .cache/gpu-bundle            # here
     bash .cache/gpu-bundle/part1/run.sh                                 # there, one part a call,
     bash .cache/gpu-bundle/part2/run.sh experiments/gpu_checks.sh fixed # the last one runs
-    bash /tmp/specjax-bundle/run.sh experiments/gpu_checks.sh loops     # later calls
+    bash /tmp/specjax-bundle/run.sh experiments/gpu_checks.sh adaptive  # later calls
 
 The machine this project borrows GPUs from has jax but no network, no model weights, and
 takes at most 64 MiB of files a call. A bundle is one tar of: the model's GGUF file (as
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
   for i, folder in enumerate(parts, 1):
     last = f" {checks} fixed" if i == len(parts) else ""
     print(f"call {i}: carry [\"{folder}\"], command: bash {folder}/run.sh{last}")
-  for step in ("loops", "adaptive"):  # each near a call's 600 s; nothing to carry
+  for step in ("adaptive", "loops"):  # each near a call's 600 s; nothing to carry
     print(f"then: bash {args.stage}/run.sh {checks} {step}")
   print(json.dumps({**manifest, "out": str(args.out)}))
   return 0

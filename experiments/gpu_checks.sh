@@ -15,9 +15,10 @@
 #             2026-11-27: no, a traced draft step cost 2.7 times more with them)
 #   adaptive  KnapSpec's latency profile at two cache sizes, then SWIFT, CLaSp and
 #             KnapSpec end to end (their plans change per round: traced)
-#   loops     CLaSp, SWIFT and 8bit with the host loop against the device loop (CLaSp and
-#             SWIFT run their rounds between selections there since 2026-11-27;
-#             experiments/bench_loops.py, --dtype mixed): same tokens, and the speed ratio
+#   loops     CLaSp, SWIFT, KnapSpec and 8bit with the host loop against the device loop
+#             (the adaptive drafters run their rounds between selections there since
+#             2026-11-27; experiments/bench_loops.py, --dtype mixed): same tokens, and the
+#             speed ratio. After `adaptive`, whose profile KnapSpec reads
 #   conditionals  the same question as cmdbuf on a random-init SmolLM2 shape, end to end
 #             too (experiments/gpu_conditionals.py): needs no bundle, so it can run in the
 #             call that carries the bundle's first part
@@ -67,7 +68,7 @@ step() {
     loops)
       log "bench_loops"
       timeout "${LOOPS_S:-400}" python3 experiments/bench_loops.py --model "$MODEL" \
-        --dtype mixed --drafters "${LOOPS:-clasp,swift,8bit}" --repeats 2 2>&1 \
+        --dtype mixed --drafters "${LOOPS:-clasp,swift,knapspec,8bit}" --repeats 2 2>&1 \
         | grep -v '%|' | tail -n 8 | tee -a "$OUT/checks.log" "$OUT/loops.txt" ;;
     conditionals)
       log "gpu_conditionals"

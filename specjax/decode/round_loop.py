@@ -1,7 +1,8 @@
 """Self-speculative rounds on the device: draft, verify, accept and commit, repeated inside
 one jitted `lax.while_loop`, for drafters whose plan is fixed for the generation, and for
-`chunked` ones (CLaSp) between their selections: the loop then also extends their window
-of verified rows, and the host selects between calls.
+`chunked` ones (CLaSp, SWIFT, KnapSpec) between their selections: the loop then also
+extends their window of verified rows and records each round's counts, and the host
+selects between calls.
 
 The host loop (`engine.speculative_generate(loop="host")`) reads the device five times a
 round (the draft's length, the accepted count, the committed tokens, ...) and dispatches
