@@ -121,8 +121,9 @@ def device_rounds(run, record_rounds: bool, rounds_per_call: int | None, static_
   """`engine.speculative_generate`'s device driver: the drafter's plan (frozen into the
   executable when `static_plan`), then calls of `decode_rounds` until done, one host read
   each (`engine._Run` in, `SSDGeneration` out). A `chunked` drafter's call runs no more
-  rounds than are left to its next selection; between calls the host hands it the window
-  the loop extended (`Drafter.resume`, timed as selection) and takes its next plan."""
+  rounds than its plan surely holds for, at its draft length; between calls the host
+  hands it the window the loop extended and the rounds' counts (`Drafter.resume`, timed
+  as selection) and takes its next plan."""
   session, drafter, clock = run.session, run.drafter, run.session.clock
   chunked = drafter.adaptive  # the engine sends an adaptive drafter here only if chunked
   dstate = run.dstate
