@@ -116,6 +116,9 @@ def main() -> None:
   ap.add_argument("--out", type=Path, help="append each setting's JSON line here")
   ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args()
+  unknown = sorted(set(args.settings.split(",")) - set(SETTINGS))
+  if unknown:
+    ap.error(f"unknown setting {unknown[0]!r}; known: {', '.join(SETTINGS)}")
   if args.child:
     print(json.dumps(measure(args.model, args.context, args.loop_steps, args.repeats,
                              args.tokens)))

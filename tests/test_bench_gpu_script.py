@@ -50,3 +50,11 @@ def test_conditionals_check_measures_under_the_command_buffer_flags(tmp_path):
   for loop in ("device frozen", "device traced", "host traced"):
     assert row[f"ssd {loop}"]["same_as_ar"], loop
   assert json.loads(out.stdout.strip().splitlines()[-1])["settings"] == rows
+
+
+def test_conditionals_check_names_an_unknown_setting():
+  out = subprocess.run([sys.executable, "experiments/gpu_conditionals.py", "--settings",
+                        "default,graphs"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 2
+  assert "unknown setting 'graphs'; known: default, cmdbuf" in out.stderr

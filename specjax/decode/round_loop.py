@@ -165,7 +165,8 @@ def device_rounds(run, record_rounds: bool, rounds_per_call: int | None, static_
   n_done = 0
   t1 = time.perf_counter()
   while not done:
-    rounds = min(per_call, max(drafter.rounds_left(dstate, session), 1)) if chunked else per_call
+    left = drafter.rounds_left(dstate, session) if chunked else None
+    rounds = per_call if left is None else min(per_call, max(left, 1))
     # the draft length the host loop would use (a drafter may choose one per selection)
     gamma = min(max(drafter.draft_length(dstate) or run.gamma, 1), run.gamma)
     t_c = time.perf_counter()
@@ -189,8 +190,9 @@ def device_rounds(run, record_rounds: bool, rounds_per_call: int | None, static_
       session.cache, session.context = carry.cache, run.prompt_tokens + tokens
       dstate = drafter.resume(dstate, carry.window, drafted[ran].tolist(),
                               accepted[ran].tolist(), session)
-      plan = next_plan()
-      carry = carry.replace(window=_own(drafter.carried_window(dstate)))
+      if not done:  # the last fold leaves the state a later prompt starts from
+        plan = next_plan()
+        carry = carry.replace(window=_own(drafter.carried_window(dstate)))
       late_compile_s = clock.seconds - c_s  # a selection's first DP compiles
       loop_compile_s += late_compile_s
       loop_selection_s += time.perf_counter() - t_s - late_compile_s

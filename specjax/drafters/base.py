@@ -78,9 +78,10 @@ class Drafter(abc.ABC):
     """The window of verified rows that the device loop carries and extends each round."""
     raise NotImplementedError(f"{self.name} does not run its rounds in chunks")
 
-  def rounds_left(self, state: Any, session) -> int:
+  def rounds_left(self, state: Any, session) -> int | None:
     """Rounds the plan and draft length surely hold for (no selection can fall due
-    before the last of them): the device loop's next call runs no more."""
+    before the last of them): the device loop's next call runs no more. None: they hold
+    for the rest of the generation."""
     raise NotImplementedError(f"{self.name} does not run its rounds in chunks")
 
   def resume(self, state: Any, window: Any, drafted: Sequence[int], accepted: Sequence[int],

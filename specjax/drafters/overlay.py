@@ -89,7 +89,7 @@ class OverlayDrafter(Drafter):
   def carried_window(self, state: OverlayState) -> Any:
     return self.base.carried_window(state.base)
 
-  def rounds_left(self, state: OverlayState, session) -> int:
+  def rounds_left(self, state: OverlayState, session) -> int | None:
     return self.base.rounds_left(state.base, session)
 
   def resume(self, state: OverlayState, window, drafted, accepted, session) -> OverlayState:

@@ -75,9 +75,9 @@ class SwiftDrafter(Drafter):
   def carried_window(self, state: SwiftState) -> None:
     return None  # its candidates are scored on the session's committed tokens
 
-  def rounds_left(self, state: SwiftState, session) -> int:
+  def rounds_left(self, state: SwiftState, session) -> int | None:
     """One while it optimises (a candidate after every round), then all of them."""
-    return 1 if state.trials < self.trials else 1 << 30
+    return 1 if state.trials < self.trials else None
 
   def resume(self, state: SwiftState, window, drafted, accepted, session) -> SwiftState:
     return self.update(state, None, session)  # one round while it optimises
