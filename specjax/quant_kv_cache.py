@@ -196,8 +196,16 @@ class QuantKVCache:
     """Flush the buffer's oldest R tokens if it holds more than 2R − headroom, so that the
     next step's tokens fit. A forward calls this before it reads the cache: whether a
     token is read at full precision or at 8 bits then depends on the committed length
-    only (see the module docstring)."""
-    return self._write(None, None, 0, limit=2 * self.residual - self.headroom)
+    only (see the module docstring).
+
+    A flush falls due once every R tokens. On a CPU the step skips it in a `lax.cond` the
+    rest of the time; on a GPU a conditional is a host round trip, so the flush runs every
+    step there, and writes nothing when none is due."""
+    limit = 2 * self.residual - self.headroom
+    flush = lambda cache: cache._write(None, None, 0, limit=limit)
+    if jax.default_backend() != "cpu":
+      return flush(self)
+    return jax.lax.cond(self.buffered > limit, flush, lambda cache: cache, self)
 
   def append(self, ks: list[jax.Array], vs: list[jax.Array], valid: jax.Array | None = None,
              *, settled: bool = False) -> QuantKVCache:

@@ -143,6 +143,27 @@ def test_flushes_keep_every_token_exactly_once_over_a_long_run():
   assert np.array_equal(np.round(keys[0, :, 0]), np.asarray(committed, np.float32))
 
 
+def test_settle_skips_only_flushes_that_write_nothing():
+  """On a CPU `settle` runs the flush in a `lax.cond`, only when one is due; on a GPU it
+  runs the flush unconditionally. Both must leave the same cache, due or not."""
+  config = dataclasses.replace(tiny_config("llama", num_layers=2), max_context=1024)
+  K, H, R = config.num_kv_heads, config.head_dim, 16
+  limit = 2 * R - 8
+  rng = np.random.default_rng(0)
+  fill = jax.jit(lambda c, kv: c.append([kv, -kv], [kv * 0.5, kv], settled=False))
+  for buffered in (limit - 1, limit, limit + 1, 2 * R):
+    n = 3 * R + buffered  # three flushes during the fill, then `buffered` in the buffer
+    kv = jnp.asarray(rng.normal(size=(1, K, n, H)), jnp.float32)
+    cache = fill(QuantKVCache.create(config, 1, 256, group=8, residual=R, headroom=8), kv)
+    cache = cache.with_length(n)  # a fill leaves R..2R buffered; put `buffered` there
+    assert int(cache.buffered) == buffered, int(cache.buffered)
+    got = jax.jit(lambda c: c.settle())(cache)
+    want = jax.jit(lambda c: c._write(None, None, 0, limit=limit))(cache)
+    assert int(got.quantized) == int(cache.quantized) + (R if buffered > limit else 0)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 @settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 2**16), gamma=st.integers(1, 7))
 def test_the_target_reads_the_same_cache_in_ar_and_at_any_gamma(seed, gamma):
