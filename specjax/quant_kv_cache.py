@@ -72,6 +72,12 @@ def create_cache(config: ModelConfig, size: int, kv_cache: QuantKV | None = None
   return kv_cache.create(config, 1, size)
 
 
+def flush_in_a_conditional() -> bool:
+  """Whether `QuantKVCache.settle` skips idle flushes in a `lax.cond`: on a CPU, where a
+  conditional costs nothing; elsewhere it is a host round trip."""
+  return jax.default_backend() == "cpu"
+
+
 def _headroom(headroom: int | None, residual: int) -> int:
   return min(16, residual) if headroom is None else headroom
 
@@ -203,7 +209,7 @@ class QuantKVCache:
     step there, and writes nothing when none is due."""
     limit = 2 * self.residual - self.headroom
     flush = lambda cache: cache._write(None, None, 0, limit=limit)
-    if jax.default_backend() != "cpu":
+    if not flush_in_a_conditional():
       return flush(self)
     return jax.lax.cond(self.buffered > limit, flush, lambda cache: cache, self)
 
