@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from targets import PROMPT, ar_tokens, assert_exercised, target
 
+from specjax import quant_kv_cache
 from specjax.decode.engine import speculative_generate
 from specjax.decode.generate import generate
 from specjax.decode.round_loop import Decoding, decode_rounds
@@ -29,7 +30,6 @@ from specjax.drafters import (
 )
 from specjax.kv_cache import KVCache
 from specjax.plan import DraftPlan
-from specjax import quant_kv_cache
 from specjax.quant_kv_cache import QuantKV
 from specjax.sampling import SamplingParams
 from specjax.selection.layer_probe import Window
