@@ -569,7 +569,7 @@ def _host_rounds(run: _Run, record_rounds: bool) -> SSDGeneration:
     t_a = time.perf_counter()
     c0 = clock.seconds
     plan = session.with_head_rows(drafter.plan(dstate))
-    length = min(max(drafter.draft_length(dstate) or gamma, 1), gamma)
+    length = drafter.round_length(dstate, gamma)
     if record_rounds:
       plans.append(plan)
     key, k_draft, k_accept = jax.random.split(key, 3)

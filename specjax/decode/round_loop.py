@@ -167,8 +167,7 @@ def device_rounds(run, record_rounds: bool, rounds_per_call: int | None, static_
   while not done:
     left = drafter.rounds_left(dstate, session) if chunked else None
     rounds = per_call if left is None else min(per_call, max(left, 1))
-    # the draft length the host loop would use (a drafter may choose one per selection)
-    gamma = min(max(drafter.draft_length(dstate) or run.gamma, 1), run.gamma)
+    gamma = drafter.round_length(dstate, run.gamma)  # as the host loop's
     t_c = time.perf_counter()
     exe = executable(plan, rounds, gamma)
     t_a = time.perf_counter()

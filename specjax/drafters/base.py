@@ -69,6 +69,11 @@ class Drafter(abc.ABC):
     """The next round's draft length γ (capped by the engine's); None: the engine's γ."""
     return None
 
+  def round_length(self, state: Any, gamma: int) -> int:
+    """The draft length the next round runs at, in either loop: `draft_length` within
+    [1, gamma], or the engine's `gamma`."""
+    return min(max(self.draft_length(state) or gamma, 1), gamma)
+
   def update(self, state: Any, out, session) -> Any:
     """Fold one round's outcome (`engine.RoundOut`, on host) into the state."""
     return state
