@@ -376,6 +376,9 @@ class SSDGeneration:
   round_accepted: list[int] = dataclasses.field(default_factory=list)  # per round
   # per round, each draft's top-1 probability (host loop with record_rounds: draft-length fits)
   round_confidence: list[list[float]] = dataclasses.field(default_factory=list)
+  # per round, its draft call's and verify call's seconds (host loop with record_rounds):
+  # the distribution behind draft_s and verify_s (first calls, outliers, per draft length)
+  round_seconds: list[tuple[float, float]] = dataclasses.field(default_factory=list)
   drafter_state: object = None  # final state: the `prior` of the next generation
   compiles: int = 0  # executables compiled for this run (prefill included): 0 when cached
 
@@ -469,8 +472,8 @@ def speculative_generate(
   host round trip) rather than trace it (one executable for every plan; the default on a
   CPU, and for a `chunked` drafter's plans, which change at every selection).
   `record_rounds` keeps each round's plan and, on the host loop, its drafts' top-1
-  probabilities (what `draft_length.best_length_and_threshold` replays): a diagnostic,
-  one more host read per round.
+  probabilities (what `draft_length.best_length_and_threshold` replays) and its draft and
+  verify calls' seconds: a diagnostic, one more host read per round.
   """
   threshold = drafter.threshold if threshold is None else threshold
   kv_cache = drafter.kv_cache if kv_cache is None else kv_cache
@@ -563,7 +566,7 @@ def _host_rounds(run: _Run, record_rounds: bool) -> SSDGeneration:
   t1 = time.perf_counter()
   stats = dict(rounds=0, drafted=0, accepted=0, committed=0)
   draft_s = verify_s = selection_s = late_compile_s = 0.0
-  plans, round_drafted, round_accepted, round_confidence = [], [], [], []
+  plans, round_drafted, round_accepted, round_confidence, round_seconds = [], [], [], [], []
   done = tokens[0] in run.eos or len(tokens) >= run.max_new_tokens
   while not done:
     t_a = time.perf_counter()
@@ -592,6 +595,7 @@ def _host_rounds(run: _Run, record_rounds: bool) -> SSDGeneration:
     round_accepted.append(n_commit - 1)
     if record_rounds:  # a diagnostic read, off the timed path's usual work
       round_confidence.append(jax.device_get(draft.confidence)[:n_drafted].tolist())
+      round_seconds.append((t_v - t_c, t_d - t_v))
     stats["rounds"] += 1
     stats["drafted"] += n_drafted
     stats["accepted"] += n_commit - 1
@@ -629,6 +633,7 @@ def _host_rounds(run: _Run, record_rounds: bool) -> SSDGeneration:
       round_drafted=round_drafted,
       round_accepted=round_accepted,
       round_confidence=round_confidence,
+      round_seconds=round_seconds,
       drafter_state=dstate,
       **stats,
   )
