@@ -3,8 +3,8 @@
 # under the 600 s a call may run). Run through a bundle (experiments/gpu_bundle.py), which
 # sets SPECJAX_CACHE and SPECJAX_DATA_DIR; results go to $OUT (8 files at most come back).
 #
-#   bash experiments/gpu_checks.sh STEP [STEP ...]     STEP: fixed, cmdbuf, adaptive,
-#                                                      loops, conditionals, all
+#   bash experiments/gpu_checks.sh STEP [STEP ...]     STEP: fixed, cmdbuf, profile,
+#                                                      adaptive, loops, conditionals, all
 #
 #   fixed     the device-loop drafters end to end in --dtype mixed: 0 mismatches now that
 #             float32 dots ask for HIGHEST precision (efe3747), and FR-Spec's selection
@@ -13,12 +13,14 @@
 #             (XLA_FLAGS=--xla_gpu_enable_command_buffer=...): do traced plans stop
 #             paying a host round trip per lax.cond? (conditionals answered it on an H200,
 #             2026-11-27: no, a traced draft step cost 2.7 times more with them)
-#   adaptive  KnapSpec's latency profile at two cache sizes, then SWIFT, CLaSp and
-#             KnapSpec end to end (their plans change per round: traced)
+#   profile   KnapSpec's latency profile at two cache sizes (what `adaptive` and `loops`
+#             read; a profile saved by an older specjax is refused: measure it here)
+#   adaptive  `profile`, then SWIFT, CLaSp and KnapSpec end to end (their plans change per
+#             round: traced)
 #   loops     CLaSp, SWIFT, KnapSpec and 8bit with the host loop against the device loop
 #             (the adaptive drafters run their rounds between selections there since
-#             2026-11-27; experiments/bench_loops.py, --dtype mixed): same tokens, and the
-#             speed ratio. After `adaptive`, whose profile KnapSpec reads
+#             2026-11-27; experiments/bench_loops.py, --dtype mixed): same tokens, the
+#             speed ratio, AR on the same prompts. After `profile`, which KnapSpec reads
 #   conditionals  the same question as cmdbuf on a random-init SmolLM2 shape, end to end
 #             too (experiments/gpu_conditionals.py): needs no bundle, so it can run in the
 #             call that carries the bundle's first part
@@ -60,10 +62,12 @@ step() {
     cmdbuf)
       forward default ""
       forward cmdbuf "--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE" ;;
-    adaptive)
+    profile)
       log "profile"
       timeout "${PROFILE_S:-150}" python3 -m specjax.cli profile --model "$MODEL" --dtype mixed \
-        --lengths 256,512 > "$OUT/profile.json" 2>> "$OUT/checks.log"
+        --lengths 256,512 > "$OUT/profile.json" 2>> "$OUT/checks.log" ;;
+    adaptive)
+      step profile
       bench adaptive "${ADAPTIVE:-swift,clasp,knapspec}" "${ADAPTIVE_S:-400}" ;;
     loops)
       log "bench_loops"
@@ -76,7 +80,7 @@ step() {
       PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 experiments/gpu_conditionals.py --timeout "${CONDITIONALS_S:-150}" \
         --out "$OUT/conditionals.jsonl" 2>&1 | tail -n 12 | tee -a "$OUT/checks.log" ;;
     all) step fixed; step cmdbuf; step adaptive ;;
-    *) echo "unknown step '$1' (fixed, cmdbuf, adaptive, loops, conditionals, all)" >&2
+    *) echo "unknown step '$1' (fixed, cmdbuf, profile, adaptive, loops, conditionals, all)" >&2
        exit 2 ;;
   esac
 }
