@@ -230,6 +230,10 @@ def test_measured_profile_round_trips_and_is_checked(tmp_path):
     profiler.load_profile("tiny-llama", 6, path)
   with pytest.raises(MissingProfileError, match="run `specjax profile --model tiny-llama`"):
     profiler.load_profile("tiny-llama", 6, tmp_path / "none.json")
+  old = {k: v for k, v in obj.items() if k not in ("dtype", "num_layers", "verify_tokens")}
+  path.write_text(json.dumps(old))  # an older specjax's format: say what to run
+  with pytest.raises(ProfileMismatchError, match=r"missing \['dtype'.*run `specjax profile"):
+    profiler.load_profile("tiny-llama", 6, path)
   del obj["draft"]  # written before 8-bit draft profiles existed: a target-weight profile
   obj["device"] = p.device
   path.write_text(json.dumps(obj))

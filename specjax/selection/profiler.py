@@ -185,7 +185,11 @@ def load_profile(model: str, num_layers: int, path: Path | None = None,
   except ValueError as err:
     raise ProfileMismatchError(f"{path} is not a valid profile ({err}): run {command} "
                                f"again") from err
-  return LatencyProfile.from_json(obj).check(model, num_layers, draft=draft)
+  try:
+    profile = LatencyProfile.from_json(obj)
+  except ProfileMismatchError as err:  # an older specjax's format, or another file
+    raise ProfileMismatchError(f"{path}: {err}: run {command} again") from err
+  return profile.check(model, num_layers, draft=draft)
 
 
 def median_time(fn, repeats: int, warmup: int = 2) -> float:
