@@ -58,3 +58,19 @@ def test_conditionals_check_names_an_unknown_setting():
                        timeout=120)
   assert out.returncode == 2
   assert "unknown setting 'graphs'; known: default, cmdbuf" in out.stderr
+
+
+def test_host_loop_rounds_sets_each_call_beside_the_step_alone():
+  """experiments/host_loop_rounds.py on a CPU smoke run: each step alone, then the host
+  loop's rounds, traced and frozen, their call times summarised and the same tokens."""
+  out = subprocess.run([sys.executable, "experiments/host_loop_rounds.py", "--model",
+                        "shape:tiny", "--tokens", "12", "--repeats", "1"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  row = json.loads(out.stdout.strip().splitlines()[-1])
+  assert row["same_tokens"] and set(row["alone_ms"]) == {"ar", "verify", "draft traced",
+                                                          "draft frozen"}
+  for name in ("host traced", "host frozen"):
+    r = row[name]
+    assert r["verify_ms"]["n"] == r["draft_ms"]["n"] > 0 and r["ms_per_round"] > 0
+    assert r["cold_first_round_ms"]["verify"] > 0

@@ -17,6 +17,7 @@ from targets import PROMPT, ar_tokens, assert_exercised, target
 from specjax import quant_kv_cache
 from specjax.decode.engine import speculative_generate
 from specjax.decode.generate import generate
+from specjax.decode import round_loop
 from specjax.decode.round_loop import Decoding, decode_rounds
 from specjax.drafters import (
   ClaspDrafter,
@@ -190,6 +191,31 @@ def test_swift_optimises_a_round_a_call_then_runs_the_rest_in_one():
   again = run("host", host.drafter_state), run("auto", device.drafter_state)
   assert_same(*again)
   assert again[1].tokens == ar_tokens("llama")
+
+
+def test_where_conditionals_cost_swift_plan_is_frozen_once_its_search_ends(monkeypatch):
+  """On an accelerator (patched in here) each traced conditional is a host round trip, so
+  the device loop compiles a plan in once it holds for the rest of the generation: SWIFT's
+  after its search (`rounds_left` None), traced while it searches. Same tokens and search as
+  the host loop; the next prompt starts frozen, and its executable is the one compiled."""
+  monkeypatch.setattr(round_loop, "conditionals_skip_cheaply", lambda: False)
+  assert round_loop.freezes(None, False, None) and round_loop.freezes(None, True, None)
+  assert not round_loop.freezes(None, True, 3) and not round_loop.freezes(False, False, None)
+  assert round_loop.freezes(True, True, 3)
+  config, graphdef, state = target("llama")
+  drafter = SwiftDrafter(trials=4, window=16)
+  run = lambda loop, prior: speculative_generate(
+      graphdef, state, config, PROMPT, drafter, max_new_tokens=48, eos_ids=(), gamma=4,
+      threshold=0.0, loop=loop, drafter_state=prior, record_rounds=True)
+  host, device = run("host", None), run("auto", None)
+  assert_same(host, device)
+  assert device.drafter_state.ys == host.drafter_state.ys
+  frozen = [p.frozen is not None for p in device.plans]
+  assert frozen[0] is False and frozen[-1] is True and frozen == sorted(frozen)
+  assert device.plans[-1].frozen == device.drafter_state.best.freeze().frozen
+  again = run("auto", device.drafter_state)
+  assert all(p.frozen is not None for p in again.plans) and again.compiles == 0
+  assert again.tokens == run("host", host.drafter_state).tokens == ar_tokens("llama")
 
 
 @pytest.mark.parametrize("overlay, sampling, per_call", [

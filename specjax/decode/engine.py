@@ -468,9 +468,10 @@ def speculative_generate(
   `rounds_per_call` (device loop): rounds between host reads (default: all of them, or
   4 when streaming to `on_token`). `static_plan` (device loop): compile the drafter's
   plan into the executable (`DraftPlan.freeze`: no per-layer conditional, one compile
-  per plan; the default on accelerators for a fixed plan, where each conditional is a
-  host round trip) rather than trace it (one executable for every plan; the default on a
-  CPU, and for a `chunked` drafter's plans, which change at every selection).
+  per plan) rather than trace it (one executable for every plan). None: the backend's
+  choice (`round_loop.freezes`): on accelerators, where each conditional is a host round
+  trip, a plan that holds for the rest of the generation is frozen (a fixed plan; SWIFT's
+  once its search ends); a CPU, and plans that change at selections, stay traced.
   `record_rounds` keeps each round's plan and, on the host loop, its drafts' top-1
   probabilities (what `draft_length.best_length_and_threshold` replays) and its draft and
   verify calls' seconds: a diagnostic, one more host read per round.
@@ -512,8 +513,6 @@ def speculative_generate(
   else:
     from specjax.decode.round_loop import device_rounds
 
-    if static_plan is None:
-      static_plan = jax.default_backend() != "cpu" and not drafter.adaptive
     gen = device_rounds(run, record_rounds, rounds_per_call, static_plan)
   gen.compile_s += pre.compile_s + init_compile_s
   gen.compiles = pre.compiles + clock.count

@@ -117,9 +117,30 @@ def decode_rounds(state: nnx.State, carry: Decoding, plan: DraftPlan, budget: ja
   return jax.lax.while_loop(cond, body, carry)
 
 
-def device_rounds(run, record_rounds: bool, rounds_per_call: int | None, static_plan: bool):
+def conditionals_skip_cheaply() -> bool:
+  """Whether a traced plan's `lax.cond`s cost next to nothing: on a CPU a conditional runs
+  its branch in place; an accelerator copies each predicate to the host and waits."""
+  return jax.default_backend() == "cpu"
+
+
+def freezes(static_plan: bool | None, chunked: bool, rounds_left: int | None) -> bool:
+  """Whether the device loop compiles a plan into its executable (`DraftPlan.freeze`).
+  `static_plan` True / False decides; None takes the backend's default: on an accelerator,
+  where each traced sub-layer's `lax.cond` is a host round trip (a traced 50 % draft step
+  cost 1.78 AR steps in an H200's loop, frozen 0.58), freeze a plan that holds for the rest
+  of the generation: a fixed plan, or a chunked drafter's once it says so (`rounds_left`
+  None: SWIFT after its search), one compile each. Plans that change at selections stay
+  traced there (a compile per selection), and everything stays traced on a CPU, where a
+  conditional really skips its sub-layer and one executable serves every plan."""
+  if static_plan is not None:
+    return static_plan
+  return not conditionals_skip_cheaply() and (not chunked or rounds_left is None)
+
+
+def device_rounds(run, record_rounds: bool, rounds_per_call: int | None,
+                  static_plan: bool | None):
   """`engine.speculative_generate`'s device driver: the drafter's plan (frozen into the
-  executable when `static_plan`), then calls of `decode_rounds` until done, one host read
+  executable as `freezes` says), then calls of `decode_rounds` until done, one host read
   each (`engine._Run` in, `SSDGeneration` out). A `chunked` drafter's call runs no more
   rounds than its plan surely holds for, at its draft length; between calls the host
   hands it the window the loop extended and the rounds' counts (`Drafter.resume`, timed
@@ -130,7 +151,8 @@ def device_rounds(run, record_rounds: bool, rounds_per_call: int | None, static_
 
   def next_plan():
     plan = session.with_head_rows(drafter.plan(dstate))
-    return plan.freeze() if static_plan else plan
+    left = drafter.rounds_left(dstate, session) if chunked else None
+    return plan.freeze() if freezes(static_plan, chunked, left) else plan
 
   t0, c0 = time.perf_counter(), clock.seconds
   plan = next_plan()
