@@ -243,6 +243,9 @@ def test_clasp_runs_the_rounds_between_its_selections_on_the_device(overlay, sam
     np.testing.assert_array_equal(a, b)
   assert len({tuple(np.asarray(p.attn)) for p in device.plans}) > 1  # plans did change
   assert device.selection_s > 0 and device.rounds_s > 0
+  # Calls run 1 to 3 rounds (2 and 1 under per_call=2), and the round count is traced:
+  # one compiled loop (the host loop before it compiled the prefill and the DP).
+  assert device.compiles == 1
   if sampling.greedy:
     assert device.tokens == ar_tokens("llama")
 
@@ -264,9 +267,8 @@ def test_device_loop_copies_no_cache_layer():
                            (SamplingParams(), clasp_window)):  # a chunked drafter's carry
     carry = Decoding.start(cache, jnp.asarray([1]), jax.random.key(0), 64, window=window)
     hlo = decode_rounds.lower(state, carry, SKIP, jnp.int32(40), jnp.asarray([-1]),
-                              graphdef=graphdef, vocab=config.vocab_size, gamma=4,
-                              threshold=0.5, sampling=sampling,
-                              rounds_per_call=8).compile().as_text()
+                              jnp.int32(8), graphdef=graphdef, vocab=config.vocab_size,
+                              gamma=4, threshold=0.5, sampling=sampling).compile().as_text()
     assert _layer_copies(hlo, config, 512) == []
 
 
@@ -318,9 +320,9 @@ def test_a_frozen_plan_commits_the_same_tokens_without_conditionals(name, monkey
       drafter.kv_cache.create(config, 1, 192)
   carry = Decoding.start(cache, jnp.asarray([1]), jax.random.key(0), 64)
   conditionals = lambda: decode_rounds.lower(
-      state, carry, plan, jnp.int32(40), jnp.asarray([-1]), graphdef=graphdef,
-      vocab=config.vocab_size, gamma=4, threshold=0.5, sampling=SamplingParams(),
-      rounds_per_call=8).compile().as_text().count(" conditional(")
+      state, carry, plan, jnp.int32(40), jnp.asarray([-1]), jnp.int32(8), graphdef=graphdef,
+      vocab=config.vocab_size, gamma=4, threshold=0.5,
+      sampling=SamplingParams()).compile().as_text().count(" conditional(")
   assert conditionals() == (1 if drafter.kv_cache is not None else 0)  # CPU: the flush
   monkeypatch.setattr(quant_kv_cache, "flush_in_a_conditional", lambda: False)
   jax.clear_caches()  # trace again

@@ -81,17 +81,18 @@ def _commit(tokens: jax.Array, n_commit: jax.Array, count: jax.Array, budget: ja
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "vocab", "gamma", "threshold", "sampling", "rounds_per_call"),
+    static_argnames=("graphdef", "vocab", "gamma", "threshold", "sampling"),
     donate_argnames=("carry",))
 def decode_rounds(state: nnx.State, carry: Decoding, plan: DraftPlan, budget: jax.Array,
-                  eos: jax.Array, *, graphdef: nnx.GraphDef, vocab: int, gamma: int,
-                  threshold: float, sampling: SamplingParams, rounds_per_call: int
-                  ) -> Decoding:
-  """Up to `rounds_per_call` rounds under `plan`, stopping at an EOS or once `budget`
-  tokens are committed. `eos` is int32[E] (-1 for none); the token buffer must hold
-  budget + γ entries."""
+                  eos: jax.Array, rounds: jax.Array, *, graphdef: nnx.GraphDef, vocab: int,
+                  gamma: int, threshold: float, sampling: SamplingParams) -> Decoding:
+  """Up to `rounds` rounds under `plan`, stopping at an EOS or once `budget` tokens are
+  committed. `eos` is int32[E] (-1 for none); the token buffer must hold budget + γ
+  entries. `rounds` is traced: a chunked drafter's runs between selections vary in length
+  (CLaSp's up to its interval, KnapSpec's with its budget), and each length would
+  otherwise compile the loop again."""
   full = DraftPlan.full(plan.num_layers)
-  end = carry.rounds + rounds_per_call
+  end = carry.rounds + rounds
 
   def cond(c: Decoding):
     return ~c.done & (c.rounds < end)
@@ -170,15 +171,13 @@ def device_rounds(run, record_rounds: bool, rounds_per_call: int | None,
   eos = eos_array(run.eos)
   exes: dict = {}
 
-  def executable(plan: DraftPlan, rounds: int, gamma: int):
-    """One per plan structure (per plan when frozen), rounds per call and draft length,
-    compiled ahead; kept here, since `compiled`'s lookup walks every parameter."""
-    sig = (rounds, gamma, jax.tree.structure(plan),
-           tuple(x.shape for x in jax.tree.leaves(plan)))
+  def executable(plan: DraftPlan, gamma: int):
+    """One per plan structure (per plan when frozen) and draft length, compiled ahead;
+    kept here, since `compiled`'s lookup walks every parameter."""
+    sig = (gamma, jax.tree.structure(plan), tuple(x.shape for x in jax.tree.leaves(plan)))
     if sig not in exes:
       exes[sig] = compiled(decode_rounds, run.state, carry, plan, jnp.int32(budget), eos,
-                           rounds_per_call=rounds, clock=clock,
-                           **{**run.draft_static, "gamma": gamma})
+                           jnp.int32(1), clock=clock, **{**run.draft_static, "gamma": gamma})
     return exes[sig]
 
   tokens, plans = [run.first], []
@@ -191,10 +190,10 @@ def device_rounds(run, record_rounds: bool, rounds_per_call: int | None,
     rounds = per_call if left is None else min(per_call, max(left, 1))
     gamma = drafter.round_length(dstate, run.gamma)  # as the host loop's
     t_c = time.perf_counter()
-    exe = executable(plan, rounds, gamma)
+    exe = executable(plan, gamma)
     t_a = time.perf_counter()
     loop_compile_s += t_a - t_c
-    carry = exe(run.state, carry, plan, jnp.int32(budget), eos)
+    carry = exe(run.state, carry, plan, jnp.int32(budget), eos, jnp.int32(rounds))
     count, done, new, n, drafted, accepted = jax.device_get(  # one read
         (carry.count, carry.done, carry.tokens, carry.rounds, carry.drafted, carry.accepted))
     rounds_s += time.perf_counter() - t_a
