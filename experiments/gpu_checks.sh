@@ -14,7 +14,9 @@
 #             paying a host round trip per lax.cond? (conditionals answered it on an H200,
 #             2026-11-27: no, a traced draft step cost 2.7 times more with them)
 #   profile   KnapSpec's latency profile at two cache sizes (what `adaptive` and `loops`
-#             read; a profile saved by an older specjax is refused: measure it here)
+#             read; a profile saved by an older specjax is refused: measure it here), or
+#             with PROFILE_FROM=FILE the one a past run printed (the last line of
+#             `specjax profile`, whole since 2026-11-27), saved where KnapSpec looks
 #   adaptive  `profile`, then SWIFT, CLaSp and KnapSpec end to end (their plans change per
 #             round: traced)
 #   loops     CLaSp, SWIFT, KnapSpec and 8bit with the host loop against the device loop
@@ -63,9 +65,18 @@ step() {
       forward default ""
       forward cmdbuf "--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE" ;;
     profile)
-      log "profile"
-      timeout "${PROFILE_S:-150}" python3 -m specjax.cli profile --model "$MODEL" --dtype mixed \
-        --lengths 256,512 > "$OUT/profile.json" 2>> "$OUT/checks.log" ;;
+      if [ -n "${PROFILE_FROM:-}" ]; then
+        log "profile from $PROFILE_FROM"
+        python3 -c 'import json, sys
+from specjax.selection import profiler as p
+line = open(sys.argv[1]).read().strip().splitlines()[-1]
+print(p.save_profile(p.LatencyProfile.from_json(json.loads(line))))' "$PROFILE_FROM" \
+          2>&1 | tee -a "$OUT/checks.log"
+      else
+        log "profile"
+        timeout "${PROFILE_S:-150}" python3 -m specjax.cli profile --model "$MODEL" \
+          --dtype mixed --lengths 256,512 > "$OUT/profile.json" 2>> "$OUT/checks.log"
+      fi ;;
     adaptive)
       step profile
       bench adaptive "${ADAPTIVE:-swift,clasp,knapspec}" "${ADAPTIVE_S:-400}" ;;

@@ -189,10 +189,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
   print(profiler.table(prof))
   print(f"t_attn(n) = {prof.t_attn(1) - prof.t_attn(0):.3e}·n + {prof.t_attn(0):.3e} s, "
         f"t_mlp = {prof.t_mlp():.3e} s; saved to {path}", file=sys.stderr)
-  print(json.dumps({"model": prof.model, "device": prof.device, "draft": prof.draft,
-                    "path": str(path),
-                    **{k: getattr(prof, k) for k in ("lengths", "attn", "mlp", "base",
-                                                      "step", "verify")}}))
+  # The whole profile, loadable as it is (`LatencyProfile.from_json` ignores "path"): a
+  # lent machine's run leaves its profile in its log for the next run to reuse.
+  print(json.dumps({**prof.to_json(), "path": str(path)}))
   return 0
 
 

@@ -19,6 +19,19 @@ def test_generate_tiny_model_prints_json(capsys):
   assert stats["new_tokens"] == 5 and stats["decode_tokens_per_s"] > 0
 
 
+def test_profile_prints_the_profile_it_saved(capsys, tmp_path):
+  """Its last line is the whole profile, loadable as it is: a lent GPU's log keeps it."""
+  from specjax.selection import profiler
+
+  out = tmp_path / "p.json"
+  assert main(["profile", "--model", "tiny-llama", "--lengths", "64,128", "--repeats", "2",
+               "--out", str(out)]) == 0
+  line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert line["path"] == str(out)
+  printed = profiler.LatencyProfile.from_json(line)
+  assert printed == profiler.load_profile("tiny-llama", printed.num_layers, out)
+
+
 def test_bad_input_exits_2_with_a_message(capsys):
   assert main(["generate", "--model", "nope", "--prompt", "hi"]) == 2
   assert "unknown model 'nope'" in capsys.readouterr().err

@@ -107,6 +107,26 @@ def test_the_checks_script_parses_and_refuses_an_unknown_step(tmp_path):
   assert out.returncode == 2 and "unknown step 'nope'" in out.stderr
 
 
+def test_the_profile_step_saves_a_printed_profile_where_knapspec_looks(tmp_path):
+  """PROFILE_FROM: the last line `specjax profile` printed on an earlier run (its log),
+  saved into the cache instead of measuring again on the GPU's clock."""
+  from specjax.selection import profiler
+
+  prof = profiler.LatencyProfile("tiny-llama", profiler.device_name(), "mixed", 6, 5,
+                                 (64, 128), (1e-4, 2e-4), (3e-4, 3e-4), (1e-3, 1e-3),
+                                 (5e-3, 6e-3), (4e-3, 4e-3))
+  log = tmp_path / "profile.json"
+  log.write_text("| a table |\n" + json.dumps({**prof.to_json(), "path": "/elsewhere"}))
+  env = {**os.environ, "OUT": str(tmp_path / "out"), "SPECJAX_CACHE": str(tmp_path / "cache"),
+         "PROFILE_FROM": str(log),
+         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # ours
+  out = subprocess.run(["bash", str(ROOT / "experiments" / "gpu_checks.sh"), "profile"],
+                       check=False, capture_output=True, text=True, env=env, cwd=ROOT)
+  assert out.returncode == 0, out.stderr
+  saved = tmp_path / "cache" / "profiles" / f"tiny-llama__{prof.device}__mixed.json"
+  assert profiler.load_profile("tiny-llama", 6, saved) == prof
+
+
 @pytest.mark.parametrize("model, says", [("tiny-llama", "needs no bundle"),
                                          ("qwen2.5-coder-0.5b-instruct", "inside one package")])
 def test_a_model_that_cannot_be_bundled_is_refused_before_anything_is_written(tmp_path, model,
