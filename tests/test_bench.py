@@ -25,6 +25,10 @@ def test_bench_end_to_end_then_resume(tmp_path, capsys):
   assert figures["methods"]["ar"]["mismatches"] is None  # the reference
   assert all(r["mismatches"] == 0 for m, r in figures["methods"].items() if m != "ar")
   assert figures["prompts"] == 3
+  # Compiling is booked apart, per method: its own executables (the first prompt's
+  # compile), not the prefill every method shares.
+  assert all(r["compile_s"] > 0 for r in figures["methods"].values())
+  assert "| compile s |" in (out / "summary.md").read_text()
   for f in ("results.jsonl", "settings.json", "summary.md", "speedup.png"):
     assert (out / f).exists()
   # The searches, kept for a resume: self_sd's, and self_sd+8bit's, made at 8 bits.
@@ -87,6 +91,11 @@ def test_metrics_are_ratios_of_sums():
   assert s["x"]["mismatches"] == 1
   assert s["x"]["draft_share"] == pytest.approx(0.25) and s["x"]["verify_share"] == 0.6
   assert metrics.by_category(recs)["a"]["x"]["speedup"] == pytest.approx(2.0)
+  assert s["x"]["compile_s"] is None  # records from before compile seconds were kept
+  for r, seconds in zip(recs, (1.0, 0.0, 2.5, 0.5)):
+    r["compile_s"] = seconds
+  s = metrics.summarize(recs)
+  assert (s["ar"]["compile_s"], s["x"]["compile_s"]) == (1.0, 3.0)
 
 
 def test_the_median_per_prompt_speedup_shows_a_slow_ar_prompt():

@@ -134,7 +134,8 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
   methods += [(name, d, d.kv_cache) for name, d in drafters.items()]
   for name, drafter, kv in methods:
     rec: dict[str, Any] = dict(tags, method=name, decode_tokens=0, decode_s=0.0, prefill_s=0.0,
-                               prompt_tokens=0, tokens=[], **{k: 0 for k in COUNTERS})
+                               compile_s=0.0, prompt_tokens=0, tokens=[],
+                               **{k: 0 for k in COUNTERS})
     answers: list[str] = []
     for t, turn in enumerate(turns):
       ids = first if t == 0 else prompt_ids(model.tokenizer, turns[: t + 1], answers)
@@ -153,6 +154,10 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
         for k in COUNTERS:
           rec[k] += getattr(out, k)
       rec["prompt_tokens"] += len(ids)
+      # Its own compiles: a shared prefill's are in every method's `compile_s`, but were
+      # paid once (by whichever method came first).
+      shared = kw["prefilled"].compile_s if kw["prefilled"] is not None else 0.0
+      rec["compile_s"] += out.compile_s - shared
       rec["decode_tokens"] += len(out.tokens) - 1
       rec["decode_s"] += out.decode_s
       rec["prefill_s"] += out.prefill_s

@@ -71,7 +71,12 @@ def summarize(records: Iterable[dict], references: tuple[str, ...] = (AR,)) -> d
     tps = s["tokens"] / s["decode_s"] if s["decode_s"] else 0.0
     reference = method in references or all(r.get("is_reference") for r in by_method[method])
     compared = None if reference else mismatches(by_method[method], method)
-    row = {"prompts": int(s["prompts"]), "tokens_per_s": tps, "mismatches": compared}
+    # Seconds compiling its own executables (not decoding); None for records from before
+    # they were kept.
+    compiled = (sum(r["compile_s"] for r in by_method[method])
+                if all("compile_s" in r for r in by_method[method]) else None)
+    row = {"prompts": int(s["prompts"]), "tokens_per_s": tps, "mismatches": compared,
+           "compile_s": compiled}
     if not reference:
       row |= {
           "M": s["committed"] / s["rounds"] if s["rounds"] else 0.0,

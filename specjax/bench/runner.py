@@ -217,20 +217,21 @@ def finish(cfg: BenchConfig, out_dir: Path, records: list[dict], verbose: bool,
 
 def _overall_table(overall: dict) -> str:
   head = ("| method | tok/s | speedup | median per prompt | M | α | mismatches | draft | verify "
-          "| device rounds | selection | other |")
-  lines = [head, "|" + " --- |" * 12]
+          "| device rounds | selection | other | compile s |")
+  lines = [head, "|" + " --- |" * 13]
   for m, r in overall.items():
     median = "–" if r.get("median_speedup") is None else f"{r['median_speedup']:.2f}"
+    compiled = "–" if r.get("compile_s") is None else f"{r['compile_s']:.1f}"
     if "M" not in r:  # AR, and AR on a quantised cache (the target QuantSpec reproduces)
       name = "AR" if m == metrics.AR else m
       lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | {median} | – | – "
-                   f"| – | – | – | – | – | – |")
+                   f"| – | – | – | – | – | – | {compiled} |")
     else:
       lines.append(
           f"| {m} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | {median} | {r['M']:.2f} | "
           f"{r['alpha']:.2f} | {metrics.mismatch_text(r['mismatches'])} | {r['draft_share']:.0%} | "
           f"{r['verify_share']:.0%} | {r['rounds_share']:.0%} | {r['selection_share']:.0%} | "
-          f"{r['other_share']:.1%} |")
+          f"{r['other_share']:.1%} | {compiled} |")
   return "\n".join(lines)
 
 
@@ -303,7 +304,9 @@ def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict,
       f"{'greedy' if cfg.temperature == 0 else f'T={cfg.temperature}'}; AR and every drafter "
       f"in the same process. `speedup` is total tokens over total decode time, against AR's; "
       f"`median per prompt` the median of each prompt's speedup, which one prompt's noise "
-      f"moves little. Machine: {docs.machine()}.", "",
+      f"moves little; `compile s` the seconds a method spent compiling its own executables "
+      f"(outside the decode time; the shared prefills' apart). Machine: {docs.machine()}.",
+      "",
       table, "", "Speedup vs AR by category:", "", cat_table,
   ] + (["", "Draft lengths (`--auto-gamma`):", "", lengths, "", PILOT_ALPHA] if lengths else [])
     + ["", claims.section(claims.for_run(overall))])
