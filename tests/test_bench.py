@@ -25,9 +25,9 @@ def test_bench_end_to_end_then_resume(tmp_path, capsys):
   assert figures["methods"]["ar"]["mismatches"] is None  # the reference
   assert all(r["mismatches"] == 0 for m, r in figures["methods"].items() if m != "ar")
   assert figures["prompts"] == 3
-  # Compiling is booked apart, per method: its own executables (the first prompt's
-  # compile), not the prefill every method shares.
-  assert all(r["compile_s"] > 0 for r in figures["methods"].values())
+  # Compiling is booked apart, per method, less the prefill every method shares (which
+  # each generation counts in its own): never negative. The warm-up compiled the rest.
+  assert all(0 <= r["compile_s"] < 5 for r in figures["methods"].values())
   assert "| compile s |" in (out / "summary.md").read_text()
   for f in ("results.jsonl", "settings.json", "summary.md", "speedup.png"):
     assert (out / f).exists()

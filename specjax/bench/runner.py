@@ -304,8 +304,9 @@ def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict,
       f"{'greedy' if cfg.temperature == 0 else f'T={cfg.temperature}'}; AR and every drafter "
       f"in the same process. `speedup` is total tokens over total decode time, against AR's; "
       f"`median per prompt` the median of each prompt's speedup, which one prompt's noise "
-      f"moves little; `compile s` the seconds a method spent compiling its own executables "
-      f"(outside the decode time; the shared prefills' apart). Machine: {docs.machine()}.",
+      f"moves little; `compile s` the seconds a method spent compiling during its timed "
+      f"prompts, outside their decode time: what the warm-up did not foresee (a drafter that "
+      f"changes shapes mid-run; the shared prefills apart). Machine: {docs.machine()}.",
       "",
       table, "", "Speedup vs AR by category:", "", cat_table,
   ] + (["", "Draft lengths (`--auto-gamma`):", "", lengths, "", PILOT_ALPHA] if lengths else [])
