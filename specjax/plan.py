@@ -23,6 +23,15 @@ import numpy as np
 from specjax.errors import SpecjaxError
 
 
+def conditionals_skip_cheaply() -> bool:
+  """Whether a `lax.cond` costs next to nothing on this backend. On a CPU it runs its
+  branch in place: a traced plan really skips its sub-layers, and the quantised cache
+  skips idle flushes. An accelerator copies each predicate to the host and waits (XLA:GPU;
+  measured on an H200), so there plans that hold are frozen (`DraftPlan.freeze`) and
+  flushes run unconditionally."""
+  return jax.default_backend() == "cpu"
+
+
 class PlanError(SpecjaxError, ValueError):
   """A malformed draft plan (wrong length, wrong dtype, not boolean)."""
 

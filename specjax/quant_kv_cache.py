@@ -38,6 +38,7 @@ from specjax import quant
 from specjax.cache_view import LayerView, QuantRead, Segment
 from specjax.config import ModelConfig
 from specjax.kv_cache import ContextOverflowError, KVCache
+from specjax.plan import conditionals_skip_cheaply
 from specjax.quant import Hier, QuantError
 
 
@@ -70,12 +71,6 @@ def create_cache(config: ModelConfig, size: int, kv_cache: QuantKV | None = None
   if kv_cache is None:
     return KVCache.create(config, 1, size, jnp.float32 if dtype is None else dtype)
   return kv_cache.create(config, 1, size)
-
-
-def flush_in_a_conditional() -> bool:
-  """Whether `QuantKVCache.settle` skips idle flushes in a `lax.cond`: on a CPU, where a
-  conditional costs nothing; elsewhere it is a host round trip."""
-  return jax.default_backend() == "cpu"
 
 
 def _headroom(headroom: int | None, residual: int) -> int:
@@ -209,7 +204,7 @@ class QuantKVCache:
     step there, and writes nothing when none is due."""
     limit = 2 * self.residual - self.headroom
     flush = lambda cache: cache._write(None, None, 0, limit=limit)
-    if not flush_in_a_conditional():
+    if not conditionals_skip_cheaply():
       return flush(self)
     return jax.lax.cond(self.buffered > limit, flush, lambda cache: cache, self)
 

@@ -324,7 +324,7 @@ def test_a_frozen_plan_commits_the_same_tokens_without_conditionals(name, monkey
       vocab=config.vocab_size, gamma=4, threshold=0.5,
       sampling=SamplingParams()).compile().as_text().count(" conditional(")
   assert conditionals() == (1 if drafter.kv_cache is not None else 0)  # CPU: the flush
-  monkeypatch.setattr(quant_kv_cache, "flush_in_a_conditional", lambda: False)
+  monkeypatch.setattr(quant_kv_cache, "conditionals_skip_cheaply", lambda: False)
   jax.clear_caches()  # trace again
   assert conditionals() == 0  # as on a GPU
   monkeypatch.undo()

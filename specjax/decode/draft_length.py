@@ -41,7 +41,7 @@ import numpy as np
 
 from specjax.errors import ConfigError
 from specjax.kv_cache import KVCache
-from specjax.plan import DraftPlan
+from specjax.plan import DraftPlan, conditionals_skip_cheaply
 from specjax.sampling import SamplingParams
 
 
@@ -368,7 +368,7 @@ def measure_step_costs(graphdef, state, config, plan: DraftPlan, *,
   and 0.33-0.38 in a loop (Intel Xeon), and timed as calls the fit chose γ = 5 where
   γ = 8 ran fastest (`experiments/replay_vs_real.py`)."""
   loop = LOOP_STEPS if device_loop else 0
-  if device_loop and static_plan and jax.default_backend() != "cpu":
+  if device_loop and static_plan and not conditionals_skip_cheaply():
     plan = plan.freeze()
   t = step_times(graphdef, state, config, {"plan": [plan]}, gammas=gammas, context=context,
                  repeats=repeats, loop=loop)

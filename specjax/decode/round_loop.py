@@ -27,7 +27,7 @@ from specjax.decode.generate import eos_array
 from specjax.errors import ConfigError
 from specjax.jit_cache import compiled
 from specjax.kv_cache import KVCache
-from specjax.plan import DraftPlan
+from specjax.plan import DraftPlan, conditionals_skip_cheaply
 from specjax.sampling import SamplingParams
 from specjax.selection.layer_probe import Window, push_step
 
@@ -118,12 +118,6 @@ def decode_rounds(state: nnx.State, carry: Decoding, plan: DraftPlan, budget: ja
   return jax.lax.while_loop(cond, body, carry)
 
 
-def conditionals_skip_cheaply() -> bool:
-  """Whether a traced plan's `lax.cond`s cost next to nothing: on a CPU a conditional runs
-  its branch in place; an accelerator copies each predicate to the host and waits."""
-  return jax.default_backend() == "cpu"
-
-
 def freezes(static_plan: bool | None, chunked: bool, rounds_left: int | None) -> bool:
   """Whether the device loop compiles a plan into its executable (`DraftPlan.freeze`).
   `static_plan` True / False decides; None takes the backend's default: on an accelerator,
@@ -151,12 +145,13 @@ def device_rounds(run, record_rounds: bool, rounds_per_call: int | None,
   dstate = run.dstate
 
   def next_plan():
+    """The plan for the next call, and the rounds it surely holds for (None: all)."""
     plan = session.with_head_rows(drafter.plan(dstate))
     left = drafter.rounds_left(dstate, session) if chunked else None
-    return plan.freeze() if freezes(static_plan, chunked, left) else plan
+    return (plan.freeze() if freezes(static_plan, chunked, left) else plan), left
 
   t0, c0 = time.perf_counter(), clock.seconds
-  plan = next_plan()
+  plan, left = next_plan()
   compile_s = clock.seconds - c0  # a static shortlist's row gather
   selection_s = time.perf_counter() - t0 - compile_s
   budget = run.max_new_tokens
@@ -186,7 +181,6 @@ def device_rounds(run, record_rounds: bool, rounds_per_call: int | None,
   n_done = 0
   t1 = time.perf_counter()
   while not done:
-    left = drafter.rounds_left(dstate, session) if chunked else None
     rounds = per_call if left is None else min(per_call, max(left, 1))
     gamma = drafter.round_length(dstate, run.gamma)  # as the host loop's
     t_c = time.perf_counter()
@@ -211,7 +205,7 @@ def device_rounds(run, record_rounds: bool, rounds_per_call: int | None,
       dstate = drafter.resume(dstate, carry.window, drafted[ran].tolist(),
                               accepted[ran].tolist(), session)
       if not done:  # the last fold leaves the state a later prompt starts from
-        plan = next_plan()
+        plan, left = next_plan()
         carry = carry.replace(window=_own(drafter.carried_window(dstate)))
       late_compile_s = clock.seconds - c_s  # a selection's first DP compiles
       loop_compile_s += late_compile_s
