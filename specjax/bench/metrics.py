@@ -52,8 +52,7 @@ def total_mismatches(summary: dict[str, dict]) -> int | None:
 
 def summarize(records: Iterable[dict], references: tuple[str, ...] = (AR,)) -> dict[str, dict]:
   """method -> {tokens_per_s, M, alpha, time shares (draft / verify / device rounds /
-  selection / other),
-  mismatches, prompts}. `references` (AR, and e.g. an int8-KV AR) are what others are
+  selection / other), compile_s, mismatches, prompts}. `references` (AR, and e.g. an int8-KV AR) are what others are
   compared with: their `mismatches` is None, as for every method whose records are marked
   `is_reference` (the harness marks its AR baselines)."""
   sums: dict[str, dict] = defaultdict(lambda: defaultdict(float))
@@ -71,8 +70,8 @@ def summarize(records: Iterable[dict], references: tuple[str, ...] = (AR,)) -> d
     tps = s["tokens"] / s["decode_s"] if s["decode_s"] else 0.0
     reference = method in references or all(r.get("is_reference") for r in by_method[method])
     compared = None if reference else mismatches(by_method[method], method)
-    # Seconds compiling its own executables (not decoding); None for records from before
-    # they were kept.
+    # Seconds it compiled during its timed prompts (outside decoding; the warm-up compiled
+    # the rest); None for records from before they were kept.
     compiled = (sum(r["compile_s"] for r in by_method[method])
                 if all("compile_s" in r for r in by_method[method]) else None)
     row = {"prompts": int(s["prompts"]), "tokens_per_s": tps, "mismatches": compared,
