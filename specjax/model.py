@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax import cpu_kernels
-from specjax.cache_view import LayerView, QuantRead, Segment
+from specjax.cache_view import LayerView, QuantRead, Segment, after
 from specjax.config import ModelConfig
 from specjax.kv_cache import DraftBuffer, KVCache
 from specjax.plan import DraftPlan, PlanError
@@ -442,6 +442,8 @@ class Transformer(nnx.Module):
                       "the target's and reads its own")
     layer_weights = self._draft_weights(plan.weights)
     writes = write_cache and buffer is None
+    if writes:  # the cache is written only once the tokens are known (`QuantKVCache.settle`)
+      (positions,) = after(tokens, [positions])
     view = cache.view(positions, write=writes, dense=plan.dense, bits=plan.kv_bits,
                       valid=valid)
     if buffer is not None:

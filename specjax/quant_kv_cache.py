@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import quant
-from specjax.cache_view import LayerView, QuantRead, Segment
+from specjax.cache_view import LayerView, QuantRead, Segment, after, keep_rows
 from specjax.config import ModelConfig
 from specjax.kv_cache import ContextOverflowError, KVCache
 from specjax.plan import conditionals_skip_cheaply
@@ -166,8 +166,8 @@ class QuantKVCache:
     read at `bits` (4: the upper nibbles, QuantSpec's draft; 16 reads as stored, 8),
     and, when writing (the target, every layer), settled first and appended after.
     `valid` (a padded prompt's real length) keeps padding out of the codes."""
-    return QuantCacheView(self.settle() if write else self, positions, 4 if bits == 4 else 8,
-                          write, valid)
+    cache = self.settle(wait_for=positions) if write else self
+    return QuantCacheView(cache, positions, 4 if bits == 4 else 8, write, valid)
 
   def dense(self, bits: int = 8) -> KVCache:
     """A full-precision `KVCache` holding what a reader at `bits` sees (slots = positions,
@@ -193,7 +193,7 @@ class QuantKVCache:
 
   # --- writing ------------------------------------------------------------------------------
 
-  def settle(self) -> QuantKVCache:
+  def settle(self, wait_for: jax.Array | None = None) -> QuantKVCache:
     """Flush the buffer's oldest R tokens if it holds more than 2R − headroom, so that the
     next step's tokens fit. A forward calls this before it reads the cache: whether a
     token is read at full precision or at 8 bits then depends on the committed length
@@ -201,12 +201,47 @@ class QuantKVCache:
 
     A flush falls due once every R tokens. On a CPU the step skips it in a `lax.cond` the
     rest of the time; on a GPU a conditional is a host round trip, so the flush runs every
-    step there, and writes nothing when none is due."""
-    limit = 2 * self.residual - self.headroom
-    flush = lambda cache: cache._write(None, None, 0, limit=limit)
+    step there, and writes nothing when none is due.
+
+    `wait_for` (a forward's positions): the flush waits for it. In a loop of rounds the
+    verification's positions follow from the draft's tokens, so the draft's reads of the
+    cache come before the flush overwrites it in place (unordered, XLA copied the cache
+    in every round)."""
+    buffered = self.buffered if wait_for is None else after(wait_for, [self.buffered])[0]
+    due = buffered > 2 * self.residual - self.headroom
     if not conditionals_skip_cheaply():
-      return flush(self)
-    return jax.lax.cond(self.buffered > limit, flush, lambda cache: cache, self)
+      return self._flush_oldest(due)
+    return jax.lax.cond(due, QuantKVCache._flush_oldest, lambda cache: cache, self)
+
+  def _flush_oldest(self, due: jax.Array | None = None) -> QuantKVCache:
+    """Quantise the buffer's oldest R tokens into slots [Q, Q + R) and shift the rest of
+    the buffer down by R (`due` False: change nothing). Settle's flush: the buffer then
+    holds more than 2R − headroom ≥ R tokens, so exactly R leave it.
+
+    Every write lands in place, a slice of static size at a traced offset (those slots
+    exist: the tokens are in the cache), so the conditional that skips a flush passes the
+    cache through without copying it, and no token rows are scattered."""
+    R, G, Gv, Q = self.residual, self.group, self.value_group, self.quantized
+
+    def layer(dst: Hier, buf: jax.Array, keys: bool) -> tuple[Hier, jax.Array]:
+      src = quant.quantize(buf[:, :, :R], axis=2 if keys else 3, group=G if keys else Gv)
+      at = Q // G if keys else Q  # key scales: one row per group of G tokens
+      put = lambda d, s, i: keep_rows(d, s, due, i)
+      codes = Hier(put(dst.upper, src.upper, Q), put(dst.lower, src.lower, Q),
+                   put(dst.lo, src.lo, at), put(dst.scale, src.scale, at))
+      # The rows that stay move down (rows past b - R keep stale values) once the codes
+      # are written, since XLA fuses the quantiser into their writes: every read of the
+      # oldest rows is then ordered before the buffer's write (unordered, XLA copied the
+      # whole buffer to write it).
+      written = sum(c.reshape(-1)[0].astype(jnp.float32) for c in jax.tree.leaves(codes))
+      (moved,) = after(written, [buf[:, :, R:]])
+      return codes, keep_rows(buf, moved, due, 0)
+
+    flushed = jnp.int32(R) if due is None else jnp.where(due, R, 0).astype(jnp.int32)
+    hk, bk = zip(*(layer(h, b, True) for h, b in zip(self.k_codes, self.buf_k)))
+    hv, bv = zip(*(layer(h, b, False) for h, b in zip(self.v_codes, self.buf_v)))
+    return self.replace(k_codes=hk, v_codes=hv, buf_k=bk, buf_v=bv, quantized=Q + flushed,
+                        buffered=self.buffered - flushed)
 
   def append(self, ks: list[jax.Array], vs: list[jax.Array], valid: jax.Array | None = None,
              *, settled: bool = False) -> QuantKVCache:
@@ -291,7 +326,9 @@ class QuantCacheView:
 
   def keep(self, l: int, layer: LayerView, run, x: jax.Array) -> None:
     if self.write:  # every layer ran: writers use the full plan
-      self.rows.append(layer.target)
+      # The rows follow the layer's output, so the layer reads its buffer before the
+      # append writes it (in place; unordered, XLA copied every buffer and code plane).
+      self.rows.append(tuple(after(x, list(layer.target))))
 
   def result(self) -> QuantKVCache:
     if not self.write:

@@ -205,20 +205,27 @@ def test_decode_step_writes_the_cache_in_place():
 
 
 def _layer_copies(hlo: str, config, size: int) -> list[str]:
-  """Instructions producing a whole layer of the cache by copy or transpose, in any layout.
+  """Instructions producing a whole float32 layer of a `KVCache` of `size` slots by copy or
+  transpose, in any layout (`copies_of`)."""
+  K, H = config.num_kv_heads, config.head_dim
+  layer = {(1, K, size, H), (1, size, K, H), (K, size, H), (size, K, H), (1, K, H, size),
+           (K, H, size)}
+  return copies_of(hlo, {("f32", dims) for dims in layer})
+
+
+def copies_of(hlo: str, shapes: set[tuple[str, tuple[int, ...]]]) -> list[str]:
+  """Instructions producing an array of one of `shapes` ((dtype, dims) pairs) by copy or
+  transpose.
 
   A fusion whose root is the in-place dynamic-update-slice may be named after the small
   copy it fuses (the new rows' transpose): that one writes in place and is not listed."""
   import re
 
-  K, H = config.num_kv_heads, config.head_dim
-  layer = {(1, K, size, H), (1, size, K, H), (K, size, H), (size, K, H), (1, K, H, size),
-           (K, H, size)}
   found = []
   for line in hlo.splitlines():
-    m = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = f32\[([\d,]*)\]\S* ([\w-]+)\(", line)
-    if m and tuple(int(d) for d in m.group(2).split(",") if d) in layer:
-      name, op = m.group(1), m.group(3)
+    m = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(", line)
+    if m and (m.group(2), tuple(int(d) for d in m.group(3).split(",") if d)) in shapes:
+      name, op = m.group(1), m.group(4)
       fused_copy = op == "fusion" and name.startswith(("copy", "transp")) and \
           "dynamic-update-slice" not in name
       if op in ("copy", "transpose") or fused_copy:

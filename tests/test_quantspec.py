@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from targets import assert_exercised, assert_plan_keeps_the_target_distribution, target
 
-from specjax import quant
+from specjax import quant, quant_kv_cache
 from specjax.config import tiny_config
 from specjax.decode.engine import speculative_generate
 from specjax.decode.generate import generate, positions_for, prefill_prompt, prefill_step
@@ -143,9 +143,14 @@ def test_flushes_keep_every_token_exactly_once_over_a_long_run():
   assert np.array_equal(np.round(keys[0, :, 0]), np.asarray(committed, np.float32))
 
 
-def test_settle_skips_only_flushes_that_write_nothing():
-  """On a CPU `settle` runs the flush in a `lax.cond`, only when one is due; on a GPU it
-  runs the flush unconditionally. Both must leave the same cache, due or not."""
+@pytest.mark.parametrize("skip_cheaply", [True, False])
+def test_settle_flushes_as_a_general_write_would(monkeypatch, skip_cheaply):
+  """`settle` flushes the oldest R tokens in place, in a `lax.cond` where conditionals
+  skip cheaply (a CPU) and unconditionally, writing nothing unless due, elsewhere (a GPU).
+  Either way it must leave the cache that the general write (`_write`, which scatters a
+  stream of any length) leaves: the same codes and scales in every slot, the same counts,
+  the same buffered tokens (buffer rows past them are dead)."""
+  monkeypatch.setattr(quant_kv_cache, "conditionals_skip_cheaply", lambda: skip_cheaply)
   config = dataclasses.replace(tiny_config("llama", num_layers=2), max_context=1024)
   K, H, R = config.num_kv_heads, config.head_dim, 16
   limit = 2 * R - 8
@@ -160,8 +165,49 @@ def test_settle_skips_only_flushes_that_write_nothing():
     got = jax.jit(lambda c: c.settle())(cache)
     want = jax.jit(lambda c: c._write(None, None, 0, limit=limit))(cache)
     assert int(got.quantized) == int(cache.quantized) + (R if buffered > limit else 0)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert (int(got.quantized), int(got.buffered)) == (int(want.quantized), int(want.buffered))
+    for g, w in zip(jax.tree.leaves((got.k_codes, got.v_codes)),
+                    jax.tree.leaves((want.k_codes, want.v_codes))):
       np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    b = int(want.buffered)
+    for g, w in zip(got.buf_k + got.buf_v, want.buf_k + want.buf_v):
+      np.testing.assert_array_equal(np.asarray(g)[:, :, :b], np.asarray(w)[:, :, :b])
+
+
+@pytest.mark.parametrize("skip_cheaply", [True, False], ids=["cpu", "gpu"])
+def test_no_step_or_round_copies_the_quantised_cache(monkeypatch, skip_cheaply):
+  """The AR step and QuantSpec's device loop (drafting at 4 bits, then verification
+  settling and appending), with the flush in a conditional (CPU) or not (GPU), and the
+  prefill: no executable copies a code plane or a layer's buffer. The flush writes in
+  place once the verified tokens are known (a flush that wrote fresh buffers made the
+  conditional copy every buffer on every step; one ordered before the draft's reads made
+  every round copy what the draft reads), and each layer's rows are appended after that
+  layer's read. (A prefill on the GPU path flushes, then writes fresh buffers from its
+  stream: it copies the buffers, once per prompt chunk, never a code plane.)"""
+  from test_model import copies_of
+
+  from specjax.decode.generate import decode_step
+  from specjax.decode.round_loop import Decoding, decode_rounds
+
+  monkeypatch.setattr(quant_kv_cache, "conditionals_skip_cheaply", lambda: skip_cheaply)
+  config, graphdef, state = target("llama")
+  K, H, L, R, S = config.num_kv_heads, config.head_dim, config.num_layers, 16, 256
+  cache = QuantKVCache.create(config, 1, S, group=8, residual=R)
+  planes = {("u8", (1, K, S, H // 2))}
+  layers = planes | {("f32", (1, K, 2 * R, H))}  # and a layer's buffer
+  plan, key, greedy = DraftPlan.full(L), jax.random.key(0), SamplingParams()
+  prefill = prefill_step.lower(state, cache, jnp.ones((1, 64), jnp.int32), jnp.int32(40),
+                               plan, key, graphdef=graphdef, sampling=greedy)
+  step = decode_step.lower(state, cache, jnp.ones((1,), jnp.int32), plan, key,
+                           graphdef=graphdef, sampling=greedy)
+  carry = Decoding.start(cache, jnp.asarray([1]), key, 64)
+  rounds = decode_rounds.lower(state, carry, plan.replace(kv_bits=4), jnp.int32(40),
+                               jnp.asarray([-1]), jnp.int32(8), graphdef=graphdef,
+                               vocab=config.vocab_size, gamma=4, threshold=0.0,
+                               sampling=greedy)
+  assert copies_of(prefill.compile().as_text(), layers if skip_cheaply else planes) == []
+  for lowered in (step, rounds):
+    assert copies_of(lowered.compile().as_text(), layers) == []
 
 
 @settings(max_examples=8, deadline=None)
