@@ -95,11 +95,45 @@ def quantize(x: jax.Array, axis: int, group: int) -> Hier:
 
 
 def dequantize(h: Hier, axis: int, group: int, bits: int = 8) -> jax.Array:
-  """float32 values from the codes: `bits`=4 reads `upper` only, 8 both."""
+  """float32 values from the codes: `bits`=4 reads `upper` only, 8 both.
+
+  Each packed half of the last axis (`pack`) is widened on its own, its group statistics
+  broadcast over the groups' elements. Unpacking first (a concatenation) and repeating
+  the statistics to full size (`jnp.repeat`) gives the same numbers, bit for bit, more
+  slowly on a CPU: 30 layers of dequantise-then-attend over 1024 slots in SmolLM2's
+  shapes, one jitted chain, took 63 ms that way and 20 ms this way (Intel Xeon; 4.4 ms
+  over float32 keys). Inside the model's AR step on the 8-bit cache the gain was smaller,
+  55.5 -> 54.3 ms: XLA had fused the old form better there."""
   if bits not in (4, 8):
     raise QuantError(f"precision is 4 or 8 bits, got {bits}")
+  ndim = h.upper.ndim
+  axis = axis % ndim
+  n = h.upper.shape[-1]  # channels per packed half
+  if axis == ndim - 1 and n % group:  # a group spans both halves: widen whole rows
+    return _dequantize_rows(h, axis, group, bits)
+
+  def half(j: int) -> jax.Array:
+    codes = lambda p: ((p >> (4 * j)) & 0xF).astype(jnp.float32)
+    if axis == ndim - 1:  # groups of channels: this half's groups
+      per = n // group
+      lo, scale = (a[..., j * per:(j + 1) * per, None] for a in (h.lo, h.scale))
+      grouped = lambda c: c.reshape(c.shape[:-1] + (per, group))
+    else:  # groups of rows along `axis`: this half's channels
+      lo, scale = (jnp.expand_dims(a[..., j * n:(j + 1) * n], axis + 1)
+                   for a in (h.lo, h.scale))
+      grouped = lambda c: _grouped(c, axis, group)
+    x = lo + grouped(codes(h.upper)) * scale
+    if bits == 8:
+      x = x + (grouped(codes(h.lower)) - 7.0) * (scale / 15.0)
+    return x.reshape(h.upper.shape)
+
+  return jnp.concatenate([half(0), half(1)], axis=-1)
+
+
+def _dequantize_rows(h: Hier, axis: int, group: int, bits: int) -> jax.Array:
+  """`dequantize` by unpacking whole rows and repeating the statistics: for groups of
+  channels that do not divide a packed half."""
   upper = unpack(h.upper).astype(jnp.float32)
-  axis = axis % upper.ndim
   lo = jnp.repeat(h.lo, group, axis=axis)
   scale = jnp.repeat(h.scale, group, axis=axis)
   x = lo + upper * scale

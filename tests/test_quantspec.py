@@ -55,6 +55,33 @@ def test_error_bounds_4_and_8_bit(seed, groups, group, width, axis, spread):
     assert err8.mean() < err4.mean() / 4
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), shape=st.sampled_from([(1, 2, 32, 16), (1, 3, 64, 64),
+                                                           (2, 24, 96), (1, 2, 16, 96)]),
+       keys=st.booleans(), group=st.sampled_from([8, 16, 32, 96]), bits=st.sampled_from([4, 8]))
+def test_dequantize_is_the_formula_in_every_layout(seed, shape, keys, group, bits):
+  """`dequantize` widens each packed half on its own and broadcasts the group statistics;
+  it must give, bit for bit, lo + upper·scale (+ (lower − 7)·scale/15) with the codes
+  unpacked and the statistics repeated to full size: for groups of rows (keys), groups of
+  channels within a packed half, and groups spanning both halves (its fallback)."""
+  axis = -2 if keys else -1
+  if shape[axis] % group:
+    return
+  x = jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+  h = quant.quantize(x, axis, group)
+  ax = axis % x.ndim
+
+  @jax.jit  # XLA, as dequantize: it contracts a·b + c into one FMA, which numpy does not
+  def formula(h):
+    full = lambda a: jnp.repeat(a, group, axis=ax)
+    codes = lambda p: quant.unpack(p).astype(jnp.float32)
+    out = full(h.lo) + codes(h.upper) * full(h.scale)
+    return out + (codes(h.lower) - 7.0) * (full(h.scale) / 15.0) if bits == 8 else out
+
+  got = jax.jit(lambda h: quant.dequantize(h, axis, group, bits))(h)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(formula(h)))
+
+
 def test_the_scale_over_16_formula_would_need_17_levels():
   """Why quant.py steps the residual by scale/15: with scale/16 and +8, residuals near
   +scale/2 round to code 16; clipped to 15 their error reaches scale/16 (> scale/32)."""
