@@ -238,18 +238,44 @@ def merge(parts: list[tuple]) -> jax.Array:
 def quant_attention(q, q_pos, length, k_codes, v_codes, fp_k, fp_v, fp_pos, fp_valid, *,
                     bits: int, group: int, value_group: int, scale: float,
                     window: int | None = None, use_kernel: bool = True,
-                    interpret: bool = False, block: int = 256, splits: int | None = None):
+                    interpret: bool = False, block: int = 256, splits: int | None = None,
+                    cpu: bool = False):
   """Attention of q [B, K, Rq, H] over the quantised slots [0, length) and the
   full-precision keys fp_k/fp_v [B, K, F, H]: [B, K, Rq, H]. `use_kernel=False` computes
-  the quantised part with `reference_partials` instead (the jnp path)."""
+  the quantised part with `reference_partials` instead (the jnp path), `cpu=True` with
+  `cpu_partials` (the C++ kernels)."""
   kw = dict(bits=bits, group=group, value_group=value_group, scale=scale, window=window)
-  if use_kernel:
+  if cpu:
+    partials = cpu_partials(q, q_pos, length, k_codes, v_codes, **kw)
+  elif use_kernel:
     partials = quant_partials(q, q_pos, length, k_codes, v_codes, block=block, splits=splits,
                               interpret=interpret, **kw)
   else:
     partials = reference_partials(q, q_pos, length, k_codes, v_codes, **kw)
   return merge([merge_splits(*partials), dense_partials(q, q_pos, fp_k, fp_v, fp_pos,
                                                         fp_valid, scale=scale, window=window)])
+
+
+def cpu_partials(q, q_pos, length, k_codes, v_codes, *, bits, group, value_group, scale,
+                 window=None):
+  """The kernel's result as one split, from the codes by `specjax.cpu_kernels`' C++
+  kernels (scores against the keys, then probability-weighted values): on a CPU, where
+  dequantising first made XLA write and read a float32 copy of every layer. The mask and
+  the softmax, over [B, K, Rq, S] only, stay in jnp."""
+  from specjax import cpu_kernels
+
+  del group, value_group  # the kernels read them from the statistics' shapes
+  s = cpu_kernels.quant_key_scores(q, length, k_codes, bits) * scale
+  S = s.shape[-1]
+  pos = jnp.arange(S, dtype=jnp.int32)
+  ok = jnp.broadcast_to(pos < length, (q.shape[0], q_pos.shape[1], S))  # [B, Rq, S]
+  if window is not None:
+    ok &= q_pos[:, :, None] - pos[None, None, :] < window
+  s = jnp.where(ok[:, None], s, _MASKED)
+  m = s.max(-1)
+  p = jnp.where(ok[:, None], jnp.exp(s - m[..., None]), 0.0)
+  o = cpu_kernels.quant_value_sums(p, length, v_codes, bits)
+  return o[:, :, None], m[:, :, None], p.sum(-1)[:, :, None]
 
 
 def reference_partials(q, q_pos, length, k_codes, v_codes, *, bits, group, value_group,

@@ -55,7 +55,8 @@ class Segment:
 
 @flax.struct.dataclass
 class QuantRead:
-  """One layer of a quantised cache, read at `bits` by the Pallas kernel (slots < Q)."""
+  """One layer of a quantised cache, read at `bits` from its codes (slots < Q): by the
+  Pallas kernel, or on a CPU (`cpu`) by the C++ kernels of `cpu_kernels`."""
 
   quantized: jax.Array  # int32 Q: tokens held quantised
   k_codes: Any  # quant.Hier of keys
@@ -63,6 +64,7 @@ class QuantRead:
   bits: int = flax.struct.field(pytree_node=False)
   group: int = flax.struct.field(pytree_node=False)
   value_group: int = flax.struct.field(pytree_node=False)
+  cpu: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 @flax.struct.dataclass

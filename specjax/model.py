@@ -185,8 +185,9 @@ class Attention(nnx.Module):
 
   def _attend_kernel(self, q, positions, segments, read: QuantRead,
                      weights: LayerWeights | None = None) -> jax.Array:
-    """`attend` with the quantised slots read by `pallas_kernels.quant_attention`: the
-    G = N/K query heads of a kv head and the T tokens are the kernel's Rq = G·T rows."""
+    """`attend` with the quantised slots read from their codes by
+    `pallas_kernels.quant_attention` (the Pallas kernel, or `cpu_kernels`' C++ kernels on
+    a CPU): the G = N/K query heads of a kv head and the T tokens are its Rq = G·T rows."""
     from pallas_kernels import quant_attention
 
     B, T, N, H = q.shape
@@ -199,7 +200,7 @@ class Attention(nnx.Module):
         rows, row_pos, read.quantized, read.k_codes, read.v_codes, fp_k, fp_v, fp_pos,
         fp_valid, bits=read.bits, group=read.group, value_group=read.value_group,
         scale=self.config.scale, window=self.window,
-        interpret=jax.default_backend() == "cpu")
+        interpret=jax.default_backend() == "cpu", cpu=read.cpu)
     return self._project_out(_from_rows(out.astype(q.dtype), T), weights)
 
 

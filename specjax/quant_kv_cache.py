@@ -34,7 +34,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax import quant
+from specjax import cpu_kernels, quant
 from specjax.cache_view import LayerView, QuantRead, Segment, after, keep_rows
 from specjax.config import ModelConfig
 from specjax.kv_cache import ContextOverflowError, KVCache
@@ -95,6 +95,8 @@ class QuantKVCache:
   residual: int = flax.struct.field(pytree_node=False, default=128)  # R
   headroom: int = flax.struct.field(pytree_node=False, default=16)  # most tokens a step adds
   kernel: bool = flax.struct.field(pytree_node=False, default=False)  # Pallas reads
+  # A CPU's C++ kernels read the codes (`cpu_kernels.reads_codes`, decided at creation).
+  cpu_reads: bool = flax.struct.field(pytree_node=False, default=False)
 
   @classmethod
   def create(cls, config: ModelConfig, batch: int, size: int, *, group: int = 128,
@@ -131,7 +133,8 @@ class QuantKVCache:
                         for _ in range(config.num_layers))
     zero = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the cache is donated
     return cls(keys, values, buf(), buf(), zero(), zero(), jnp.ones((), jnp.bool_), group,
-               value_group, residual, headroom, kernel)
+               value_group, residual, headroom, kernel,
+               cpu_reads=not kernel and cpu_kernels.reads_codes())
 
   @property
   def size(self) -> int:
@@ -315,9 +318,9 @@ class QuantCacheView:
     rows = jnp.arange(F, dtype=jnp.int32)
     fp = Segment(c.buf_k[l], c.buf_v[l], jnp.broadcast_to(c.quantized + rows, (B, F)),
                  jnp.broadcast_to(rows < c.buffered, (B, F)))
-    if c.kernel:
+    if c.kernel or c.cpu_reads:  # read from the codes (see `QuantRead`)
       read = QuantRead(c.quantized, c.k_codes[l], c.v_codes[l], self.bits, c.group,
-                       c.value_group)
+                       c.value_group, cpu=c.cpu_reads)
       return LayerView.reading((fp,), self.positions, read)
     S = c.size
     valid = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) < c.quantized, (B, S))

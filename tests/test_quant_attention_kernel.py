@@ -1,7 +1,8 @@
 """The Pallas flash-decoding kernel over the packed quantised cache (interpret mode on
-CPU): kernel == jnp reference == plain softmax attention over the dequantised keys and
-values plus the full-precision part, for odd lengths, GQA row counts, both precisions
-and a sliding window; and the model's kernel path == its jnp path."""
+CPU), and the C++ kernels a CPU reads the codes with: kernel == C++ kernels == jnp
+reference == plain softmax attention over the dequantised keys and values plus the
+full-precision part, for odd lengths, GQA row counts, both precisions and a sliding
+window; and the model's kernel path == its jnp path."""
 
 from __future__ import annotations
 
@@ -78,6 +79,9 @@ def test_kernel_equals_reference_equals_dense(bits, length, rq, window, gv):
   jnp_path = quant_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid,
                              use_kernel=False, **kw)
   np.testing.assert_allclose(jnp_path, want, atol=2e-6)
+  cpu_path = quant_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid,
+                             cpu=True, **kw)  # specjax.cpu_kernels' C++ kernels
+  np.testing.assert_allclose(cpu_path, want, atol=2e-6)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -277,13 +277,21 @@ def test_the_target_reads_the_same_cache_in_ar_and_at_any_gamma(seed, gamma):
   assert checked > 300 // (gamma + 1) and ar[349][0] >= 16 * 16  # many flushes crossed
 
 
-def test_draft_and_target_read_one_cache_at_4_and_8_bits():
+@pytest.mark.parametrize("codes", [True, False], ids=["read-codes", "dequantise"])
+def test_draft_and_target_read_one_cache_at_4_and_8_bits(monkeypatch, codes):
   """A forward with kv_bits=4 / 8 on the quantised cache equals the same forward on a
-  full-precision cache holding the 4- / 8-bit dequantised tokens plus the fp buffer."""
+  full-precision cache holding the 4- / 8-bit dequantised tokens plus the fp buffer,
+  whether it reads the codes (a CPU's C++ kernels) or dequantises them (jnp, a GPU's
+  default)."""
+  from specjax import cpu_kernels
+
+  assert cpu_kernels.reads_codes() or not codes, "the quant_attention kernel did not build"
+  monkeypatch.setattr(cpu_kernels, "reads_codes", lambda: codes)  # for the caches made here
   config, graphdef, state = tiny()
   L = config.num_layers
   prompt = jnp.asarray([list(range(3, 80))], jnp.int32)
   qc = QuantKVCache.create(config, 1, 256, group=16, residual=16)
+  assert qc.cpu_reads == codes
   _, qc = apply(state, qc, prompt, positions_for(qc, prompt.shape[1], 1), DraftPlan.full(L),
                 graphdef=graphdef)
   Q, b = int(qc.quantized), int(qc.buffered)
@@ -322,8 +330,15 @@ def drafter_for(arch, base=None):
                                     kv_cache=KV)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
-def test_quantspec_is_lossless_across_many_flushes(arch):
+@pytest.mark.parametrize("arch, codes", [("llama", True), ("qwen3", True), ("gemma3", True),
+                                         ("llama", False)])
+def test_quantspec_is_lossless_across_many_flushes(monkeypatch, arch, codes):
+  """Greedy QuantSpec == greedy AR on the same quantised cache, read from its codes (a
+  CPU's kernels) or dequantised (jnp, a GPU's default path)."""
+  from specjax import cpu_kernels
+
+  built = cpu_kernels.reads_codes()
+  monkeypatch.setattr(cpu_kernels, "reads_codes", lambda: codes and built)  # caches made now
   config, graphdef, state = tiny(arch)
   ar = generate(graphdef, state, config, PROMPT, max_new_tokens=160, eos_ids=(), kv_cache=KV)
   # Over a base that skips layer 1: QuantSpec's own draft agrees with some
