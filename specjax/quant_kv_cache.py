@@ -104,7 +104,9 @@ class QuantKVCache:
              kernel: bool = False, dtype=jnp.float32) -> QuantKVCache:
     """A cache for `size` tokens. Gv defaults to min(G, H): a value group never spans
     two heads. R must be a multiple of G (whole key groups are quantised at a time).
-    `headroom` (default min(16, R)) bounds the tokens one decoding step appends."""
+    `headroom` (default min(16, R)) bounds the tokens one decoding step appends. On a CPU
+    with the `quant_attention` kernel built, attention reads the codes (`cpu_reads`);
+    elsewhere it dequantises them, unless `kernel` (Pallas)."""
     H, K = config.head_dim, config.num_kv_heads
     value_group = min(group, H) if value_group is None else value_group
     if size > config.max_context:

@@ -16,7 +16,7 @@ Three kernels:
   probability-weighted sum of its values, read from the 4+4-bit codes (`quant_kv_cache`).
   Dequantised first, XLA:CPU wrote and read a float32 copy of every layer on every step:
   an int8-KV AR step of SmolLM2 at context 1000 cost 50-54 ms against 35 ms over float32
-  keys; reading the codes, 38 ms. `reads_codes` says when a quantised cache takes it.
+  keys; reading the codes, 33 ms. `reads_codes` says when a quantised cache takes it.
 
 Each source is compiled once per machine with the host's C++ compiler (`$CXX`, else
 g++) for its own CPU (`-march=native`) and cached under `cache_root()/kernels`, keyed by
