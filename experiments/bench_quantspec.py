@@ -6,8 +6,9 @@ tokens are what QuantSpec must reproduce), QuantSpec (4-bit KV + 4-bit MLP weigh
 QuantSpec with 4-bit KV only. Reported: α, M, speedup vs both ARs, mismatches vs the
 8-bit-KV AR (must be 0) and whether the 8-bit-KV target still equals the fp one.
 Memory: bytes of the quantised cache (codes + scales, and the 2R buffer) vs a bf16 cache
-at 4k/16k/32k tokens, from the shapes alone. The jnp path is timed (the Pallas kernel is
-timed on a GPU by kernels_gpu.py). The three runs on the quantised cache start from one
+at 4k/16k/32k tokens, from the shapes alone. On a CPU attention reads the quantised
+slots from their codes with C++ kernels (`cpu_kernels.quant_attention`); elsewhere the jnp
+path, which dequantises, is timed (the Pallas kernel is timed on a GPU by kernels_gpu.py). The three runs on the quantised cache start from one
 prefill of it (at 16k tokens a CPU prefill takes minutes; decoding excludes it anyway).
 Results go to the shared results store prompt by prompt; --resume continues a crashed run
 made with the same settings. The last output line is one JSON object with the figures.
@@ -28,6 +29,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
+from specjax import cpu_kernels  # noqa: E402
 from specjax.bench import claims, data, harness, metrics  # noqa: E402
 from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
 from specjax.bench.harness import Reference, RunSettings  # noqa: E402
@@ -97,6 +99,15 @@ def run(args) -> dict:
   return finish(model, args, kv, store.records())
 
 
+def read_path() -> str:
+  """How this run's attention read the quantised cache, for the section's prose."""
+  if cpu_kernels.reads_codes():
+    return ("attention reads the quantised slots from their codes with C++ kernels "
+            "(`cpu_kernels.quant_attention`; the Pallas kernel is for GPUs)")
+  return ("on the jnp path, where every step dequantises the whole cache before attending "
+          "(the Pallas kernel, which reads the codes, is for GPUs)")
+
+
 def int8_vs_fp(figures: dict) -> str:
   """The int8-KV AR's speed as a multiple of the fp AR's, over the contexts measured."""
   ratios = sorted(f["int8kv_ar_vs_fp_ar"] for f in figures.values())
@@ -161,14 +172,12 @@ def finish(model, args, kv: QuantKV, records: list[dict]) -> dict:
         f"MLP weights (groups of 128 rows), `quantspec_w8` 8-bit weights for every matmul "
         f"and the LM head (one scale per output channel, the int8 CPU kernel), "
         f"`quantspec_kv_only` the target's own. All methods in the same "
-        f"process, on the jnp path (the quantised cache is dequantised inside each jitted "
-        f"step; the Pallas kernel is for GPUs). QuantSpec is lossless with respect to the "
+        f"process; {read_path()}. QuantSpec is lossless with respect to the "
         f"target on the 8-bit cache: `mismatches` counts prompts whose tokens differ from "
         f"that AR. Contexts are prompt lengths; lengths that do not fit the model's window "
-        f"of {model.config.max_context} tokens with the generation are not run. On the "
-        f"jnp path every step dequantises the whole cache before attending (a GPU kernel "
-        f"reads the codes): the int8-KV AR runs at {int8_vs_fp(figures)} the fp AR's speed "
-        f"here, and QuantSpec is compared with both. Machine: {report.machine()}.", "", table,
+        f"of {model.config.max_context} tokens with the generation are not run. The int8-KV "
+        f"AR runs at {int8_vs_fp(figures)} the fp AR's speed here, and QuantSpec is "
+        f"compared with both. Machine: {report.machine()}.", "", table,
         "",
         "Does reading K/V at 8 bits change the target's greedy output? Prompts where the "
         "int8-KV AR equals the full-precision AR: " + ", ".join(
