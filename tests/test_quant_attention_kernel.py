@@ -85,6 +85,24 @@ def test_kernel_equals_reference_equals_dense(bits, length, rq, window, gv):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("H,gv", [(64, 64), (128, 64), (128, 32)])
+def test_cpu_kernels_at_the_head_dims_they_fix_at_compile_time(bits, H, gv):
+  """The C++ kernels' variants for H = 64 and 128 (the test above runs H = 16, the
+  runtime-H variant): equal to attention over the dequantised cache."""
+  length, rq = 45, 7
+  q, hk, hv, fp_k, fp_v = case(H + bits, S=64, H=H, G=8, Gv=gv, Rq=rq)
+  F = fp_k.shape[2]
+  fp_pos = jnp.asarray([length + np.arange(F)], jnp.int32)
+  fp_valid = jnp.asarray([np.arange(F) < 5])
+  q_pos = jnp.asarray([length + np.arange(rq) % 5], jnp.int32)
+  kw = dict(bits=bits, group=8, value_group=gv, scale=0.2, window=None)
+  got = quant_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid, cpu=True, **kw)
+  want = dense_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid, bits, 8, gv,
+                         0.2, None)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows,gv,window", [(7, 64, None), (35, 64, None), (2, 32, 512)])
 def test_kernel_lowers_to_triton_for_cuda(bits, rows, gv, window):
   """No GPU in CI, but the Triton lowering is Python: lowering for the CUDA platform on a

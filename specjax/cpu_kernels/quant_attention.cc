@@ -68,9 +68,9 @@ template <int kH, bool kEight>
 void HeadScores(const float* q, const uint8_t* up, const uint8_t* lw, const float* lo,
                 const float* scale, int64_t R, int64_t S, int64_t H, int64_t G, int64_t Q,
                 float* s) {
-  alignas(64) float row[kH > 0 ? kH : 512];
+  alignas(64) float fixed[kH > 0 ? kH : 1];  // a fixed H's row on the stack
   std::vector<float> wide(kH > 0 ? 0 : H);
-  float* k = kH > 0 ? row : wide.data();
+  float* k = kH > 0 ? fixed : wide.data();
   for (int64_t t = 0; t < Q; ++t) {
     const int64_t g = t / G;
     Widen<kH, kEight>(up + t * H / 2, lw + t * H / 2, lo + g * H, scale + g * H, H, k);
@@ -134,9 +134,9 @@ ffi::Error KeyScores(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> length,
                      ffi::ResultBuffer<ffi::F32> out, int64_t bits) {
   auto qd = q.dimensions(), cd = upper.dimensions(), sd = lo.dimensions();
   if (qd.size() != 4 || cd.size() != 4 || sd.size() != 4 || cd[3] * 2 != qd[3] ||
-      sd[3] != qd[3] || cd[2] % sd[2] || qd[3] > 512)
-    return ffi::Error::InvalidArgument("quant_key_scores: q[B, K, R, H ≤ 512], codes[B, K, S, "
-                                       "H/2], lo/scale[B, K, S/G, H] expected");
+      sd[3] != qd[3] || cd[2] % sd[2])
+    return ffi::Error::InvalidArgument("quant_key_scores: q[B, K, R, H], codes[B, K, S, H/2], "
+                                       "lo/scale[B, K, S/G, H] expected");
   const Dims d{qd[0] * qd[1], qd[2], cd[2], qd[3]};
   const int64_t G = d.S / sd[2], Q = std::clamp<int64_t>(length.typed_data()[0], 0, d.S);
   for (int64_t bk = 0; bk < d.BK; ++bk) {
