@@ -211,10 +211,16 @@ def dense_partials(q, q_pos, k, v, k_pos, k_valid, *, scale: float,
   ok = k_valid[:, None, None, :] & (k_pos[:, None, None, :] <= q_pos[:, None, :, None])
   if window is not None:
     ok &= q_pos[:, None, :, None] - k_pos[:, None, None, :] < window
+  p, m = masked_softmax_terms(s, ok)
+  return jnp.einsum("bkrf,bkfh->bkrh", p, v.astype(jnp.float32)), m, p.sum(-1)
+
+
+def masked_softmax_terms(s, ok):
+  """Scores s [B, K, Rq, F] under mask ok (broadcast to s): the unnormalised weights
+  exp(s − m), 0 where masked, and the row maxima m [B, K, Rq]."""
   s = jnp.where(ok, s, _MASKED)
   m = s.max(-1)
-  p = jnp.where(ok, jnp.exp(s - m[..., None]), 0.0)
-  return jnp.einsum("bkrf,bkfh->bkrh", p, v.astype(jnp.float32)), m, p.sum(-1)
+  return jnp.where(ok, jnp.exp(s - m[..., None]), 0.0), m
 
 
 def merge_splits(o, m, l) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -271,9 +277,7 @@ def cpu_partials(q, q_pos, length, k_codes, v_codes, *, bits, group, value_group
   ok = jnp.broadcast_to(pos < length, (q.shape[0], q_pos.shape[1], S))  # [B, Rq, S]
   if window is not None:
     ok &= q_pos[:, :, None] - pos[None, None, :] < window
-  s = jnp.where(ok[:, None], s, _MASKED)
-  m = s.max(-1)
-  p = jnp.where(ok[:, None], jnp.exp(s - m[..., None]), 0.0)
+  p, m = masked_softmax_terms(s, ok[:, None])
   o = cpu_kernels.quant_value_sums(p, length, v_codes, bits)
   return o[:, :, None], m[:, :, None], p.sum(-1)[:, :, None]
 
