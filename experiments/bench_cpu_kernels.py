@@ -1,6 +1,8 @@
 """The CPU kernels matrix by matrix: each class of a model's matmuls (q/k/v, o, gate/up,
 down, LM head), every layer's real weights in turn, through XLA's dot and through our
-kernels, at one row (an AR or draft step) and at γ + 1 rows (a verification).
+kernels, at one row (an AR or draft step) and at γ + 1 rows (a verification); the 8-bit
+and 4-bit kernels (QuantSpec's MLP weights) at one row, beside XLA's dot over the 4-bit
+codes (what a 4-bit draft cost without its kernel).
 
     python experiments/bench_cpu_kernels.py [--model smollm2-135m-instruct] [--rows 5]
 
@@ -29,13 +31,15 @@ import report  # noqa: E402
 
 from specjax import cpu_kernels  # noqa: E402
 from specjax.models.loader import load_model  # noqa: E402
-from specjax.quant import model_matrices, quantize_weights_int8  # noqa: E402
+from specjax.quant import Int4Matrix, model_matrices, quantize_weights_int8  # noqa: E402
 
 CLASSES = ("qkv", "o", "gate_up", "down", "head")
+KERNELS = ("f32_matmul", "int8_matmul", "int4_matmul")
 
 
 def matrices(m) -> dict:
-  """{class: ([I, O] or, for a tied head, [O, I] float32 matrices], int8 copies, tied)}."""
+  """{class: ([I, O] or, for a tied head, [O, I] float32 matrices], int8 copies, int4
+  copies, tied)}."""
   L = m.config.num_layers
   f32 = {c: [] for c in CLASSES}
   for _, name, w in model_matrices(m.state, L):
@@ -45,7 +49,9 @@ def matrices(m) -> dict:
   q = quantize_weights_int8(m.state, L)
   int8 = {c: [getattr(layer, c) for layer in q.layers] for c in CLASSES[:-1]} | {
       "head": [q.head]}
-  return {c: (f32[c], int8[c], tied and c == "head") for c in CLASSES}
+  int4 = {c: [Int4Matrix.quantize(w.T if tied and c == "head" else w) for w in f32[c]]
+          for c in CLASSES}
+  return {c: (f32[c], int8[c], int4[c], tied and c == "head") for c in CLASSES}
 
 
 def chain(matmul):
@@ -60,7 +66,7 @@ def chain(matmul):
   return jax.jit(run)
 
 
-def variants(f32: list, int8: list, tied: bool, rows: int, inner: int) -> dict:
+def variants(f32: list, int8: list, int4: list, tied: bool, rows: int, inner: int) -> dict:
   """{name: (callable, operands)} for one matrix class."""
   xla = (lambda x, w: jnp.einsum("ti,oi->to", x, w)) if tied else (lambda x, w: x @ w)
   kernel = lambda x, w: cpu_kernels.f32_matmul(x, w, tied)
@@ -72,6 +78,9 @@ def variants(f32: list, int8: list, tied: bool, rows: int, inner: int) -> dict:
     out["f32 kernel T=1"] = (chain(kernel), (x1, f32))
   if cpu_kernels.kernel_status("int8_matmul") == "ready":
     out["int8 kernel T=1"] = (chain(lambda x, q: q.matmul(x)), (x1, int8))
+  if cpu_kernels.kernel_status("int4_matmul") == "ready":
+    out["int4 kernel T=1"] = (chain(lambda x, q: q.matmul(x)), (x1, int4))
+  out["xla int4 T=1"] = (chain(lambda x, q: x @ q.dequantize()), (x1, int4))
   return out
 
 
@@ -110,12 +119,12 @@ def main() -> None:
   flush = flusher()
   names: list[str] = []
   figures = {"model": args.model, "machine": report.machine(), "rows": args.rows,
-             "kernels": {k: cpu_kernels.kernel_status(k) for k in ("f32_matmul", "int8_matmul")},
+             "kernels": {k: cpu_kernels.kernel_status(k) for k in KERNELS},
              "ms": {}, "f32_mb": {}}
   for c in CLASSES:
-    f32, int8, tied = mats[c]
+    f32, int8, int4, tied = mats[c]
     inner = f32[0].shape[1] if tied else f32[0].shape[0]
-    t = time_class(variants(f32, int8, tied, args.rows, inner), args.runs, flush)
+    t = time_class(variants(f32, int8, int4, tied, args.rows, inner), args.runs, flush)
     names = list(t)
     figures["ms"][c] = {k: round(v * 1e3, 3) for k, v in t.items()}
     figures["f32_mb"][c] = round(sum(w.nbytes for w in f32) / 1e6, 1)
@@ -125,7 +134,7 @@ def main() -> None:
 
   def cell(c: str, k: str) -> str:
     ms = figures["ms"][c][k]
-    mb = figures["f32_mb"][c] / (4 if k.startswith("int8") else 1)
+    mb = figures["f32_mb"][c] / (8 if "int4" in k else 4 if "int8" in k else 1)
     return f"{ms:.2f} ({mb / ms:.0f})"
 
   rows = [[c, f"{figures['f32_mb'][c]:.0f}"] + [cell(c, k) for k in names] for c in CLASSES]
@@ -138,14 +147,15 @@ def main() -> None:
         f"## CPU kernels matrix by matrix ({args.model})",
         "",
         f"Machine: {figures['machine']}. Commit {report.git_revision()}. Kernels: "
-        f"f32_matmul {figures['kernels']['f32_matmul']}, int8_matmul "
-        f"{figures['kernels']['int8_matmul']}.",
+        + ", ".join(f"{k} {v}" for k, v in figures["kernels"].items()) + ".",
         "",
         f"Each class of matmuls over all {m.config.num_layers} layers' real weights in a "
         f"chain, after a 1 GiB read that evicts them from the caches; ms per step and, in "
         f"brackets, GB/s of weights read "
-        f"(int8: a quarter of the f32 bytes); medians of {args.runs} round-robin runs. "
-        f"T = 1 is an AR or draft step, T = {args.rows} a verification of γ + 1 tokens:",
+        f"(int8: a quarter of the f32 bytes, int4: an eighth, without the 4-bit groups' "
+        f"statistics); medians of {args.runs} round-robin runs. T = 1 is an AR or draft "
+        f"step, T = {args.rows} a verification of γ + 1 tokens. `xla int4` is XLA's dot "
+        f"over the 4-bit codes dequantised in the step, the path without the int4 kernel:",
         "",
         table,
     ]))

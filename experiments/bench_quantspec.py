@@ -108,6 +108,15 @@ def read_path() -> str:
           "(the Pallas kernel, which reads the codes, is for GPUs)")
 
 
+def weight_path() -> str:
+  """How this run's quantised draft weights were read, for the section's prose."""
+  ready = [k for k in ("int4_matmul", "int8_matmul") if cpu_kernels.runs_here(k)]
+  if len(ready) == 2:
+    return "the 4- and 8-bit matmuls read their codes with C++ kernels (`cpu_kernels`)"
+  return (f"C++ kernels: {', '.join(ready) or 'none'}; the other quantised matrices are "
+          f"dequantised inside each jitted step")
+
+
 def int8_vs_fp(figures: dict) -> str:
   """The int8-KV AR's speed as a multiple of the fp AR's, over the contexts measured."""
   ratios = sorted(f["int8kv_ar_vs_fp_ar"] for f in figures.values())
@@ -170,8 +179,8 @@ def finish(model, args, kv: QuantKV, records: list[dict]) -> dict:
         f"(the flush schedule depends on the committed length only, so AR and QuantSpec "
         f"verify against the same target). Draft weights: `quantspec_w4` the paper's 4-bit "
         f"MLP weights (groups of 128 rows), `quantspec_w8` 8-bit weights for every matmul "
-        f"and the LM head (one scale per output channel, the int8 CPU kernel), "
-        f"`quantspec_kv_only` the target's own. All methods in the same "
+        f"and the LM head (one scale per output channel), `quantspec_kv_only` the target's "
+        f"own; {weight_path()}. All methods in the same "
         f"process; {read_path()}. QuantSpec is lossless with respect to the "
         f"target on the 8-bit cache: `mismatches` counts prompts whose tokens differ from "
         f"that AR. Contexts are prompt lengths; lengths that do not fit the model's window "

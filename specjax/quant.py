@@ -25,8 +25,9 @@ half in the high). Everything here is jnp and jit-friendly; the Pallas kernels
 
 Group axis conventions (the KV cache's): keys per channel over groups of G tokens, values
 per token over groups of channels. Weights: 4-bit (upper only) over groups of 128 input
-rows (QuantSpec's MLP), or 8-bit symmetric with one scale per output channel for every
-matmul of a draft (`Int8Matrix`, read by the `cpu_kernels` int8 kernel on a CPU).
+rows (QuantSpec's MLP, `Int4Matrix`), or 8-bit symmetric with one scale per output channel
+for every matmul of a draft (`Int8Matrix`); on a CPU the `cpu_kernels` int4 and int8
+kernels read both from their codes.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax.cpu_kernels import int8_matmul
+from specjax import cpu_kernels
 from specjax.errors import SpecjaxError
 
 
@@ -153,11 +154,14 @@ def check_finite(x: jax.Array, what: str) -> None:
 
 @flax.struct.dataclass
 class Int4Matrix:
-  """A [In, Out] matrix at 4 bits over groups of `group` input rows (upper codes only)."""
+  """A [In, Out] matrix at 4 bits over groups of `group` input rows (upper codes only),
+  stored output-major like `Int8Matrix`: each output channel's codes are contiguous, one
+  group after another (64 bytes, a cache line, for G = 128), packed within the group
+  (`pack`: byte j holds inputs j and j + G/2), which is the order the CPU kernel reads."""
 
-  codes: jax.Array  # uint8[In', Out/2], packed along Out (In' = In rounded up to a group)
-  lo: jax.Array  # float32[In'/group, Out]
-  scale: jax.Array  # float32[In'/group, Out]
+  codes: jax.Array  # uint8[Out, In'/2] (In' = In rounded up to a group)
+  lo: jax.Array  # float32[Out, In'/group]
+  scale: jax.Array  # float32[Out, In'/group]
   group: int = flax.struct.field(pytree_node=False, default=128)
   rows: int = flax.struct.field(pytree_node=False, default=0)  # In
 
@@ -165,29 +169,37 @@ class Int4Matrix:
   def quantize(cls, w: jax.Array, group: int = 128) -> Int4Matrix:
     """A last partial group (SmolLM2's D = 576 is 4.5 groups of 128) is padded by
     repeating the last row, which leaves its min and max — so its scale — unchanged."""
-    n = w.shape[0]
+    n, out = w.shape
     padded = jnp.pad(w, ((0, -n % group), (0, 0)), mode="edge")
-    h = quantize(padded, axis=0, group=group)
-    return cls(h.upper, h.lo, h.scale, group, n)
+    h = quantize(padded.T.reshape(out, -1, group), axis=2, group=group)
+    return cls(h.upper.reshape(out, -1), h.lo.reshape(out, -1), h.scale.reshape(out, -1),
+               group, n)
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
-    upper = unpack(self.codes).astype(jnp.float32)
-    lo = jnp.repeat(self.lo, self.group, axis=0)
-    scale = jnp.repeat(self.scale, self.group, axis=0)
-    return (lo + upper * scale)[: self.rows].astype(dtype)
+    """The [In, Out] matrix the codes stand for."""
+    out, groups = self.lo.shape
+    packed = self.codes.reshape(out, groups, self.group // 2)
+    codes = unpack(packed).astype(jnp.float32)  # [Out, In'/G, G]
+    w = self.lo[..., None] + codes * self.scale[..., None]
+    return w.reshape(out, -1)[:, : self.rows].T.astype(dtype)
 
   @property
   def nbytes(self) -> int:
     return self.codes.nbytes + self.lo.nbytes + self.scale.nbytes
 
   def matmul(self, x: jax.Array) -> jax.Array:
-    """x[..., In] @ this matrix, dequantised inside the jitted step (XLA fuses it into
-    the dot's input on a GPU; on a CPU it is materialised, see `Int8Matrix`)."""
-    return x @ self.dequantize(x.dtype)
+    """x[..., In] @ this matrix -> [..., Out] in x's dtype. On a CPU the `int4_matmul`
+    kernel reads the codes; elsewhere they are dequantised inside the jitted step (XLA
+    fuses that into the dot's input on a GPU; XLA:CPU would write a float32 copy)."""
+    if not cpu_kernels.runs_here("int4_matmul"):
+      return x @ self.dequantize(x.dtype)
+    pad = 2 * self.codes.shape[1] - self.rows  # the padded rows meet zeros
+    xp = jnp.pad(x.astype(jnp.float32), [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    return cpu_kernels.int4_matmul(xp, self.codes, self.lo, self.scale).astype(x.dtype)
 
   @property
   def shape(self) -> tuple[int, int]:
-    return self.rows, self.lo.shape[1]
+    return self.rows, self.lo.shape[0]
 
 
 # --- 8-bit weights -------------------------------------------------------------------------
@@ -213,7 +225,7 @@ class Int8Matrix:
 
   def matmul(self, x: jax.Array) -> jax.Array:
     """x[..., In] @ this matrix -> [..., Out] in x's dtype."""
-    return int8_matmul(x, self.codes, self.scale).astype(x.dtype)
+    return cpu_kernels.int8_matmul(x, self.codes, self.scale).astype(x.dtype)
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     return (self.codes.astype(jnp.float32) * self.scale[:, None]).T.astype(dtype)

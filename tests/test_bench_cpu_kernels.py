@@ -20,11 +20,13 @@ def test_every_class_and_variant_is_timed(monkeypatch, capsys):
   bench_cpu_kernels.main()
   figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert set(figures["ms"]) == set(bench_cpu_kernels.CLASSES)
-  want = {"xla T=1", "xla T=3"}
+  want = {"xla T=1", "xla T=3", "xla int4 T=1"}
   if cpu_kernels.kernel_status("f32_matmul") == "ready":
     want |= {"f32 kernel T=1", "f32 kernel T=3"}
   if cpu_kernels.kernel_status("int8_matmul") == "ready":
     want |= {"int8 kernel T=1"}
+  if cpu_kernels.kernel_status("int4_matmul") == "ready":
+    want |= {"int4 kernel T=1"}
   for times in figures["ms"].values():
     assert set(times) == want and all(t > 0 for t in times.values())
   assert set(figures["total_ms"]) == want

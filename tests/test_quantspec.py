@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import shutil
 import types
 
 import jax
@@ -111,14 +112,59 @@ def test_constant_groups_are_exact_and_4bit_weights_bounded():
   assert np.array_equal(quant.dequantize(h, 0, 8, bits=4), x)
   w = jnp.asarray(np.random.default_rng(1).normal(size=(256, 64)), jnp.float32)
   m = Int4Matrix.quantize(w, group=128)
-  scale = np.repeat(np.asarray(m.scale), 128, axis=0)
+  scale = np.repeat(np.asarray(m.scale).T, 128, axis=0)  # [Out, groups] -> per [In, Out]
   assert np.all(np.abs(np.asarray(m.dequantize()) - np.asarray(w)) <= scale / 2 + 1e-6)
   assert m.nbytes < w.nbytes / 4  # 4-bit codes + f32 scales per 128 rows
+  assert m.shape == (256, 64)
   odd = w[:200]  # 1.56 groups: the partial one is padded, then cut off again
   m = Int4Matrix.quantize(odd, group=128)
-  scale = np.repeat(np.asarray(m.scale), 128, axis=0)[:200]
-  assert m.dequantize().shape == odd.shape
+  scale = np.repeat(np.asarray(m.scale).T, 128, axis=0)[:200]
+  assert m.dequantize().shape == odd.shape == m.shape
   assert np.all(np.abs(np.asarray(m.dequantize()) - np.asarray(odd)) <= scale / 2 + 1e-6)
+
+
+def test_4bit_weights_are_stored_as_the_cpu_kernel_reads_them():
+  """Output-major, each group's codes packed within the group: byte j of a group holds
+  inputs j and j + G/2 (what `int4_matmul.cc` widens), the same codes as quantising the
+  [In, Out] matrix over its rows."""
+  w = jnp.asarray(np.random.default_rng(2).normal(size=(64, 6)), jnp.float32)
+  m = Int4Matrix.quantize(w, group=16)
+  h = quant.quantize(w, axis=0, group=16)  # codes packed along Out, groups along In
+  codes = np.asarray(quant.unpack(h.upper))  # [In, Out]
+  packed = np.asarray(m.codes).reshape(6, 4, 8)  # [Out, groups, G/2]
+  assert np.array_equal(packed & 0xF, codes.T.reshape(6, 4, 16)[..., :8])
+  assert np.array_equal(packed >> 4, codes.T.reshape(6, 4, 16)[..., 8:])
+  assert np.array_equal(np.asarray(m.scale), np.asarray(h.scale).T)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.sampled_from([(1,), (5,), (2, 3)]), inner=st.integers(1, 300),
+       outer=st.integers(1, 150), group=st.sampled_from([8, 32, 64, 128]),
+       seed=st.integers(0, 2**16))
+def test_int4_kernel_equals_the_dequantised_matmul(rows, inner, outer, group, seed):
+  """Any leading shape; inner sizes that leave a partial group (padded) and groups too
+  small for the vectors (the scalar loop); channel counts off the 64-channel chunk."""
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.normal(size=rows + (inner,)), jnp.float32)
+  m = Int4Matrix.quantize(jnp.asarray(rng.normal(size=(inner, outer)), jnp.float32), group)
+  want = np.asarray(x, np.float64) @ np.asarray(m.dequantize(), np.float64)
+  got = jax.jit(m.matmul)(x)
+  assert got.shape == rows + (outer,)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=2e-5 * np.sqrt(inner))
+
+
+def test_4bit_weights_take_the_kernel_on_a_cpu_and_xla_without_it(monkeypatch):
+  from specjax import cpu_kernels
+
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.normal(size=(2, 200)), jnp.float32)
+  m = Int4Matrix.quantize(jnp.asarray(rng.normal(size=(200, 96)), jnp.float32))
+  if shutil.which("g++") is not None:  # CI and this machine: the fast path is really taken
+    assert "specjax_int4_matmul" in jax.jit(m.matmul).lower(x).as_text()
+  fast = np.asarray(m.matmul(x))
+  monkeypatch.setattr(cpu_kernels, "kernel_status", lambda *a: "disabled by SPECJAX_CPU_KERNELS=0")
+  assert "specjax_int4_matmul" not in jax.jit(m.matmul).lower(x).as_text()
+  np.testing.assert_allclose(np.asarray(m.matmul(x)), fast, rtol=1e-5, atol=1e-4)
 
 
 # --- the cache ---------------------------------------------------------------------------------

@@ -1,11 +1,14 @@
 """C++ kernels that XLA:CPU lacks, compiled on first use and called through `jax.ffi`.
 
-Three kernels:
+Four kernels:
 
 * `int8_matmul`, a matmul against int8 weights with one scale per output channel, for
   8-bit drafts. XLA:CPU widens an int8 matrix to float32 in memory before its dot (31 ms
   for SmolLM2's LM head at T = 1, against 2.3 ms in float32), so without the kernel an
   8-bit draft costs more than the full model; with it, 0.7 ms.
+* `int4_matmul`, a matmul against QuantSpec's 4-bit weights (`quant.Int4Matrix`: a
+  minimum and a scale per group of input rows). XLA:CPU widened those to float32 in
+  memory as well, so the paper's 4-bit MLP drafts cost more than 8-bit ones.
 * `f32_matmul`, a float32 matmul for one to a few rows (an AR or draft step, a
   verification forward of γ + 1 tokens) that reads each weight once for all of them.
   XLA:CPU's M ≥ 2 GEMM streams the weights more slowly than its M = 1 GEMV, which priced
@@ -50,6 +53,7 @@ from specjax.errors import SpecjaxError
 # kernel -> (source, {ffi target: exported handler symbol})
 _KERNELS = {
     "int8_matmul": ("int8_matmul.cc", {"specjax_int8_matmul": "Int8Matmul"}),
+    "int4_matmul": ("int4_matmul.cc", {"specjax_int4_matmul": "Int4Matmul"}),
     "f32_matmul": ("f32_matmul.cc", {"specjax_f32_matmul_io": "F32MatmulIO",
                                      "specjax_f32_matmul_oi": "F32MatmulOI"}),
     "quant_attention": ("quant_attention.cc", {"specjax_quant_key_scores": "QuantKeyScores",
@@ -141,6 +145,23 @@ def int8_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
   return y * scale
 
 
+def runs_here(kernel: str) -> bool:
+  """Whether `kernel` is the path to take now: a CPU backend, and the kernel built."""
+  return jax.default_backend() == "cpu" and kernel_status(kernel) == "ready"
+
+
+def int4_matmul(x: jax.Array, codes: jax.Array, lo: jax.Array, scale: jax.Array) -> jax.Array:
+  """x[..., I] times a 4-bit matrix stored output-major (`quant.Int4Matrix`): codes
+  uint8[O, I/2], lo and scale float32[O, I/G] -> [..., O] in float32. Only where
+  `runs_here("int4_matmul")`; `Int4Matrix.matmul` takes XLA's dot elsewhere."""
+  status = kernel_status("int4_matmul")  # registers the target on first use
+  if status != "ready":
+    raise SpecjaxError(f"the int4_matmul CPU kernel is not available: {status}")
+  out = jax.ShapeDtypeStruct(x.shape[:-1] + (codes.shape[0],), jnp.float32)
+  call = jax.ffi.ffi_call("specjax_int4_matmul", out, vmap_method="sequential")
+  return call(x.astype(jnp.float32), codes, lo.astype(jnp.float32), scale.astype(jnp.float32))
+
+
 def few_rows(x: jax.Array, w: jax.Array) -> bool:
   """Whether `x @ w` should take `f32_matmul`: float32 on a CPU backend, 1 to FEW_ROWS
   rows, the kernel built. One row included: the kernel streams an AR or draft step's
@@ -153,7 +174,7 @@ def few_rows(x: jax.Array, w: jax.Array) -> bool:
 def reads_codes() -> bool:
   """Whether attention over a quantised KV cache should read its codes with the
   `quant_attention` kernels (a CPU backend, the kernel built) rather than dequantise."""
-  return jax.default_backend() == "cpu" and kernel_status("quant_attention") == "ready"
+  return runs_here("quant_attention")
 
 
 def _codes_call(target: str, x: jax.Array, length: jax.Array, codes, bits: int, out_shape):
@@ -203,5 +224,6 @@ def _f32_matmul_jvp(transposed, primals, tangents):
   return f32_matmul(x, w, transposed), jnp.einsum(spec, dx, w) + jnp.einsum(spec, x, dw)
 
 
-__all__ = ["FEW_ROWS", "KernelBuildError", "f32_matmul", "few_rows", "int8_matmul",
-           "kernel_status", "quant_key_scores", "quant_value_sums", "reads_codes"]
+__all__ = ["FEW_ROWS", "KernelBuildError", "f32_matmul", "few_rows", "int4_matmul",
+           "int8_matmul", "kernel_status", "quant_key_scores", "quant_value_sums",
+           "reads_codes", "runs_here"]
