@@ -24,10 +24,7 @@
 #include <thread>
 #include <vector>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
+#include "simd.h"
 #include "workers.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -40,59 +37,11 @@ using Stats = ffi::Buffer<ffi::F32, 2>;
 
 constexpr int64_t kChunksPerWorker = 2;  // a helper that starts late costs at most one
 constexpr int64_t kMinChannels = 64;     // per chunk
-constexpr int kChannels = 4;            // output channels read side by side
-constexpr int kPrefetchAhead = 4096;     // bytes ahead along the stream of code rows
-constexpr int kPrefetchL2 = 2;           // prefetcht1, as in the other kernels
+constexpr int kChannels = 4;             // output channels read side by side
 
-inline void PrefetchAhead(const uint8_t* p) {  // never faults, even past the buffer
-  __builtin_prefetch(
-      reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(p) + kPrefetchAhead), 0,
-      kPrefetchL2);
-}
-
-#if defined(__AVX512F__)
-#define SPECJAX_INT4_SIMD 1
-struct Simd {
-  static constexpr int kLanes = 16;  // float32 lanes; bytes of codes per widening
-  using F = __m512;
-  static F Zero() { return _mm512_setzero_ps(); }
-  static F Floats(const float* p) { return _mm512_loadu_ps(p); }
-  static F Broadcast(float v) { return _mm512_set1_ps(v); }
-  // 16 bytes of codes as two vectors of floats: the low nibbles and the high ones.
-  static void Widened(const uint8_t* p, F& low, F& high) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    low = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
-    high = _mm512_cvtepi32_ps(
-        _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
-  }
-  static F Fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }  // a·b + c
-  static F Add(F a, F b) { return _mm512_add_ps(a, b); }
-  static float Sum(F v) { return _mm512_reduce_add_ps(v); }
-};
-#elif defined(__AVX2__) && defined(__FMA__)
-#define SPECJAX_INT4_SIMD 1
-struct Simd {
-  static constexpr int kLanes = 8;
-  using F = __m256;
-  static F Zero() { return _mm256_setzero_ps(); }
-  static F Floats(const float* p) { return _mm256_loadu_ps(p); }
-  static F Broadcast(float v) { return _mm256_set1_ps(v); }
-  static void Widened(const uint8_t* p, F& low, F& high) {  // 8 bytes, 16 codes
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    low = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
-    high = _mm256_cvtepi32_ps(
-        _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
-  }
-  static F Fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F Add(F a, F b) { return _mm256_add_ps(a, b); }
-  static float Sum(F v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-  }
-};
+using specjax::PrefetchAhead;
+#if SPECJAX_QUANT_SIMD
+using specjax::Simd;
 #endif
 
 // Σ_g scale[g] · (x_g · code_g) over the groups of one output channel, without the lo
@@ -113,7 +62,7 @@ inline float ScaledDotsScalar(const float* x, const uint8_t* codes, const float*
   return total;
 }
 
-#if SPECJAX_INT4_SIMD
+#if SPECJAX_QUANT_SIMD
 // The same for R output channels side by side (codes `stride` bytes apart): each x vector
 // loaded meets R channels' codes, and 2R independent sums hide the FMA latency. SmolLM2's
 // 30 gate/up matrices took 3.6 ms a step one channel at a time (7 GB/s of codes: the
@@ -143,7 +92,7 @@ inline void ScaledDots(const float* x, const uint8_t* codes, int64_t stride,
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         Simd::F low, high;
-        Simd::Widened(cg + r * stride + j, low, high);
+        Simd::Nibbles(cg + r * stride + j, low, high);
         low_sum[r] = Simd::Fma(xl, low, low_sum[r]);
         high_sum[r] = Simd::Fma(xh, high, high_sum[r]);
       }

@@ -26,10 +26,7 @@
 #include <memory>
 #include <thread>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
+#include "simd.h"
 #include "workers.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -43,61 +40,15 @@ using Scales = ffi::Buffer<ffi::F32, 1>;
 constexpr int64_t kChunksPerWorker = 2;  // a helper that starts late costs at most one
 constexpr int64_t kMinChannels = 64;     // per chunk
 constexpr int kLine = 64;               // weights (bytes) per iteration: one cache line
-constexpr int kPrefetchAhead = 4096;    // bytes ahead along the stream
-constexpr int kPrefetchL2 = 2;          // prefetcht1, as in f32_matmul.cc
 
-// Prefetch the line `kPrefetchAhead` bytes past p. Near the end of the matrix that is past
-// the buffer: a prefetch never faults, and the address is formed as an integer, so no
-// out-of-bounds pointer is.
-inline void PrefetchAhead(const int8_t* p) {
-  __builtin_prefetch(
-      reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(p) + kPrefetchAhead), 0,
-      kPrefetchL2);
-}
-
-#if defined(__AVX512F__)
-#define SPECJAX_INT8_SIMD 1
-// One vpmovsxbd per 16 weights: GCC's vectoriser widens int8 through int16 (two shuffles
-// and an extract on the one shuffle port), which bound the loop before memory did.
-struct Simd {
-  static constexpr int kLanes = 16;  // float32 lanes of one 512-bit vector
-  using F = __m512;
-  static F Zero() { return _mm512_setzero_ps(); }
-  static F Floats(const float* p) { return _mm512_loadu_ps(p); }
-  static F Widened(const int8_t* p) {  // 16 int8 weights as floats
-    return _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  }
-  static F Fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }  // a·b + c
-  static F Add(F a, F b) { return _mm512_add_ps(a, b); }
-  static float Sum(F v) { return _mm512_reduce_add_ps(v); }
-};
-#elif defined(__AVX2__) && defined(__FMA__)
-#define SPECJAX_INT8_SIMD 1
-// The same at 8 weights per vpmovsxbd. The vectoriser's path, on an AMD EPYC (AVX2), made
-// an 8-bit draft of SmolLM2 with every sub-layer on cost 0.66 AR steps; this one 0.56.
-struct Simd {
-  static constexpr int kLanes = 8;  // float32 lanes of one 256-bit vector
-  using F = __m256;
-  static F Zero() { return _mm256_setzero_ps(); }
-  static F Floats(const float* p) { return _mm256_loadu_ps(p); }
-  static F Widened(const int8_t* p) {  // 8 int8 weights as floats
-    return _mm256_cvtepi32_ps(
-        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  }
-  static F Fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }  // a·b + c
-  static F Add(F a, F b) { return _mm256_add_ps(a, b); }
-  static float Sum(F v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-  }
-};
+using specjax::PrefetchAhead;
+#if SPECJAX_QUANT_SIMD
+using specjax::Simd;
 #endif
 
 // x[0..I) · w[0..I) for one int8 weight row: four independent sums hide the FMA latency,
 // and the prefetch runs ahead along the stream of rows that follow this one.
-#if SPECJAX_INT8_SIMD
+#if SPECJAX_QUANT_SIMD
 inline float DotRow(const float* x, const int8_t* w, int64_t I) {
   constexpr int kLanes = Simd::kLanes, kSums = 4;
   Simd::F acc[kSums];
@@ -108,10 +59,10 @@ inline float DotRow(const float* x, const int8_t* w, int64_t I) {
 #pragma GCC unroll 8
     for (int v = 0; v < kLine / kLanes; ++v)
       acc[v % kSums] = Simd::Fma(Simd::Floats(x + i + v * kLanes),
-                                 Simd::Widened(w + i + v * kLanes), acc[v % kSums]);
+                                 Simd::Int8s(w + i + v * kLanes), acc[v % kSums]);
   }
   for (; i + kLanes <= I; i += kLanes)
-    acc[0] = Simd::Fma(Simd::Floats(x + i), Simd::Widened(w + i), acc[0]);
+    acc[0] = Simd::Fma(Simd::Floats(x + i), Simd::Int8s(w + i), acc[0]);
   float sum = Simd::Sum(Simd::Add(Simd::Add(acc[0], acc[1]), Simd::Add(acc[2], acc[3])));
   for (; i < I; ++i) sum += x[i] * static_cast<float>(w[i]);
   return sum;
