@@ -6,7 +6,8 @@ speed against transformers, llama.cpp and the memory-bandwidth roofline.
 Part 1, at context `--context`: the AR step (the dense model, T = 1), verification of
 γ + 1 = 5 tokens (`engine.verify_step`), and one draft step (`engine.draft_step`, γ = 1)
 under random plans with 25 / 50 / 75 / 100 % of the 2L sub-layers active (with 8-bit weights at
-50 and 100 %, and at 50 % with a 32k-token head shortlist), each as a ratio to the AR step beside
+50 and 100 %, QuantSpec's 4-bit MLP weights at 100 %, and at 50 % with a 32k-token head
+shortlist), each as a ratio to the AR step beside
 its weight bytes over the AR step's (its floor). All are timed round-robin and the median
 taken, so machine noise hits them alike.
 Part 2: greedy AR decoding of `--tokens` tokens on one prompt: specjax vs HF transformers
@@ -39,7 +40,7 @@ from specjax.decode.generate import generate  # noqa: E402
 from specjax.models.loader import load_model  # noqa: E402
 from specjax.models.registry import get_spec  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402
-from specjax.quant import model_matrices, quantize_weights_int8  # noqa: E402
+from specjax.quant import model_matrices, quantize_mlp_weights, quantize_weights_int8  # noqa: E402
 
 PROMPT = "Explain why the sky is blue to a ten-year-old, in a few short paragraphs."
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)
@@ -100,6 +101,9 @@ def step_ratios(m, context: int, rounds: int, steps: int, gamma: int = 4,
   # The same plans reading 8-bit copies of every matrix (Int8WeightsDrafter's drafts).
   int8 = quantize_weights_int8(m.state, cfg.num_layers)
   plans |= {(f, 8): [p.replace(weights=int8) for p in plans[f]] for f in INT8_FRACTIONS}
+  # Every sub-layer reading QuantSpec's 4-bit MLP weights (the paper's draft weights).
+  plans[(1.0, 4)] = [p.replace(weights=quantize_mlp_weights(m.state, cfg.num_layers))
+                     for p in plans[1.0]]
   # The 50 % plans scoring a shortlist (FR-Spec's drafts, `self_sd+frspec`)
   plans[(0.5, "shortlist")] = [with_shortlist_head(m, p, shortlist, rng) for p in plans[0.5]]
   t = step_times(m.graphdef, m.state, cfg, plans, gammas=(gamma,), context=context,
@@ -111,6 +115,7 @@ def step_ratios(m, context: int, rounds: int, steps: int, gamma: int = 4,
           "verify_over_ar": t.verify[gamma] / t.ar,
           "draft_over_ar": {f: t.drafts[f] / t.ar for f in FRACTIONS},
           "int8_draft_over_ar": {f: t.drafts[(f, 8)] / t.ar for f in INT8_FRACTIONS},
+          "int4_mlp_draft_over_ar": t.drafts[(1.0, 4)] / t.ar,
           "shortlist_draft_over_ar": t.drafts[(0.5, "shortlist")] / t.ar,
           "floor": floor, "gamma": gamma,
           "head_share": read_bytes(m, DraftPlan.from_bits(np.zeros(2 * cfg.num_layers, bool)))
@@ -220,6 +225,8 @@ def main() -> None:
                  floor[f]] for f in FRACTIONS]
   step_rows += [[f"draft step, {int(f * 100)} % of {2 * L} sub-layers, 8-bit weights",
                  r["int8_draft_over_ar"][f], floor[(f, 8)]] for f in INT8_FRACTIONS]
+  step_rows.append([f"draft step, 100 % of {2 * L} sub-layers, 4-bit MLP weights (QuantSpec's)",
+                    r["int4_mlp_draft_over_ar"], floor[(1.0, 4)]])
   shortlist = min(SHORTLIST, m.config.vocab_size)
   step_rows.append([f"draft step, 50 % of {2 * L} sub-layers, head over {shortlist} tokens",
                     r["shortlist_draft_over_ar"], floor[(0.5, "shortlist")]])
@@ -259,6 +266,7 @@ def main() -> None:
                              for f in FRACTIONS},
       "int8_draft_step_over_ar": {str(int(f * 100)): round(r["int8_draft_over_ar"][f], 4)
                                   for f in INT8_FRACTIONS},
+      "int4_mlp_draft_step_over_ar": {"100": round(r["int4_mlp_draft_over_ar"], 4)},
       "shortlist_draft_step_over_ar": {"50": round(r["shortlist_draft_over_ar"], 4),
                                        "shortlist": shortlist},
       "draft_step_bytes_over_ar": {str(int(f * 100)): round(floor[f], 4) for f in FRACTIONS},
@@ -296,7 +304,9 @@ def main() -> None:
         f"weight bytes it reads over the AR step's, what it would cost if every step "
         f"streamed its weights at one rate: the LM head "
         f"is {r['head_share']:.0%} of the bytes, and every draft over the full vocabulary reads "
-        f"it whole. The last row scores a {shortlist}-token shortlist (FR-Spec's size; "
+        f"it whole. The 4-bit row is QuantSpec's draft weights (its MLP matrices only, read "
+        f"by `cpu_kernels.int4_matmul`: {kernel_status('int4_matmul')}) over this "
+        f"full-precision cache. The last row scores a {shortlist}-token shortlist (FR-Spec's size; "
         f"random ids, which do not bear on the cost):",
         "",
         report.markdown_table(step_header, step_rows),

@@ -68,4 +68,5 @@ def test_step_ratios_time_every_step_beside_its_floor(model):
   assert [floor[f] for f in bench_forward.FRACTIONS] == sorted(
       floor[f] for f in bench_forward.FRACTIONS)
   assert floor[(1.0, 8)] < 0.3 and floor[(0.5, "shortlist")] < floor[0.5]
+  assert floor[(1.0, 8)] < floor[(1.0, 4)] < 1.0 and r["int4_mlp_draft_over_ar"] > 0
   assert 0 < r["head_share"] < floor[0.25]
