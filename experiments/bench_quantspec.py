@@ -8,8 +8,9 @@ QuantSpec with 4-bit KV only. Reported: α, M, speedup vs both ARs, mismatches v
 Memory: bytes of the quantised cache (codes + scales, and the 2R buffer) vs a bf16 cache
 at 4k/16k/32k tokens, from the shapes alone. On a CPU attention reads the quantised
 slots from their codes with C++ kernels (`cpu_kernels.quant_attention`); elsewhere the jnp
-path, which dequantises, is timed (the Pallas kernel is timed on a GPU by kernels_gpu.py). The three runs on the quantised cache start from one
-prefill of it (at 16k tokens a CPU prefill takes minutes; decoding excludes it anyway).
+path, which dequantises, is timed (the Pallas kernel is timed on a GPU by kernels_gpu.py).
+The three runs on the quantised cache start from one prefill of it (at 16k tokens a CPU
+prefill takes minutes; decoding excludes it anyway).
 Results go to the shared results store prompt by prompt; --resume continues a crashed run
 made with the same settings. The last output line is one JSON object with the figures.
 

@@ -26,8 +26,8 @@ g++) for its own CPU (`-march=native`) and cached under `cache_root()/kernels`, 
 the source and the headers beside it (`workers.h`: how the kernels share work with XLA's
 threads), the jax version and the CPU's flags. Where no compiler is found, or
 `SPECJAX_CPU_KERNELS=0`, the kernels fall back to the XLA path (the same numbers up to
-float32 rounding, slower) and `kernel_status()` says why; `SPECJAX_CPU_KERNELS` may also list the kernels to use
-(`int8_matmul,f32_matmul`), to measure one against XLA. On a GPU the XLA path is the
+float32 rounding, slower) and `kernel_status()` says why; `SPECJAX_CPU_KERNELS` may
+also list the kernels to use (`int8_matmul,f32_matmul`), to measure one against XLA. On a GPU the XLA path is the
 right one: XLA:GPU fuses the int8 convert into its GEMM, and its GEMMs stream weights
 at bandwidth.
 """
