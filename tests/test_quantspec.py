@@ -156,6 +156,18 @@ def test_int4_kernel_equals_the_dequantised_matmul(rows, inner, outer, group, se
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=2e-5 * np.sqrt(inner))
 
 
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel needs a C++ compiler")
+def test_int4_kernel_refuses_operands_that_do_not_match():
+  """x must cover the padded rows (`Int4Matrix.matmul` pads it); lo/scale one per group."""
+  from specjax import cpu_kernels
+
+  m = Int4Matrix.quantize(jnp.ones((200, 8), jnp.float32), group=64)  # 256 padded rows
+  with pytest.raises(Exception, match="int4_matmul: x"):
+    cpu_kernels.int4_matmul(jnp.ones((1, 200)), m.codes, m.lo, m.scale)
+  with pytest.raises(Exception, match="int4_matmul: x"):
+    cpu_kernels.int4_matmul(jnp.ones((1, 256)), m.codes, m.lo[:, :3], m.scale)
+
+
 def test_4bit_weights_take_the_kernel_on_a_cpu_and_xla_without_it(monkeypatch):
   from specjax import cpu_kernels
 

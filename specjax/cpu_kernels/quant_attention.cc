@@ -63,40 +63,6 @@ struct Dims {
   int64_t BK, R, S, H;
 };
 
-// scores of one kv head: s[r, t] = q[r, :] · key(t) for t < Q.
-template <int kH, bool kEight>
-void HeadScores(const float* q, const uint8_t* up, const uint8_t* lw, const float* lo,
-                const float* scale, int64_t R, int64_t S, int64_t H, int64_t G, int64_t Q,
-                float* s) {
-  alignas(64) float fixed[kH > 0 ? kH : 1];  // a fixed H's row on the stack
-  std::vector<float> wide(kH > 0 ? 0 : H);
-  float* k = kH > 0 ? fixed : wide.data();
-  for (int64_t t = 0; t < Q; ++t) {
-    const int64_t g = t / G;
-    Widen<kH, kEight>(up + t * H / 2, lw + t * H / 2, lo + g * H, scale + g * H, H, k);
-    for (int64_t r = 0; r < R; ++r) s[r * S + t] = Dot<kH>(q + r * H, k, H);
-  }
-}
-
-// values of one kv head: o[r, :] += Σ_{t < Q} p[r, t] · value(t).
-template <int kH, bool kEight>
-void HeadValues(const float* p, const uint8_t* up, const uint8_t* lw, const float* lo,
-                const float* scale, int64_t R, int64_t S, int64_t H, int64_t groups,
-                int64_t Q, float* o) {
-  const int64_t per = H / groups;
-  std::vector<float> row(H), slot_lo(H), slot_scale(H);  // a slot's stats per channel
-  for (int64_t t = 0; t < Q; ++t) {
-    for (int64_t c = 0; c < groups; ++c) {
-      std::fill(slot_lo.begin() + c * per, slot_lo.begin() + (c + 1) * per, lo[t * groups + c]);
-      std::fill(slot_scale.begin() + c * per, slot_scale.begin() + (c + 1) * per,
-                scale[t * groups + c]);
-    }
-    Widen<kH, kEight>(up + t * H / 2, lw + t * H / 2, slot_lo.data(), slot_scale.data(), H,
-                      row.data());
-    for (int64_t r = 0; r < R; ++r) Axpy<kH>(p[r * S + t], row.data(), o + r * H, H);
-  }
-}
-
 // The variant for H and the precision: fixed H where most models are, else runtime H.
 template <template <int, bool> class F, typename... Args>
 void ForShape(int64_t H, bool eight, Args... args) {
@@ -109,21 +75,42 @@ void ForShape(int64_t H, bool eight, Args... args) {
   else run(std::integral_constant<int, 0>());
 }
 
+// Scores of one kv head: s[r, t] = q[r, :] · key(t) for t < Q.
 template <int kH, bool kEight>
 struct Scores {
   static void Run(const float* q, const uint8_t* up, const uint8_t* lw, const float* lo,
                   const float* scale, int64_t R, int64_t S, int64_t H, int64_t G, int64_t Q,
                   float* s) {
-    HeadScores<kH, kEight>(q, up, lw, lo, scale, R, S, H, G, Q, s);
+    alignas(64) float fixed[kH > 0 ? kH : 1];  // a fixed H's row on the stack
+    std::vector<float> wide(kH > 0 ? 0 : H);
+    float* k = kH > 0 ? fixed : wide.data();
+    for (int64_t t = 0; t < Q; ++t) {
+      const int64_t g = t / G;
+      Widen<kH, kEight>(up + t * H / 2, lw + t * H / 2, lo + g * H, scale + g * H, H, k);
+      for (int64_t r = 0; r < R; ++r) s[r * S + t] = Dot<kH>(q + r * H, k, H);
+    }
   }
 };
 
+// Values of one kv head: o[r, :] += Σ_{t < Q} p[r, t] · value(t).
 template <int kH, bool kEight>
 struct Values {
   static void Run(const float* p, const uint8_t* up, const uint8_t* lw, const float* lo,
                   const float* scale, int64_t R, int64_t S, int64_t H, int64_t groups,
                   int64_t Q, float* o) {
-    HeadValues<kH, kEight>(p, up, lw, lo, scale, R, S, H, groups, Q, o);
+    const int64_t per = H / groups;
+    std::vector<float> row(H), slot_lo(H), slot_scale(H);  // a slot's stats per channel
+    for (int64_t t = 0; t < Q; ++t) {
+      for (int64_t c = 0; c < groups; ++c) {
+        std::fill(slot_lo.begin() + c * per, slot_lo.begin() + (c + 1) * per,
+                  lo[t * groups + c]);
+        std::fill(slot_scale.begin() + c * per, slot_scale.begin() + (c + 1) * per,
+                  scale[t * groups + c]);
+      }
+      Widen<kH, kEight>(up + t * H / 2, lw + t * H / 2, slot_lo.data(), slot_scale.data(), H,
+                        row.data());
+      for (int64_t r = 0; r < R; ++r) Axpy<kH>(p[r * S + t], row.data(), o + r * H, H);
+    }
   }
 };
 
