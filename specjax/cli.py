@@ -179,10 +179,10 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     raise ConfigError(f"--lengths must be cache sizes above {args.gamma + 8}, got {args.lengths}")
   model = load_model(args.model, dtype=args.dtype)
   weights = None
-  if args.draft_weights == "int8":
-    from specjax.quant import quantize_weights_int8
+  if args.draft_weights != "target":
+    from specjax.bench.drafter_factory import DrafterFactory
 
-    weights = quantize_weights_int8(model.state, model.config.num_layers)
+    weights = DrafterFactory(model, verbose=False).draft_weights(int(args.draft_weights[3:]))
   prof = profiler.measure(model, lengths=lengths, gamma=args.gamma, repeats=args.repeats,
                           draft_weights=weights)
   path = profiler.save_profile(prof, args.out)
@@ -358,9 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--gamma", type=int, default=4, help="verification is timed on γ+1 tokens")
   p.add_argument("--repeats", type=int, default=7, help="timed repeats per point (median)")
   p.add_argument("--out", help="profile file (default: the specjax cache, per model/device)")
-  p.add_argument("--draft-weights", choices=("target", "int8"), default="target",
+  p.add_argument("--draft-weights", choices=("target", "int8", "int4"), default="target",
                  help="the weights the timed draft steps read: int8 prices sub-layers for "
-                 "knapspec+8bit")
+                 "knapspec+8bit (and knapspec+quantspec at 8 weight bits), int4 for "
+                 "knapspec+quantspec at QuantSpec's 4-bit weights")
   add_dtype_arg(p)
   p.set_defaults(func=_cmd_profile)
 

@@ -20,16 +20,17 @@ def test_generate_tiny_model_prints_json(capsys):
 
 
 def test_profile_prints_the_profile_it_saved(capsys, tmp_path):
-  """Its last line is the whole profile, loadable as it is: a lent GPU's log keeps it."""
+  """Its last line is the whole profile, loadable as it is: a lent GPU's log keeps it. Here
+  the draft steps read QuantSpec's 4-bit weights (what knapspec+quantspec prices with)."""
   from specjax.selection import profiler
 
   out = tmp_path / "p.json"
   assert main(["profile", "--model", "tiny-llama", "--lengths", "64,128", "--repeats", "2",
-               "--out", str(out)]) == 0
+               "--draft-weights", "int4", "--out", str(out)]) == 0
   line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-  assert line["path"] == str(out)
+  assert line["path"] == str(out) and line["draft"] == "4bit"
   printed = profiler.LatencyProfile.from_json(line)
-  assert printed == profiler.load_profile("tiny-llama", printed.num_layers, out)
+  assert printed == profiler.load_profile("tiny-llama", printed.num_layers, out, draft="4bit")
 
 
 def test_bad_input_exits_2_with_a_message(capsys):

@@ -18,6 +18,7 @@ from specjax.bench.drafter_factory import BASES, OVERLAYS, DrafterFactory, Draft
 from specjax.bench.harness import Reference, RunSettings
 from specjax.drafters import UnknownDrafterError
 from specjax.drafters.static import save_plan
+from specjax.errors import ConfigError
 from specjax.plan import DraftPlan
 from specjax.quant_kv_cache import QuantKV
 
@@ -44,6 +45,7 @@ def factory(plan_path: str) -> DrafterFactory:
                "frspec": {"size": 48}, "swift": {"trials": 4, "bo_every": 4, "window": 8}},
       artefacts={"profile": synthetic_profile(4), "library": tiny_library("llama"),
                  "int8_profile": synthetic_profile(4, c=1e-4, draft="8bit"),
+                 "int4_profile": synthetic_profile(4, c=2e-4, draft="4bit"),
                  "counts": counts, "bundle": bundle("llama")[0], "self_sd_plan": skip})
 
 
@@ -86,12 +88,18 @@ def test_compositions_set_the_fields_of_each_part(plan_file):
   assert d.own_gamma and d.wants_residuals  # KnapSpec's policy passes through
   assert d.base.base.profile.draft == "8bit"  # priced at the 8-bit sub-layer times
   assert f.make("knapspec+dynaspec").base.profile.draft == "target"
-  # QuantSpec's 8-bit weights (the CPU default) price KnapSpec at 8 bits too; its 4-bit
-  # weights have no profile of their own, so the target's
-  for bits, draft in ((8, "8bit"), (4, "target")):
+  # QuantSpec prices KnapSpec at the times of the weights it drafts with (8 bits, the
+  # CPU default, or the paper's 4), and its drafter, profile and search share one copy
+  for bits, draft in ((8, "8bit"), (4, "4bit"), (16, "target")):
     g = DrafterFactory(model(), gamma=4, verbose=False,
                        options={"quantspec": {"weight_bits": bits}}, artefacts=f.artefacts)
-    assert g.make("knapspec+quantspec").base.profile.draft == draft
+    d = g.make("knapspec+quantspec")
+    assert d.base.profile.draft == draft
+    assert d.weights is g.draft_weights(None if bits == 16 else bits)
+    assert d.weights is None or d.weights.bits == bits
+  five = DrafterFactory(model(), verbose=False, options={"quantspec": {"weight_bits": 5}})
+  with pytest.raises(ConfigError, match="4, 8 or 16 bits, got 5"):
+    five.make("knapspec+quantspec")
   q = f.make("frspec+quantspec")  # FR-Spec alone, under QuantSpec
   assert q.name == "quantspec" and q.base.name == "frspec" and q.kv_cache == KV
   assert f.make("8bit").weights is f.make("self_sd+8bit").weights  # one int8 copy

@@ -258,6 +258,8 @@ def test_int8_draft_profile_is_timed_with_the_8bit_weights_and_kept_apart(tmp_pa
   path.write_text(json.dumps({**p.to_json(), "draft": "target"}))
   with pytest.raises(ProfileMismatchError, match="--draft-weights int8"):
     profiler.load_profile("tiny-llama", 6, path, draft="8bit")
+  with pytest.raises(ProfileMismatchError, match="--draft-weights int4"):
+    profiler.load_profile("tiny-llama", 6, path, draft=profiler.draft_label(4))
 
 
 def test_bad_settings_are_clear_errors():

@@ -8,9 +8,9 @@ right, each on top of the drafter before it; two overlays that set the same plan
 
 Artefacts are found where specjax keeps them, or built (and kept) on first use: the
 Self-SD skip set (searched on prompts outside the evaluation), KnapSpec's latency
-profile (under `8bit`, one timed with the 8-bit weights), the KNN-SSD library, FR-Spec's
-token counts and DynaSpec's router, and one int8 copy of the model shared by every
-`8bit` name.
+profile (under `8bit` or `quantspec`, one timed with the draft's 8- or 4-bit weights), the
+KNN-SSD library, FR-Spec's token counts and DynaSpec's router, and one int8 and one 4-bit
+copy of the model, each shared by every name that reads it.
 
 Options per part (`options={"knapspec": {"tau": 0.3}, "frspec": {"size": 16384}}`) are the
 drafter's constructor fields, plus the artefact settings in `ARTEFACT_OPTIONS`; every
@@ -64,8 +64,8 @@ ARTEFACT_OPTIONS: dict[str, dict[str, Any]] = {
     # scored beside the routed clusters (0: none)
     "dynaspec": {"clusters": 1024, "core": 0},
 }
-ARTEFACTS = ("profile", "int8_profile", "library", "counts", "bundle", "self_sd_plan",
-             "int8_weights")
+ARTEFACTS = ("profile", "int8_profile", "int4_profile", "library", "counts", "bundle",
+             "self_sd_plan", "int8_weights", "int4_weights")
 # Constructor fields the factory fills itself (artefacts), not options.
 _FILLED = {"fixed", "profile", "library", "weights", "base", "kv_cache", "shortlist", "bundle",
            "core"}
@@ -123,10 +123,10 @@ class DrafterFactory:
   work_dir: Path | None = None
   data_dir: str | Path | None = None
   search_prompts: Sequence[Any] | None = None  # data.Prompt
-  # Artefacts already at hand, used instead of finding or building them: "profile",
-  # "int8_profile", "library", "counts", "bundle", "self_sd_plan", "int8_weights".
+  # Artefacts already at hand, used instead of finding or building them (`ARTEFACTS`).
   artefacts: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   verbose: bool = True
+  _profiles: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
 
   def __post_init__(self):
     unknown = set(self.artefacts) - set(ARTEFACTS)
@@ -154,6 +154,7 @@ class DrafterFactory:
 
   @functools.cached_property
   def int8_weights(self):
+    """The int8 copy every 8-bit name shares (`8bit`, and `quantspec` at 8 weight bits)."""
     from specjax.quant import quantize_weights_int8
 
     if "int8_weights" in self.artefacts:
@@ -161,32 +162,54 @@ class DrafterFactory:
     return quantize_weights_int8(self.model.state, self.model.config.num_layers)
 
   @functools.cached_property
+  def int4_weights(self):
+    """QuantSpec's 4-bit copy (the paper's: MLP matrices in groups of 128 rows), shared by
+    its drafter, its KnapSpec profile and its Self-SD search."""
+    from specjax.quant import quantize_mlp_weights
+
+    if "int4_weights" in self.artefacts:
+      return self.artefacts["int4_weights"]
+    return quantize_mlp_weights(self.model.state, self.model.config.num_layers, 128)
+
+  def draft_weights(self, bits: int | None):
+    """The quantised copy a draft at `bits` weight bits reads; None: the target's own."""
+    return {None: None, 8: self.int8_weights, 4: self.int4_weights}[bits]
+
+  @property
   def latency_profile(self):
     """The saved profile of this model on this device; measured now (and saved) when
     there is none. A profile of another model or device is refused, not replaced."""
-    return self._profile("profile", int8=False)
+    return self.latency_profile_for(None)
 
-  @functools.cached_property
+  @property
   def int8_latency_profile(self):
-    """The same for a draft that reads the 8-bit weights (what KnapSpec selects with
-    under `8bit`: its sub-layers cost their 8-bit times)."""
-    return self._profile("int8_profile", int8=True)
+    """The profile KnapSpec selects with under `8bit`: its sub-layers at their 8-bit times."""
+    return self.latency_profile_for(8)
 
-  def _profile(self, artefact: str, int8: bool):
+  def latency_profile_for(self, bits: int | None):
+    """The profile of draft steps that read the weights at `bits` (None: the target's),
+    kept for this factory: KnapSpec under QuantSpec's 4-bit weights prices a sub-layer at
+    what its 4-bit MLP costs, not at the target's time."""
+    if bits not in self._profiles:
+      self._profiles[bits] = self._profile(bits)
+    return self._profiles[bits]
+
+  def _profile(self, bits: int | None):
     from specjax.decode.generate import precision_name
     from specjax.selection import profiler
 
+    artefact = "profile" if bits is None else f"int{bits}_profile"
     if artefact in self.artefacts:
       return self.artefacts[artefact]
     try:  # a profile of the precision the model runs at (a bfloat16 step costs less)
       return profiler.load_profile(self.model.name, self.model.config.num_layers,
                                    dtype=precision_name(self.model.config, self.model.state),
-                                   draft="8bit" if int8 else "target")
+                                   draft=profiler.draft_label(bits))
     except profiler.MissingProfileError as err:
       self._say(f"{err}\nrunning the profiler now")
-      # the int8 copy is made only to measure (a saved profile needs none)
+      # the quantised copy is made only to measure (a saved profile needs none)
       prof = profiler.measure(self.model, gamma=self.gamma, verbose=self.verbose,
-                              draft_weights=self.int8_weights if int8 else None)
+                              draft_weights=self.draft_weights(bits))
       profiler.save_profile(prof)
       return prof
 
@@ -262,10 +285,10 @@ class DrafterFactory:
                            seed=self.seed, verbose=self.verbose,
                            embeddings=knn_build.parts_dir(default))
 
-  def self_sd_plan(self, int8: bool = False):
+  def self_sd_plan(self, bits: int | None = None):
     """A Self-SD skip set searched on `search_prompts`, kept in `work_dir` under a name
-    that says what it was searched with (a resumed run reuses it). `int8`: searched for
-    a draft that reads the 8-bit weights (scored with them, costed in their bytes)."""
+    that says what it was searched with (a resumed run reuses it). `bits`: searched for a
+    draft that reads the 8- or 4-bit weights (scored with them, costed in their bytes)."""
     from specjax.bench.harness import prompt_ids
     from specjax.drafters.static import load_plan, save_plan
     from specjax.models.registry import cache_root
@@ -284,7 +307,7 @@ class DrafterFactory:
     # plans searched under an older objective are not reused (a new key)
     key = hashlib.sha256(json.dumps([f"v{self_sd.OBJECTIVE_VERSION}", iterations, self.gamma,
                                      self.seed, ids]).encode()
-                         ).hexdigest()[:10] + ("-8bit" if int8 else "")
+                         ).hexdigest()[:10] + ("" if bits is None else f"-{bits}bit")
     folder = Path(self.work_dir) if self.work_dir else cache_root() / "searches" / self.model.name
     path = folder / f"self_sd_plan-{key}.json"
     if path.exists():
@@ -292,7 +315,7 @@ class DrafterFactory:
     m = self.model
     res = self_sd.search(m.graphdef, m.state, m.config, ids, iterations=iterations,
                          gamma=self.gamma, seed=self.seed,
-                         weights=self.int8_weights if int8 else None,
+                         weights=self.draft_weights(bits),
                          target_bits=8 * weight_dtype(m.state).itemsize)
     folder.mkdir(parents=True, exist_ok=True)
     save_plan(path, res.plan, model=m.name, objective=res.objective, alpha=res.alpha,
@@ -306,8 +329,8 @@ class DrafterFactory:
 
   def _base(self, name: str, overlays: Sequence[str] = ()) -> Drafter:
     """The layer drafter; a search-based one is searched for the draft the overlays make
-    of it (under 8-bit weights, from `8bit` or `quantspec`, Self-SD costs and scores its
-    candidates at 8 bits and KnapSpec prices its sub-layers at their 8-bit times)."""
+    of it (under 8- or 4-bit weights, from `8bit` or `quantspec`, Self-SD costs and scores
+    its candidates with those weights and KnapSpec prices its sub-layers at their times)."""
     kw = self._kwargs(name)
     L = self.model.config.num_layers
     if name == "static":
@@ -321,14 +344,14 @@ class DrafterFactory:
       return EarlyExitDrafter(**{"k": L // 2, **kw})
     if name == "swift":
       return SwiftDrafter(**{"seed": self.seed, **kw})
-    int8 = self._int8_weights_under(overlays)
+    bits = self._draft_bits_under(overlays)
     if name == "self_sd":
-      return SelfSDDrafter(self.self_sd_plan(int8=int8), **kw)
+      return SelfSDDrafter(self.self_sd_plan(bits), **kw)
     if name == "clasp":
       return ClaspDrafter(**kw)
     if name == "knapspec":
-      profile = self.int8_latency_profile if int8 else self.latency_profile
-      return KnapSpecDrafter(profile=profile, **{"max_gamma": self.gamma, **kw})
+      return KnapSpecDrafter(profile=self.latency_profile_for(bits),
+                             **{"max_gamma": self.gamma, **kw})
     if name == "knn":
       return KNNDrafter(self.knn_library(), **kw)
     raise DrafterNameError(f"{name!r} is not a layer drafter")  # parse() prevents this
@@ -338,12 +361,20 @@ class DrafterFactory:
     from specjax.drafters.quantspec import default_weight_bits
 
     bits = self._opts("quantspec")["weight_bits"]
-    return default_weight_bits() if bits is None else bits
+    bits = default_weight_bits() if bits is None else bits
+    if bits not in (4, 8, 16):
+      raise ConfigError(f"QuantSpec's draft weights are 4, 8 or 16 bits, got {bits}")
+    return bits
 
-  def _int8_weights_under(self, overlays: Sequence[str]) -> bool:
-    """Whether the overlays make the draft read the int8 copy (`8bit`, or `quantspec` at 8
-    weight bits): a searched layer plan is then priced and scored at 8 bits."""
-    return "8bit" in overlays or ("quantspec" in overlays and self._quantspec_weight_bits() == 8)
+  def _draft_bits_under(self, overlays: Sequence[str]) -> int | None:
+    """The weight bits the overlays make the draft read (8: `8bit`, or `quantspec` at 8
+    weight bits; 4: `quantspec` at 4), None for the target's own: a searched layer plan is
+    priced and scored with those weights."""
+    if "8bit" in overlays:
+      return 8
+    if "quantspec" in overlays and self._quantspec_weight_bits() in (4, 8):
+      return self._quantspec_weight_bits()
+    return None
 
   def _overlay(self, name: str, base: Drafter | None) -> Drafter:
     kw = self._kwargs(name)
@@ -356,9 +387,8 @@ class DrafterFactory:
       o = self._opts("quantspec")
       kv = QuantKV(group=o["group"], residual=o["residual"])
       bits = self._quantspec_weight_bits()
-      if bits == 8:  # the int8 copy every 8-bit name shares
-        return QuantSpecDrafter(weights=self.int8_weights, base=base, kv_cache=kv, **kw)
-      return QuantSpecDrafter.for_model(self.model, base=base, weight_bits=bits, kv_cache=kv)
+      weights = self.draft_weights(None if bits == 16 else bits)  # the shared copies
+      return QuantSpecDrafter(weights=weights, base=base, kv_cache=kv, **kw)
     if name == "frspec":
       from specjax.offline.token_counts import frequent_shortlist
 

@@ -6,10 +6,11 @@ step running nothing, over L, is one attention sub-layer; likewise the MLP. The 
 step is the base (embedding, final norm, LM head, loop). Verification is timed as the
 real verify executable over T = γ+1 tokens and as one AR step (T = 1).
 
-A draft that reads 8-bit copies of the weights (`8bit`) costs a fraction of the full
-step per sub-layer, so a selection under it must price its sub-layers by their 8-bit
-times: `measure(..., draft_weights=...)` times the draft steps with those weights (the
-profile's `draft` is then "8bit"), and such a profile is stored and loaded apart.
+A draft that reads quantised copies of the weights (`8bit`; QuantSpec's 8- or 4-bit
+weights) costs a fraction of the full step per sub-layer, so a selection under it must
+price its sub-layers by their quantised times: `measure(..., draft_weights=...)` times the
+draft steps with those weights (the profile's `draft` is then "8bit" or "4bit"), and such
+a profile is stored and loaded apart.
 
 Each is the median of several repeats after warm-up, at several cache sizes n, and fit:
 `t_attn(n) = a·n + b`, `t_mlp = c`, base and verification linear in n. n is the cache
@@ -74,7 +75,7 @@ class LatencyProfile:
   base: tuple[float, ...]  # draft step running no sub-layer
   verify: tuple[float, ...]  # verification of `verify_tokens` tokens
   step: tuple[float, ...]  # one AR step (T = 1)
-  draft: str = "target"  # the weights the draft steps read: "target" or "8bit"
+  draft: str = "target"  # the weights the draft steps read: `draft_label(bits)`
 
   # --- fits -----------------------------------------------------------------------------
   @functools.cached_property
@@ -148,8 +149,14 @@ class LatencyProfile:
                   if k in fields})
 
 
+def draft_label(bits: int | None) -> str:
+  """A profile's `draft` for draft steps reading weights at `bits` (None: the target's)."""
+  return "target" if bits is None else f"{bits}bit"
+
+
 def _draft_flag(draft: str) -> str:
-  return "" if draft == "target" else " --draft-weights int8"
+  """The `specjax profile` flag that measures a profile of this `draft`."""
+  return "" if draft == "target" else f" --draft-weights int{draft.removesuffix('bit')}"
 
 
 def profile_path(model: str, device: str | None = None, dtype: str = "float32",
@@ -207,7 +214,7 @@ def median_time(fn, repeats: int, warmup: int = 2) -> float:
 def measure(model, lengths=(256, 1024, 2048, 4096), gamma: int = 4, repeats: int = 7,
             verbose: bool = True, draft_weights=None) -> LatencyProfile:
   """Profile a loaded model (`loader.LoadedModel`) at the given cache sizes;
-  `draft_weights` (`quant.quantize_weights_int8`): the draft steps read them."""
+  `draft_weights` (`quant.DraftWeights`, 8- or 4-bit): the draft steps read them."""
   from tqdm.auto import tqdm
 
   from specjax.decode.engine import Draft, draft_step, verify_step
@@ -260,7 +267,8 @@ def measure(model, lengths=(256, 1024, 2048, 4096), gamma: int = 4, repeats: int
   dtype = precision_name(cfg, state)
   return LatencyProfile(model=model.name, device=device_name(), dtype=dtype, num_layers=L,
                         verify_tokens=gamma + 1, lengths=lengths,
-                        draft="target" if draft_weights is None else f"{draft_weights.bits}bit",
+                        draft=draft_label(None if draft_weights is None
+                                          else draft_weights.bits),
                         **{k: tuple(v) for k, v in rows.items()})
 
 
