@@ -265,7 +265,7 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
         f"Machine: {report.machine()}.", "", table, "",
         "Latency profile (`specjax profile`, medians; what KnapSpec's weights come from):",
         "", profiler.table(profile), "",
-        *int8_profile_lines(model, args),
+        *quantised_profile_lines(model, args),
         "`speedup w/o selection` removes the measured selection time (DP, search) from the "
         "decode time: what the drafts themselves achieve, i.e. the speedup if selection ran "
         "off the critical path or on a device where the batched DP is nearly free.", "",
@@ -280,14 +280,22 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
   return figures
 
 
-def int8_profile_lines(model, args) -> list[str]:
-  """The profile `knapspec+8bit` selects with, when it ran: its sub-layers at 8 bits."""
-  if not any("knapspec" in d and "8bit" in d for d in args.drafters):
-    return []
-  prof = DrafterFactory(model, gamma=args.gamma, verbose=False).int8_latency_profile
-  return ["The same with the draft steps reading the 8-bit weights (what `knapspec+8bit` "
-          "prices its sub-layers by; `specjax profile --draft-weights int8`):", "",
-          profiler.table(prof), ""]
+def quantised_profile_lines(model, args) -> list[str]:
+  """The profiles KnapSpec selected with under quantised draft weights, for the names that
+  ran (`knapspec+8bit`, `knapspec+quantspec`): their sub-layers at 8- or 4-bit times."""
+  factory = DrafterFactory(model, gamma=args.gamma, verbose=False)
+  users: dict[int, list[str]] = {}
+  for name in args.drafters:
+    bits = factory.draft_bits("knapspec" if name == "knapspec-fixed" else name)
+    if name.startswith("knapspec") and bits is not None:
+      users.setdefault(bits, []).append(f"`{name}`")
+  lines = []
+  for bits, names in sorted(users.items(), reverse=True):
+    lines += [f"The same with the draft steps reading the {bits}-bit weights (what "
+              f"{', '.join(names)} prices its sub-layers by; `specjax profile "
+              f"--draft-weights int{bits}`):", "",
+              profiler.table(factory.latency_profile_for(bits)), ""]
+  return lines
 
 
 def attention_shares(profile, lengths) -> dict[int, float]:

@@ -97,6 +97,9 @@ def test_compositions_set_the_fields_of_each_part(plan_file):
     assert d.base.profile.draft == draft
     assert d.weights is g.draft_weights(None if bits == 16 else bits)
     assert d.weights is None or d.weights.bits == bits
+    assert g.draft_bits("self_sd+quantspec") == (None if bits == 16 else bits)
+  assert [f.draft_bits(n) for n in ("knapspec", "knapspec+dynaspec", "8bit+frspec")] == [
+      None, None, 8]
   five = DrafterFactory(model(), verbose=False, options={"quantspec": {"weight_bits": 5}})
   with pytest.raises(ConfigError, match="4, 8 or 16 bits, got 5"):
     five.make("knapspec+quantspec")

@@ -160,3 +160,27 @@ def test_knn_search_prompt_study_writes_its_own_section():
   assert bench_knn_streams.study_suffix(types.SimpleNamespace(knn_search_prompts=3)) == ""
   assert (bench_knn_streams.study_suffix(types.SimpleNamespace(knn_search_prompts=7))
           == "-search-prompts7")
+
+
+def test_long_context_shows_the_quantised_profile_each_knapspec_selected_with(tmp_path,
+                                                                              monkeypatch):
+  """Each quantised profile a KnapSpec composition read gets its table, naming who read
+  it: QuantSpec at its default 8 bits shares `knapspec+8bit`'s; plain KnapSpec adds none."""
+  import types
+
+  import bench_long_context
+  from test_drafter_factory import model
+  from test_knapspec import synthetic_profile
+
+  from specjax.selection import profiler
+
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  profiler.save_profile(synthetic_profile(4, c=1e-4, draft="8bit"))
+  args = types.SimpleNamespace(gamma=4, drafters=["knapspec", "knapspec-fixed", "self_sd+8bit",
+                                                  "knapspec+8bit", "knapspec+quantspec"])
+  lines = bench_long_context.quantised_profile_lines(model(), args)
+  assert len(lines) == 4 and "8-bit weights (what `knapspec+8bit`, `knapspec+quantspec`" in (
+      lines[0])
+  assert lines[2] == profiler.table(synthetic_profile(4, c=1e-4, draft="8bit"))
+  args.drafters = ["knapspec", "self_sd+8bit"]
+  assert bench_long_context.quantised_profile_lines(model(), args) == []

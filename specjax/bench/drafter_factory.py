@@ -366,6 +366,11 @@ class DrafterFactory:
       raise ConfigError(f"QuantSpec's draft weights are 4, 8 or 16 bits, got {bits}")
     return bits
 
+  def draft_bits(self, name: str) -> int | None:
+    """The weight bits the draft of a composed name reads (8 or 4; None: the target's own),
+    which its KnapSpec profile and Self-SD search are made with."""
+    return self._draft_bits_under(parse(name)[1])
+
   def _draft_bits_under(self, overlays: Sequence[str]) -> int | None:
     """The weight bits the overlays make the draft read (8: `8bit`, or `quantspec` at 8
     weight bits; 4: `quantspec` at 4), None for the target's own: a searched layer plan is
