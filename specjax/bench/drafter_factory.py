@@ -377,9 +377,8 @@ class DrafterFactory:
     priced and scored with those weights."""
     if "8bit" in overlays:
       return 8
-    if "quantspec" in overlays and self._quantspec_weight_bits() in (4, 8):
-      return self._quantspec_weight_bits()
-    return None
+    bits = self._quantspec_weight_bits() if "quantspec" in overlays else None
+    return bits if bits in (4, 8) else None
 
   def _overlay(self, name: str, base: Drafter | None) -> Drafter:
     kw = self._kwargs(name)
