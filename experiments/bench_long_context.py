@@ -285,9 +285,9 @@ def quantised_profile_lines(model, args) -> list[str]:
   ran (`knapspec+8bit`, `knapspec+quantspec`): their sub-layers at 8- or 4-bit times."""
   factory = DrafterFactory(model, gamma=args.gamma, verbose=False)
   users: dict[int, list[str]] = {}
-  for name in args.drafters:
+  for name in (d for d in args.drafters if d.startswith("knapspec")):
     bits = factory.draft_bits("knapspec" if name == "knapspec-fixed" else name)
-    if name.startswith("knapspec") and bits is not None:
+    if bits is not None:
       users.setdefault(bits, []).append(f"`{name}`")
   lines = []
   for bits, names in sorted(users.items(), reverse=True):

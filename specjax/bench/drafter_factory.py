@@ -169,7 +169,7 @@ class DrafterFactory:
 
     if "int4_weights" in self.artefacts:
       return self.artefacts["int4_weights"]
-    return quantize_mlp_weights(self.model.state, self.model.config.num_layers, 128)
+    return quantize_mlp_weights(self.model.state, self.model.config.num_layers)
 
   def draft_weights(self, bits: int | None):
     """The quantised copy a draft at `bits` weight bits reads; None: the target's own."""
