@@ -94,7 +94,7 @@ def load_model(name: str, *, dtype=None, verbose: bool = True) -> LoadedModel:
 def _load(name: str, dtype, verbose: bool) -> LoadedModel:
   spec = get_spec(name)
   if spec.is_tiny:
-    # Trained on first use (about 15 s on 2 cores), then read from the cache.
+    # Trained on first use (about 20 s on 2 cores), then read from the cache.
     config, graphdef, state = tiny_model(spec.arch, vocab_size=ByteTokenizer.vocab_size)
     state = jax.tree.map(lambda x: x.astype(dtype), state)
     return LoadedModel(name, config, graphdef, state, ByteTokenizer())
