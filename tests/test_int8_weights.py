@@ -270,3 +270,29 @@ def test_self_sd_search_for_an_8bit_draft_scores_and_costs_it_at_8_bits():
   for a, b in zip(plain.history, int8.history):  # the same candidates (one seed)
     assert a["skipped"] == b["skipped"] and b["cost"] < 0.35 * a["cost"] + 0.01
   assert int8.plan.weights is None  # the skip set alone: the overlay adds the weights
+
+
+@pytest.mark.parametrize("matrix", ["int8", "int4"])
+def test_vmapped_quantised_matmuls_fold_a_few_rows_into_one_kernel_call(matrix):
+  """The int8 and int4 kernels under vmap: a batch of at most FEW_ROWS rows joins one
+  call's rows (the weights read once, where jax's `sequential` looped a call per element);
+  a larger one, or batched weights, takes XLA's expression. Equal to the dequantised
+  matrix's product either way."""
+  if not cpu_kernels.runs_here(f"{matrix}_matmul"):
+    pytest.skip(f"the {matrix}_matmul kernel is not built here")
+  rng = np.random.default_rng(7)
+  w = jnp.asarray(rng.normal(size=(200, 48)), jnp.float32)
+  m = quant.Int8Matrix.quantize(w) if matrix == "int8" else quant.Int4Matrix.quantize(w, 64)
+  dense = np.asarray(m.dequantize())
+  target = f"specjax_{matrix}_matmul"
+  for n, folded in ((cpu_kernels.FEW_ROWS // 2, True), (cpu_kernels.FEW_ROWS + 1, False)):
+    x = rng.normal(size=(n, 1, 200)).astype(np.float32)
+    f = jax.jit(jax.vmap(m.matmul))
+    np.testing.assert_allclose(np.asarray(f(x)), x @ dense, rtol=1e-4, atol=1e-3)
+    hlo = f.lower(x).compile().as_text()
+    assert (hlo.count(target) == 1 and "while" not in hlo) if folded else target not in hlo
+  twice = lambda leaf: 2 * leaf if leaf.dtype == jnp.float32 else leaf  # lo and scale
+  both = jax.tree.map(lambda leaf: jnp.stack([leaf, twice(leaf)]), m)
+  got = jax.jit(jax.vmap(lambda m, x: m.matmul(x)))(both, x[:2])
+  np.testing.assert_allclose(np.asarray(got), x[:2] @ np.stack([dense, 2 * dense]), rtol=1e-4,
+                             atol=2e-3)

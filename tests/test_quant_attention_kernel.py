@@ -155,3 +155,29 @@ def test_model_kernel_path_matches_jnp_path_and_stays_lossless():
   out = speculative_generate(graphdef, state, config, prompt, d, max_new_tokens=40, gamma=4,
                              eos_ids=())
   assert out.tokens == b.tokens
+
+
+def test_cpu_kernels_fold_a_vmap_over_queries_into_rows():
+  """Rounds vmapped over sampling keys share one cache layer: a vmap over the queries alone
+  becomes more query rows of one call per kernel; with the lengths batched too, a call per
+  element. Both equal attention over the dequantised cache."""
+  length, rq, A = 37, 3, 5
+  q, hk, hv, fp_k, fp_v = case(11, Rq=rq)
+  qs = jnp.stack([q * (1.0 + 0.2 * i) for i in range(A)])
+  F = fp_k.shape[2]
+  fp_pos = jnp.asarray([length + np.arange(F)], jnp.int32)
+  fp_valid = jnp.asarray([np.arange(F) < 7])
+  q_pos = jnp.asarray([length + np.arange(rq) % 7], jnp.int32)
+  kw = dict(bits=4, group=8, value_group=8, scale=0.3, window=None)
+  attend = lambda q, n: quant_attention(q, q_pos, n, hk, hv, fp_k, fp_v, fp_pos, fp_valid,
+                                        cpu=True, **kw)
+  want = lambda q, n: dense_attention(q, q_pos, n, hk, hv, fp_k, fp_v, fp_pos, fp_valid, 4, 8,
+                                      8, 0.3, None)
+  folded = jax.jit(jax.vmap(lambda q: attend(q, length)))
+  np.testing.assert_allclose(folded(qs), jnp.stack([want(q, length) for q in qs]), atol=2e-6)
+  hlo = folded.lower(qs).compile().as_text()
+  assert hlo.count("specjax_quant_key_scores") == 1 and "while" not in hlo
+  lengths = jnp.asarray([37, 20, 5, 1, 30])
+  each = jax.jit(jax.vmap(attend))(qs, lengths)
+  np.testing.assert_allclose(each, jnp.stack([want(q, int(n)) for q, n in zip(qs, lengths)]),
+                             atol=2e-6)

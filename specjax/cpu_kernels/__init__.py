@@ -138,9 +138,17 @@ def int8_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
 
   The kernel runs on a CPU backend once built; anywhere else, the XLA expression."""
   if jax.default_backend() == "cpu" and kernel_status() == "ready":
-    out = jax.ShapeDtypeStruct(x.shape[:-1] + (codes.shape[0],), jnp.float32)
-    call = jax.ffi.ffi_call("specjax_int8_matmul", out, vmap_method="sequential")
-    return call(x.astype(jnp.float32), codes, scale.astype(jnp.float32))
+    return _by_rows(_int8_kernel, _int8_xla)(x.astype(jnp.float32), codes,
+                                             scale.astype(jnp.float32))
+  return _int8_xla(x, codes, scale)
+
+
+def _int8_kernel(x, codes, scale):
+  out = jax.ShapeDtypeStruct(x.shape[:-1] + (codes.shape[0],), jnp.float32)
+  return jax.ffi.ffi_call("specjax_int8_matmul", out)(x, codes, scale)
+
+
+def _int8_xla(x, codes, scale):
   y = jnp.einsum("...i,oi->...o", x, codes.astype(x.dtype), preferred_element_type=jnp.float32)
   return y * scale
 
@@ -157,9 +165,47 @@ def int4_matmul(x: jax.Array, codes: jax.Array, lo: jax.Array, scale: jax.Array)
   status = kernel_status("int4_matmul")  # registers the target on first use
   if status != "ready":
     raise SpecjaxError(f"the int4_matmul CPU kernel is not available: {status}")
+  return _by_rows(_int4_kernel, _int4_xla)(x.astype(jnp.float32), codes,
+                                           lo.astype(jnp.float32), scale.astype(jnp.float32))
+
+
+def _int4_kernel(x, codes, lo, scale):
   out = jax.ShapeDtypeStruct(x.shape[:-1] + (codes.shape[0],), jnp.float32)
-  call = jax.ffi.ffi_call("specjax_int4_matmul", out, vmap_method="sequential")
-  return call(x.astype(jnp.float32), codes, lo.astype(jnp.float32), scale.astype(jnp.float32))
+  return jax.ffi.ffi_call("specjax_int4_matmul", out)(x, codes, lo, scale)
+
+
+def _int4_xla(x, codes, lo, scale):
+  """The kernel's product by XLA's ops: each group of G inputs packed as `quant.pack`
+  leaves it (byte j: input j in the low nibble, j + G/2 in the high one)."""
+  O, groups = lo.shape
+  packed = codes.reshape(O, groups, -1)
+  q = jnp.concatenate([packed & 0xF, packed >> 4], axis=-1).astype(jnp.float32)
+  w = (lo[..., None] + q * scale[..., None]).reshape(O, -1)
+  return jnp.einsum("...i,oi->...o", x, w)
+
+
+def _by_rows(kernel, xla):
+  """`kernel(x, *weights)` (x[..., I]: any leading dims are rows) with its own vmap rule. A
+  vmap over x folds its batch into the rows of one call, which reads the weights once,
+  while at most FEW_ROWS rows result (the layer probes' tokens and candidates); past that,
+  or with a weight batched, `xla` (the same product in XLA's ops) takes the batch. Folded
+  without a bound (the kernels' default `vmap_method`s), 40 000 vmapped sampling rounds
+  made calls of 40 000 rows, 3x slower than XLA's dot, or 40 000 calls in a loop."""
+
+  @jax.custom_batching.custom_vmap
+  def call(x, *weights):
+    return kernel(x, *weights)
+
+  @call.def_vmap
+  def _batched(axis_size, in_batched, x, *weights):
+    if not in_batched[0]:
+      x = jnp.broadcast_to(x, (axis_size, *x.shape))
+    if any(in_batched[1:]) or x.size // x.shape[-1] > FEW_ROWS:
+      axes = (0, *(0 if b else None for b in in_batched[1:]))
+      return jax.vmap(xla, in_axes=axes)(x, *weights), True
+    return call(x, *weights), True
+
+  return call
 
 
 def few_rows(x: jax.Array, w: jax.Array) -> bool:
@@ -181,11 +227,38 @@ def _codes_call(target: str, x: jax.Array, length: jax.Array, codes, bits: int, 
   status = kernel_status("quant_attention")  # registers the targets on first use
   if status != "ready":
     raise SpecjaxError(f"the quant_attention CPU kernel is not available: {status}")
-  out = jax.ShapeDtypeStruct(out_shape, jnp.float32)
-  call = jax.ffi.ffi_call(target, out, vmap_method="sequential")
+  call = _rows_of_one_layer(target, out_shape[-1], bits)
   return call(x.astype(jnp.float32), jnp.asarray(length, jnp.int32), codes.upper, codes.lower,
-              codes.lo.astype(jnp.float32), codes.scale.astype(jnp.float32),
-              bits=np.int64(bits))
+              codes.lo.astype(jnp.float32), codes.scale.astype(jnp.float32))
+
+
+def _rows_of_one_layer(target: str, width: int, bits: int):
+  """The attention kernel `target` on x[B, K, R, ·] -> [B, K, R, width], with its own vmap
+  rule: a vmap over x alone (the sampling tests' rounds, one cache layer) becomes more query
+  rows R of one call, which reads the layer's codes once; with the length or the codes
+  batched too, one call per element (jax's `sequential`)."""
+
+  def kernel(x, length, *codes, vmap_method=None):
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + (width,), jnp.float32)
+    return jax.ffi.ffi_call(target, out, vmap_method=vmap_method)(x, length, *codes,
+                                                                  bits=np.int64(bits))
+
+  @jax.custom_batching.custom_vmap
+  def call(x, length, *codes):
+    return kernel(x, length, *codes)
+
+  @call.def_vmap
+  def _batched(axis_size, in_batched, x, length, *codes):
+    if any(in_batched[1:]):
+      axes = tuple(0 if b else None for b in in_batched)
+      one = functools.partial(kernel, vmap_method="sequential")
+      return jax.vmap(one, in_axes=axes)(x, length, *codes), True
+    A, (B, K, R, X) = axis_size, x.shape[1:]
+    rows = x.transpose(1, 2, 0, 3, 4).reshape(B, K, A * R, X)
+    out = call(rows, length, *codes).reshape(B, K, A, R, width)
+    return out.transpose(2, 0, 1, 3, 4), True
+
+  return call
 
 
 def quant_key_scores(q: jax.Array, length: jax.Array, codes, bits: int) -> jax.Array:
@@ -209,12 +282,23 @@ def quant_value_sums(p: jax.Array, length: jax.Array, codes, bits: int) -> jax.A
 def f32_matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
   """x[..., I] @ w[I, O] (w[O, I] when `transposed`: a tied embedding) -> [..., O], by the
   few-row kernel (see `few_rows`). Differentiable: the tangents take XLA's dots."""
-  O = w.shape[0] if transposed else w.shape[1]
+  if transposed:
+    return _by_rows(functools.partial(_f32_kernel, "oi"), _f32_oi_xla)(x, w)
+  return _by_rows(functools.partial(_f32_kernel, "io"), _f32_io_xla)(x, w)
+
+
+def _f32_kernel(layout: str, x, w):
+  O = w.shape[0] if layout == "oi" else w.shape[1]
   out = jax.ShapeDtypeStruct(x.shape[:-1] + (O,), jnp.float32)
-  target = "specjax_f32_matmul_oi" if transposed else "specjax_f32_matmul_io"
-  # Under vmap (the layer probes' tokens and candidates), x's batch becomes more rows of
-  # one call that reads w once, not one call per element reading w each time.
-  return jax.ffi.ffi_call(target, out, vmap_method="expand_dims")(x, w)
+  return jax.ffi.ffi_call(f"specjax_f32_matmul_{layout}", out)(x, w)
+
+
+def _f32_io_xla(x, w):
+  return jnp.einsum("...i,io->...o", x, w)
+
+
+def _f32_oi_xla(x, w):
+  return jnp.einsum("...i,oi->...o", x, w)
 
 
 @f32_matmul.defjvp

@@ -29,8 +29,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// w[..., I, O] or w[..., O, I], any leading dims of size 1: a vmap over x (CLaSp's and
-// KnapSpec's probes) adds one to w (`vmap_method="expand_dims"` in `__init__.py`).
+// w[..., I, O] or w[..., O, I], any leading dims of size 1 (what jax's `expand_dims` vmap
+// adds; `_by_rows` in `__init__.py` folds a vmap's batch into x's rows and passes w as is).
 using Matrix = ffi::Buffer<ffi::F32>;
 
 // The vector registers of the target: a tile of sums must fit them with the weight
