@@ -150,6 +150,12 @@ def test_corrupt_gguf_file(tmp_path):
     config_from_gguf(bad)
   with pytest.raises(GGUFFormatError):
     config_from_gguf(tmp_path / "missing.gguf")
+  (tmp_path / "empty.gguf").write_bytes(b"")
+  with pytest.raises(GGUFFormatError):
+    config_from_gguf(tmp_path / "empty.gguf")
+  (tmp_path / "v1.gguf").write_bytes(b"GGUF" + b"\x01\0\0\0" + b"\0" * 16)
+  with pytest.raises(GGUFFormatError, match="version 1"):
+    config_from_gguf(tmp_path / "v1.gguf")
 
 
 # --- models shipped as split GGUF files ---------------------------------------------------------

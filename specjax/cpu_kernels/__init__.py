@@ -175,13 +175,13 @@ def _int4_kernel(x, codes, lo, scale):
 
 
 def _int4_xla(x, codes, lo, scale):
-  """The kernel's product by XLA's ops: each group of G inputs packed as `quant.pack`
-  leaves it (byte j: input j in the low nibble, j + G/2 in the high one)."""
-  O, groups = lo.shape
-  packed = codes.reshape(O, groups, -1)
-  q = jnp.concatenate([packed & 0xF, packed >> 4], axis=-1).astype(jnp.float32)
-  w = (lo[..., None] + q * scale[..., None]).reshape(O, -1)
-  return jnp.einsum("...i,oi->...o", x, w)
+  """The kernel's product by XLA's ops, over the matrix `quant.Int4Matrix` dequantises (x
+  is already padded to whole groups)."""
+  from specjax.quant import Int4Matrix  # quant imports this module
+
+  group = 2 * codes.shape[1] // lo.shape[1]
+  w = Int4Matrix(codes, lo, scale, group, 2 * codes.shape[1]).dequantize()
+  return jnp.einsum("...i,io->...o", x, w)
 
 
 def _by_rows(kernel, xla):
@@ -223,11 +223,11 @@ def reads_codes() -> bool:
   return runs_here("quant_attention")
 
 
-def _codes_call(target: str, x: jax.Array, length: jax.Array, codes, bits: int, out_shape):
+def _codes_call(target: str, x: jax.Array, length: jax.Array, codes, bits: int, width: int):
   status = kernel_status("quant_attention")  # registers the targets on first use
   if status != "ready":
     raise SpecjaxError(f"the quant_attention CPU kernel is not available: {status}")
-  call = _rows_of_one_layer(target, out_shape[-1], bits)
+  call = _rows_of_one_layer(target, width, bits)
   return call(x.astype(jnp.float32), jnp.asarray(length, jnp.int32), codes.upper, codes.lower,
               codes.lo.astype(jnp.float32), codes.scale.astype(jnp.float32))
 
@@ -265,17 +265,14 @@ def quant_key_scores(q: jax.Array, length: jax.Array, codes, bits: int) -> jax.A
   """q[B, K, R, H] against the keys of slots [0, length) of a quantised cache layer
   (`quant.Hier`, codes [B, K, S, H/2], grouped over slots): scores [B, K, R, S], 0 past
   length. Read at `bits` (4: the upper nibbles)."""
-  B, K, R, _ = q.shape
-  return _codes_call("specjax_quant_key_scores", q, length, codes, bits,
-                     (B, K, R, codes.upper.shape[2]))
+  return _codes_call("specjax_quant_key_scores", q, length, codes, bits, codes.upper.shape[2])
 
 
 def quant_value_sums(p: jax.Array, length: jax.Array, codes, bits: int) -> jax.Array:
   """Σ over slots t < length of p[B, K, R, t] times the value of slot t (a quantised cache
   layer's values, grouped over channels): [B, K, R, H]."""
-  B, K, R, _ = p.shape
   return _codes_call("specjax_quant_value_sums", p, length, codes, bits,
-                     (B, K, R, 2 * codes.upper.shape[3]))
+                     2 * codes.upper.shape[3])
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))

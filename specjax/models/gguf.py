@@ -15,7 +15,7 @@ import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.errors import SpecjaxError
-from specjax.models.gguf_file import GGUFFile, GGUFParseError
+from specjax.models.gguf_file import GGUFFile
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
@@ -30,7 +30,7 @@ class GGUFFormatError(SpecjaxError, ValueError):
 def _reader(path: str | Path) -> GGUFFile:
   try:
     return GGUFFile(path)
-  except (GGUFParseError, OSError) as err:
+  except (ValueError, OSError) as err:  # GGUFParseError, or an empty file mmap refuses
     raise GGUFFormatError(f"{path} is not a readable GGUF file: {err}") from err
 
 
