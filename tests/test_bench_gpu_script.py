@@ -74,3 +74,29 @@ def test_host_loop_rounds_sets_each_call_beside_the_step_alone():
     r = row[name]
     assert r["verify_ms"]["n"] == r["draft_ms"]["n"] > 0 and r["ms_per_round"] > 0
     assert r["cold_first_round_ms"]["verify"] > 0
+
+
+def test_dtype_check_measures_each_dtype_and_tables_mixed_against_bf16(tmp_path, monkeypatch,
+                                                                        capsys):
+  """experiments/bench_gpu_dtype.py in process on a tiny shape, bf16 alone (the float32
+  path is what the smoke run above covers): every figure of its row present and positive;
+  the table sets a mixed row's step and speed against the bf16 row of the same model."""
+  sys.path.insert(0, str(ROOT / "experiments"))
+  import bench_gpu_dtype
+
+  lines = tmp_path / "dtype.jsonl"
+  monkeypatch.setattr(sys, "argv", ["bench_gpu_dtype.py", "--models", "shape:tiny", "--dtypes",
+                                    "bfloat16", "--repeats", "1", "--loop-steps", "2",
+                                    "--tokens", "4", "--runs", "1", "--out", str(lines)])
+  bench_gpu_dtype.main()
+  (row,) = [json.loads(line) for line in lines.read_text().splitlines()]
+  assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"] == [row]
+  assert row["dtype"] == "bfloat16" and set(row["loop_draft_over_ar"]) == {"8-bit",
+                                                                           "4-bit MLP"}
+  assert min(row["loop_ar_ms"], row["loop_verify_over_ar"], row["decode_tok_s"],
+             *row["loop_draft_over_ar"].values()) > 0
+  mixed = row | {"dtype": "mixed", "loop_ar_ms": 1.5 * row["loop_ar_ms"],
+                 "decode_tok_s": row["decode_tok_s"] / 2}
+  table = bench_gpu_dtype.table([row, mixed]).splitlines()
+  assert table[2].split(" | ")[3] == "1.00" and table[3].split(" | ")[3] == "1.50"
+  assert table[3].rstrip(" |").endswith("| 0.50")
