@@ -32,6 +32,8 @@ kernels read both from their codes.
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -79,9 +81,12 @@ def _grouped(x: jax.Array, axis: int, group: int) -> jax.Array:
   return x.reshape(x.shape[:axis] + (n // group, group) + x.shape[axis + 1 :])
 
 
+@functools.partial(jax.jit, static_argnames=("axis", "group"))
 def quantize(x: jax.Array, axis: int, group: int) -> Hier:
   """Hierarchical codes of x over `axis` in groups of `group`; codes are packed along the
-  last axis (which must be even). NaN/inf inputs give NaN scales (see `check_finite`)."""
+  last axis (which must be even). NaN/inf inputs give NaN scales (see `check_finite`).
+  Jitted: called outside a step (a weight matrix, a test's cache) it is one program per
+  shape, not a dozen single-op programs each compiled on its own."""
   axis = axis % x.ndim
   g = _grouped(x.astype(jnp.float32), axis, group)
   lo = jnp.min(g, axis=axis + 1, keepdims=True)
@@ -95,6 +100,7 @@ def quantize(x: jax.Array, axis: int, group: int) -> Hier:
               jnp.squeeze(scale, axis + 1))
 
 
+@functools.partial(jax.jit, static_argnames=("axis", "group", "bits"))
 def dequantize(h: Hier, axis: int, group: int, bits: int = 8) -> jax.Array:
   """float32 values from the codes: `bits`=4 reads `upper` only, 8 both.
 
@@ -205,6 +211,15 @@ class Int4Matrix:
 # --- 8-bit weights -------------------------------------------------------------------------
 
 
+@jax.jit
+def _int8_codes(w_oi: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """int8 codes[Out, In] and float32 scales[Out] of w[Out, In], one scale per output."""
+  w_oi = w_oi.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(w_oi), axis=1)
+  scale = jnp.where(amax > 0, amax / 127.0, 1.0)  # an all-zero channel stays exact
+  return jnp.clip(jnp.round(w_oi / scale[:, None]), -127, 127).astype(jnp.int8), scale
+
+
 @flax.struct.dataclass
 class Int8Matrix:
   """A [In, Out] matrix at 8 bits: symmetric int8 codes with one float32 scale per output
@@ -217,11 +232,7 @@ class Int8Matrix:
   @classmethod
   def quantize(cls, w: jax.Array, *, output_major: bool = False) -> Int8Matrix:
     """w[In, Out], or w[Out, In] with `output_major` (a tied embedding used as the head)."""
-    w_oi = (w if output_major else w.T).astype(jnp.float32)
-    amax = jnp.max(jnp.abs(w_oi), axis=1)
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0)  # an all-zero channel stays exact
-    codes = jnp.clip(jnp.round(w_oi / scale[:, None]), -127, 127).astype(jnp.int8)
-    return cls(codes, scale)
+    return cls(*_int8_codes(w if output_major else w.T))
 
   def matmul(self, x: jax.Array) -> jax.Array:
     """x[..., In] @ this matrix -> [..., Out] in x's dtype."""

@@ -38,6 +38,7 @@ from specjax.errors import ConfigError
 from specjax.kv_cache import KVCache
 from specjax.model import apply, init_model
 from specjax.models import checkpoint
+from specjax.models.params import abstract_model
 from specjax.models.registry import cache_root
 from specjax.plan import DraftPlan
 
@@ -176,7 +177,7 @@ def tiny_model(arch: Arch, *, num_layers: int = 4, vocab_size: int = 97,
   there (`overrides` replace config fields, e.g. max_context)."""
   config = dataclasses.replace(
       tiny_config(arch, num_layers=num_layers, vocab_size=vocab_size), **overrides)
-  graphdef, like = nnx.split(init_model(config, seed=recipe.seed))
+  graphdef, like = abstract_model(config)  # shapes alone: a random init compiles its draws
   folder = Path(cache_root()) / "tiny" / f"{arch}-{_key(config, recipe)}"
   folder.parent.mkdir(parents=True, exist_ok=True)
   with FileLock(str(folder) + ".lock"):  # parallel test workers train each model once
