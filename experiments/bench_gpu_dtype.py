@@ -4,9 +4,9 @@
 
 `auto` is bf16 on a GPU: half the bytes of float32, but a verification forward's γ + 1 rows
 round differently from the AR step's one row, and bf16 activations carry that difference
-into the tokens (docs/BENCHMARKS.md: 3–7 of 12 prompts leave AR's tokens). `mixed` keeps the
-bf16 weights and computes in float32 (float32 KV cache, HIGHEST-precision dots), which is
-token-exact. Whether `auto` should be `mixed` on a GPU depends on what that costs, which is
+into the tokens (docs/BENCHMARKS.md: on an H100, 6 and 7 of 12 Spec-Bench prompts left
+AR's tokens). `mixed` keeps the bf16 weights and computes in float32 (float32 KV cache,
+HIGHEST-precision dots), which is token-exact. Whether `auto` should be `mixed` on a GPU depends on what that costs, which is
 what this measures, per model and dtype, in one process: the AR step and verification of
 γ + 1 = 5 tokens inside one jitted loop (`step_times(loop=)`: device time, no host dispatch),
 draft steps with every sub-layer on reading 8-bit weights (every matmul and the LM head) or
@@ -29,21 +29,19 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report  # noqa: E402
-from bench_gpu import Model  # noqa: E402
+from bench_gpu import Model, draft_plans  # noqa: E402
 
 from specjax.decode.draft_length import step_times  # noqa: E402
 from specjax.decode.generate import generate, precision_name  # noqa: E402
-from specjax.plan import DraftPlan  # noqa: E402
-from specjax.quant import quantize_mlp_weights, quantize_weights_int8  # noqa: E402
 
 DTYPES = ("bfloat16", "mixed")
 
 
 def quantised_plans(m: Model) -> dict:
-  """{name: [frozen plan]}: every sub-layer on, reading 8-bit or 4-bit-MLP weights."""
-  L, full = m.config.num_layers, DraftPlan.full(m.config.num_layers)
-  return {"8-bit": [full.replace(weights=quantize_weights_int8(m.state, L)).freeze()],
-          "4-bit MLP": [full.replace(weights=quantize_mlp_weights(m.state, L)).freeze()]}
+  """{name: [frozen plan]}: bench_gpu's drafts with every sub-layer on, reading 8-bit or
+  4-bit-MLP weights."""
+  plans, _ = draft_plans(m)
+  return {k: plans[k] for k in ("8-bit", "4-bit MLP")}
 
 
 def measure(name: str, dtype: str, args) -> dict:
