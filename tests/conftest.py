@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -19,6 +20,19 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
   atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)  # the creator (controller)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+# Two workers share two cores: each runs its programs' Eigen ops on one thread instead of
+# both workers' pools of two contending for them (two compile-heavy slices side by side:
+# 144 -> 127 s; a SmolLM2 SSD test alone was no slower, 106 -> 96 s). Inherited by
+# subprocesses, which also run beside the other worker.
+_EIGEN_FLAG = "--xla_cpu_multi_thread_eigen=false"
+if _EIGEN_FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_EIGEN_FLAG}".strip()
+
+# The suite allocates millions of short-lived objects while tracing; with Python's default
+# thresholds the collector ran 2485 times in test_prefill + test_generate (3.7 s, mostly
+# full collections over the heap of live executables and arrays); with these, 23 (1.0 s).
+gc.set_threshold(50_000, 20, 50)
 
 import jax
 import jax.numpy as jnp
@@ -80,29 +94,54 @@ LIVE = pytest.mark.skipif(os.environ.get("SPECJAX_LIVE_HF") != "1",
                                  "(test_golden.py checks the recorded outputs)")
 
 
+def _elemental_codegen_when_unoptimised() -> None:
+  """Unoptimised programs skip XLA:CPU's MLIR fusion emitters for its elemental ones.
+
+  Half the backend compile of a tiny model's program is the MLIR pipeline each fusion goes
+  through (perf on a device-loop compile). The elemental emitters compile test_prefill
+  and test_generate 24 % faster (138 -> 105 s) and emit slower code, which tiny programs do
+  not notice but real ones do (a SmolLM2 SSD test ran 106 -> 212 s): so `real` tests,
+  compiled optimised, keep the fusion emitters. XLA's flag is per process; jax takes
+  per-compile overrides only as `jit(compiler_options=...)`, hence the wrapper."""
+  from jax._src import compiler
+
+  original = compiler.get_compile_options
+
+  def get_compile_options(*args, env_options_overrides=None, **kwargs):
+    if jax.config.read("jax_disable_most_optimizations"):
+      env_options_overrides = {"xla_cpu_use_fusion_emitters": False,
+                               **(env_options_overrides or {})}
+    return original(*args, env_options_overrides=env_options_overrides, **kwargs)
+
+  compiler.get_compile_options = get_compile_options
+
+
 def pytest_configure(config):
   jax.config.update("jax_default_matmul_precision", "highest")
+  _elemental_codegen_when_unoptimised()
 
 
-# The slowest modules, slowest first (seconds on the 2-core AMD EPYC, XLA optimisations as
-# above, each beside the other worker's modules, with the compilation cache; `--junitxml`,
-# 2026-11-26). `make test` hands whole modules to two workers in collection order
-# (`--dist loadfile --no-loadscope-reorder`): started first, the long ones overlap; left to
-# xdist's order (most tests first), the two-test real-model module started last and ran
-# alone for minutes.
+# The slowest modules, slowest first (worker-seconds on the 2-core AMD EPYC, each beside the
+# other worker's modules, from an empty `.cache` and compilation cache, 2026-11-28, before
+# the single-threaded Eigen and elemental codegen above). `make test` hands whole modules
+# to two workers in collection order (`--dist loadfile --no-loadscope-reorder`): started
+# first, the long ones overlap; left to xdist's order (most tests first), a long module
+# started last and ran alone for minutes.
 SLOW_MODULES = (
-    "test_real_ssd",  # 362 s
-    "test_round_loop",  # 314
-    "test_quantspec",  # 246
-    "test_engine",  # 222
-    "test_drafter_factory",  # 189
-    "test_dynaspec",  # 174
-    "test_notebooks",  # 167
-    "test_int8_weights",  # 140
-    "test_knapspec",  # 108
-    "test_model",  # 103
-    "test_golden",  # 92
-    "test_prefill",  # 89
+    "test_round_loop",  # 693 s (202 of them training the tiny targets it is first to ask for)
+    "test_real_ssd",  # 371
+    "test_quantspec",  # 343
+    "test_drafter_factory",  # 254
+    "test_engine",  # 246
+    "test_dynaspec",  # 235
+    "test_notebooks",  # 231
+    "test_knapspec",  # 171
+    "test_golden",  # 151
+    "test_int8_weights",  # 142
+    "test_model",  # 120
+    "test_bench_gpu_script",  # 103
+    "test_draft_length",  # 89
+    "test_prefill",  # 83
 )
 
 
