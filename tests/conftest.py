@@ -94,6 +94,9 @@ LIVE = pytest.mark.skipif(os.environ.get("SPECJAX_LIVE_HF") != "1",
                                  "(test_golden.py checks the recorded outputs)")
 
 
+_ELEMENTAL = [True]  # this test may use the elemental emitters (`pytest_runtest_setup`)
+
+
 def _elemental_codegen_when_unoptimised() -> None:
   """Unoptimised programs skip XLA:CPU's MLIR fusion emitters for its elemental ones.
 
@@ -102,13 +105,15 @@ def _elemental_codegen_when_unoptimised() -> None:
   and test_generate 24 % faster (138 -> 105 s) and emit slower code, which tiny programs do
   not notice but real ones do (a SmolLM2 SSD test ran 106 -> 212 s): so `real` tests,
   compiled optimised, keep the fusion emitters. XLA's flag is per process; jax takes
-  per-compile overrides only as `jit(compiler_options=...)`, hence the wrapper."""
+  per-compile overrides only as `jit(compiler_options=...)`, hence the wrapper. Tests marked
+  `fusion_emitters` keep them: where to contract a·b + c into an FMA differs between the
+  two, so a bit-for-bit comparison of two programs holds under one and not the other."""
   from jax._src import compiler
 
   original = compiler.get_compile_options
 
   def get_compile_options(*args, env_options_overrides=None, **kwargs):
-    if jax.config.read("jax_disable_most_optimizations"):
+    if jax.config.read("jax_disable_most_optimizations") and _ELEMENTAL[0]:
       env_options_overrides = {"xla_cpu_use_fusion_emitters": False,
                                **(env_options_overrides or {})}
     return original(*args, env_options_overrides=env_options_overrides, **kwargs)
@@ -152,9 +157,11 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_runtest_setup(item):
-  """Compile a `real` test's programs (fixtures included) with XLA's optimisations on."""
+  """Compile a `real` test's programs (fixtures included) with XLA's optimisations on, and
+  a `fusion_emitters` test's with XLA:CPU's default emitters."""
   optimise = _OPTIMISE_DEFAULT or item.get_closest_marker("real") is not None
   jax.config.update("jax_disable_most_optimizations", not optimise)
+  _ELEMENTAL[0] = item.get_closest_marker("fusion_emitters") is None
 
 
 @pytest.fixture(autouse=True, scope="module")
