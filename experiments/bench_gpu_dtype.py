@@ -6,11 +6,12 @@
 round differently from the AR step's one row, and bf16 activations carry that difference
 into the tokens (docs/BENCHMARKS.md: on an H100, 6 and 7 of 12 Spec-Bench prompts left
 AR's tokens). `mixed` keeps the bf16 weights and computes in float32 (float32 KV cache,
-HIGHEST-precision dots), which is token-exact. Whether `auto` should be `mixed` on a GPU depends on what that costs, which is
-what this measures, per model and dtype, in one process: the AR step and verification of
-γ + 1 = 5 tokens inside one jitted loop (`step_times(loop=)`: device time, no host dispatch),
-draft steps with every sub-layer on reading 8-bit weights (every matmul and the LM head) or
-QuantSpec's 4-bit MLP weights, and greedy AR decoding (`generate`, the on-device loop).
+HIGHEST-precision dots), which is token-exact. Whether `auto` should be `mixed` on a GPU
+depends on what that costs, which is what this measures, per model and dtype, in one
+process: the AR step and verification of γ + 1 = 5 tokens inside one jitted loop
+(`step_times(loop=)`: device time, no host dispatch), draft steps with every sub-layer on
+reading 8-bit weights (every matmul and the LM head) or QuantSpec's 4-bit MLP weights, and
+greedy AR decoding (`generate`, the on-device loop).
 `shape:` models are random-init at a real model's shapes (`bench_gpu.SHAPES`). Each
 model's figures are appended to `--out` as they finish; the last line is JSON.
 """

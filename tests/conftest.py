@@ -29,9 +29,9 @@ _EIGEN_FLAG = "--xla_cpu_multi_thread_eigen=false"
 if _EIGEN_FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_EIGEN_FLAG}".strip()
 
-# The suite allocates millions of short-lived objects while tracing; with Python's default
-# thresholds the collector ran 2485 times in test_prefill + test_generate (3.7 s, mostly
-# full collections over the heap of live executables and arrays); with these, 23 (1.0 s).
+# Tracing allocates many short-lived objects: with Python's default thresholds the collector
+# ran 2485 times in test_prefill + test_generate (3.7 s, 3.0 of them full collections over
+# the heap of live executables and arrays); with these, 23 times (1.0 s).
 gc.set_threshold(50_000, 20, 50)
 
 import jax
@@ -102,7 +102,7 @@ def _elemental_codegen_when_unoptimised() -> None:
 
   Half the backend compile of a tiny model's program is the MLIR pipeline each fusion goes
   through (perf on a device-loop compile). The elemental emitters compile test_prefill
-  and test_generate 24 % faster (138 -> 105 s) and emit slower code, which tiny programs do
+  and test_generate 20-24 % faster (138 -> 105-110 s) and emit slower code, which tiny programs do
   not notice but real ones do (a SmolLM2 SSD test ran 106 -> 212 s): so `real` tests,
   compiled optimised, keep the fusion emitters. XLA's flag is per process; jax takes
   per-compile overrides only as `jit(compiler_options=...)`, hence the wrapper. Tests marked
@@ -127,26 +127,26 @@ def pytest_configure(config):
 
 
 # The slowest modules, slowest first (worker-seconds on the 2-core AMD EPYC, each beside the
-# other worker's modules, from an empty `.cache` and compilation cache, 2026-11-28, before
-# the single-threaded Eigen and elemental codegen above). `make test` hands whole modules
-# to two workers in collection order (`--dist loadfile --no-loadscope-reorder`): started
-# first, the long ones overlap; left to xdist's order (most tests first), a long module
-# started last and ran alone for minutes.
+# other worker's modules, from an empty `.cache` and compilation cache: a cold run of the
+# suite as configured here, 2026-11-28, 1590 s wall). `make test` hands whole modules to two
+# workers in collection order (`--dist loadfile --no-loadscope-reorder`): started first, the
+# long ones overlap; left to xdist's order (most tests first), a long module started last
+# and ran alone for minutes.
 SLOW_MODULES = (
-    "test_round_loop",  # 693 s (202 of them training the tiny targets it is first to ask for)
-    "test_real_ssd",  # 371
-    "test_quantspec",  # 343
-    "test_drafter_factory",  # 254
-    "test_engine",  # 246
-    "test_dynaspec",  # 235
-    "test_notebooks",  # 231
-    "test_knapspec",  # 171
-    "test_golden",  # 151
-    "test_int8_weights",  # 142
-    "test_model",  # 120
-    "test_bench_gpu_script",  # 103
-    "test_draft_length",  # 89
-    "test_prefill",  # 83
+    "test_round_loop",  # 573 s (about 200 of them training the tiny targets it asks for first)
+    "test_real_ssd",  # 328
+    "test_quantspec",  # 277
+    "test_notebooks",  # 219
+    "test_engine",  # 208
+    "test_dynaspec",  # 181
+    "test_drafter_factory",  # 168
+    "test_golden",  # 127
+    "test_knapspec",  # 123
+    "test_int8_weights",  # 111
+    "test_bench_gpu_script",  # 94
+    "test_model",  # 91
+    "test_draft_length",  # 67
+    "test_prefill",  # 64
 )
 
 
