@@ -184,11 +184,11 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
     weights = DrafterFactory(model, verbose=False).draft_weights(int(args.draft_weights[3:]))
   prof = profiler.measure(model, lengths=lengths, gamma=args.gamma, repeats=args.repeats,
-                          draft_weights=weights)
+                          draft_weights=weights, loop_steps=args.loop_steps)
   path = profiler.save_profile(prof, args.out)
   print(profiler.table(prof))
   print(f"t_attn(n) = {prof.t_attn(1) - prof.t_attn(0):.3e}·n + {prof.t_attn(0):.3e} s, "
-        f"t_mlp = {prof.t_mlp():.3e} s; saved to {path}", file=sys.stderr)
+        f"t_mlp = {prof.t_mlp():.3e} s ({prof.timing}); saved to {path}", file=sys.stderr)
   # The whole profile, loadable as it is (`LatencyProfile.from_json` ignores "path"): a
   # lent machine's run leaves its profile in its log for the next run to reuse.
   print(json.dumps({**prof.to_json(), "path": str(path)}))
@@ -357,6 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--lengths", default="256,1024,2048,4096", help="cache sizes to time")
   p.add_argument("--gamma", type=int, default=4, help="verification is timed on γ+1 tokens")
   p.add_argument("--repeats", type=int, default=7, help="timed repeats per point (median)")
+  p.add_argument("--loop-steps", type=int, default=None,
+                 help="steps chained per timed jitted loop, as the device loop runs them "
+                 "(default 16, draft_length.LOOP_STEPS); 0 times each step as a call from the "
+                 "host, as the host loop runs them")
   p.add_argument("--out", help="profile file (default: the specjax cache, per model/device)")
   p.add_argument("--draft-weights", choices=("target", "int8", "int4"), default="target",
                  help="the weights the timed draft steps read: int8 prices sub-layers for "

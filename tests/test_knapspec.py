@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 from targets import PROMPT, assert_exercised, target
 
+from specjax.decode.draft_length import LOOP_STEPS
 from specjax.decode.engine import speculative_generate
 from specjax.decode.generate import generate
 from specjax.drafters import ClaspDrafter, KnapSpecDrafter
 from specjax.drafters.knapspec import slots_for, tokens_per_time
+from specjax.errors import ConfigError
 from specjax.plan import DraftPlan, PlanError
 from specjax.quant import quantize_weights_int8
 from specjax.sampling import SamplingParams
@@ -215,6 +217,9 @@ def test_measured_profile_round_trips_and_is_checked(tmp_path):
   m.config, m.graphdef, m.state = config, graphdef, state
   p = profiler.measure(m, lengths=(64, 128), gamma=2, repeats=2, verbose=False)
   assert p.lengths == (64, 128) and all(t > 0 for t in p.verify + p.step + p.base)
+  assert p.loop_steps == LOOP_STEPS  # timed as the device loop pays its steps
+  with pytest.raises(ConfigError, match="no context for 16 chained steps"):
+    profiler.measure(m, lengths=(20, 128), gamma=2, repeats=2, verbose=False)
   assert p.weights(128).shape == (12,) and p.weights(128).min() >= 1
   path = profiler.save_profile(p, tmp_path / "p.json")
   assert profiler.load_profile("tiny-llama", 6, path) == p
@@ -235,9 +240,12 @@ def test_measured_profile_round_trips_and_is_checked(tmp_path):
   with pytest.raises(ProfileMismatchError, match=r"missing \['dtype'.*run `specjax profile"):
     profiler.load_profile("tiny-llama", 6, path)
   del obj["draft"]  # written before 8-bit draft profiles existed: a target-weight profile
+  del obj["loop_steps"]  # written before loop timing existed: its steps were host calls
   obj["device"] = p.device
   path.write_text(json.dumps(obj))
-  assert profiler.load_profile("tiny-llama", 6, path).draft == "target"
+  back = profiler.load_profile("tiny-llama", 6, path)
+  assert back.draft == "target" and back.loop_steps == 0
+  assert back.timing == "each step a call from the host"
 
 
 def test_int8_draft_profile_is_timed_with_the_8bit_weights_and_kept_apart(tmp_path):
@@ -248,8 +256,9 @@ def test_int8_draft_profile_is_timed_with_the_8bit_weights_and_kept_apart(tmp_pa
   m = types.SimpleNamespace(name="tiny-llama", config=config, graphdef=graphdef, state=state)
   weights = quantize_weights_int8(state, config.num_layers)
   p = profiler.measure(m, lengths=(64,), gamma=2, repeats=2, verbose=False,
-                       draft_weights=weights)
+                       draft_weights=weights, loop_steps=0)  # host calls, as the host loop
   assert p.draft == "8bit" and all(t > 0 for t in p.base + p.verify + p.step)
+  assert p.loop_steps == 0
   assert profiler.profile_path("m", "cpu") != profiler.profile_path("m", "cpu", draft="8bit")
   path = profiler.save_profile(p, tmp_path / "p8.json")
   assert profiler.load_profile("tiny-llama", 6, path, draft="8bit") == p

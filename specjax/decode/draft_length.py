@@ -341,9 +341,13 @@ class _Steps:
                           sampling=greedy).tokens[0]
       return jax.lax.fori_loop(0, n, body, jnp.int32(1))
 
+    exes = {}
+
     def ahead(fn, *args):  # compiled before timing, called with the same arguments
-      exe = jax.jit(fn).lower(*args).compile()
-      return lambda: exe(*args)
+      sig = (fn, jax.tree.structure(args), tuple(jax.typeof(x) for x in jax.tree.leaves(args)))
+      if sig not in exes:  # traced plans share one executable (a frozen plan's is its own)
+        exes[sig] = jax.jit(fn).lower(*args).compile()
+      return lambda: exes[sig](*args)
 
     calls = [("ar", ahead(ar, state, cache))]
     calls += [(("verify", g), ahead(verify, state, cache, self.proto(g))) for g in self.gammas]

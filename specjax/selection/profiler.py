@@ -1,10 +1,19 @@
 """Latency profile of one model on one device: what a sub-layer costs in a draft step.
 
-Measured inside the real draft executable (so conditionals, dispatch and cache reads are
-included) by difference: a step running every attention sub-layer and no MLP, minus a
-step running nothing, over L, is one attention sub-layer; likewise the MLP. The empty
-step is the base (embedding, final norm, LM head, loop). Verification is timed as the
-real verify executable over T = γ+1 tokens and as one AR step (T = 1).
+Measured on the real draft step (so conditionals and cache reads are included) by
+difference: a step running every attention sub-layer and no MLP, minus a step running
+nothing, over L, is one attention sub-layer; likewise the MLP. The empty step is the base
+(embedding, final norm, LM head). Verification is timed as the real verify step over
+T = γ+1 tokens and as one AR step (T = 1).
+
+The steps are timed the way the decode loop pays them (`draft_length.step_times`): by
+default `LOOP_STEPS` of each chained inside one jitted loop, as KnapSpec's rounds run in
+the device loop, so no host dispatch is counted; `loop_steps=0` times each step as a call
+from the host (the host loop's cost, and every profile made before `loop_steps` was
+recorded). Timed as calls, an H200 put SmolLM2's base at 2.6-3.6 ms, its host dispatch
+and wait included, against 0.003-0.023 ms per sub-layer; the device loop pays no call per
+step, so a profile of calls overprices every draft there (by how much on a GPU is not
+measured yet).
 
 A draft that reads quantised copies of the weights (`8bit`; QuantSpec's 8- or 4-bit
 weights) costs a fraction of the full step per sub-layer, so a selection under it must
@@ -12,14 +21,12 @@ price its sub-layers by their quantised times: `measure(..., draft_weights=...)`
 draft steps with those weights (the profile's `draft` is then "8bit" or "4bit"), and such
 a profile is stored and loaded apart.
 
-Each is the median of several repeats after warm-up, at several cache sizes n, and fit:
-`t_attn(n) = a·n + b`, `t_mlp = c`, base and verification linear in n. n is the cache
-allocation, not the number of valid tokens: the dense decode attention scans every slot
-(masked), so that is what the time follows.
+Each is the median of several repeats after warm-up, round-robin, at several cache sizes n,
+and fit: `t_attn(n) = a·n + b`, `t_mlp = c`, base and verification linear in n. n is the
+cache allocation; the steps read a context of about n tokens.
 
 Profiles are saved as JSON per (model, device, dtype, draft) under the specjax cache and
-reused;
-a profile made for another model or device is refused.
+reused; a profile made for another model or device is refused.
 """
 
 from __future__ import annotations
@@ -33,10 +40,9 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from specjax.errors import SpecjaxError
+from specjax.errors import ConfigError, SpecjaxError
 from specjax.plan import DraftPlan
 
 
@@ -76,6 +82,13 @@ class LatencyProfile:
   verify: tuple[float, ...]  # verification of `verify_tokens` tokens
   step: tuple[float, ...]  # one AR step (T = 1)
   draft: str = "target"  # the weights the draft steps read: `draft_label(bits)`
+  loop_steps: int = 0  # steps chained per timed jitted loop; 0: each step a host call
+
+  @property
+  def timing(self) -> str:
+    """How the steps were timed, in words."""
+    return (f"{self.loop_steps} steps chained in a jitted loop" if self.loop_steps
+            else "each step a call from the host")
 
   # --- fits -----------------------------------------------------------------------------
   @functools.cached_property
@@ -212,64 +225,43 @@ def median_time(fn, repeats: int, warmup: int = 2) -> float:
 
 
 def measure(model, lengths=(256, 1024, 2048, 4096), gamma: int = 4, repeats: int = 7,
-            verbose: bool = True, draft_weights=None) -> LatencyProfile:
+            verbose: bool = True, draft_weights=None, loop_steps: int | None = None
+            ) -> LatencyProfile:
   """Profile a loaded model (`loader.LoadedModel`) at the given cache sizes;
-  `draft_weights` (`quant.DraftWeights`, 8- or 4-bit): the draft steps read them."""
+  `draft_weights` (`quant.DraftWeights`, 8- or 4-bit): the draft steps read them;
+  `loop_steps`: steps chained per timed loop (default `LOOP_STEPS`; 0: host calls)."""
   from tqdm.auto import tqdm
 
-  from specjax.decode.engine import Draft, draft_step, verify_step
-  from specjax.decode.generate import compute_dtype, decode_step, precision_name
-  from specjax.jit_cache import compiled
-  from specjax.kv_cache import KVCache
-  from specjax.sampling import SamplingParams
+  from specjax.decode.draft_length import LOOP_STEPS, step_times
+  from specjax.decode.generate import precision_name
 
   cfg, graphdef, state = model.config, model.graphdef, model.state
   L = cfg.num_layers
+  loop = LOOP_STEPS if loop_steps is None else loop_steps
   lengths = tuple(sorted({min(int(n), cfg.max_context) for n in lengths}))
-  greedy = SamplingParams()
+  if loop < 0 or lengths[0] - gamma - 2 - loop < 4:
+    raise ConfigError(f"cache sizes {lengths} leave no context for {loop} chained steps "
+                      f"and a verification of {gamma + 1} tokens: use larger lengths or fewer "
+                      "loop steps")
   ones, zeros = np.ones(L, bool), np.zeros(L, bool)
-  plans = {name: DraftPlan.from_masks(a, m).replace(weights=draft_weights) for name, (a, m)
+  plans = {name: [DraftPlan.from_masks(a, m).replace(weights=draft_weights)] for name, (a, m)
            in dict(none=(zeros, zeros), attn=(ones, zeros), mlp=(zeros, ones)).items()}
-  full = DraftPlan.full(L)
-  key, last = jax.random.key(0), jnp.int32(1)
   rows = {k: [] for k in ("attn", "mlp", "base", "verify", "step")}
   for n in tqdm(lengths, desc=f"profile {model.name}", unit="length", disable=not verbose):
-    cache = KVCache.create(cfg, 1, n, compute_dtype(cfg, state)).with_length(n - gamma - 2)
-    length = n - gamma - 2  # a host int: the cache (and its length) is donated
-    draft = compiled(draft_step, state, cache, last, plans["none"], key, jnp.int32(1),
-                     graphdef=graphdef,
-                     vocab=cfg.vocab_size, gamma=1, threshold=0.0, sampling=greedy)
-    t = {name: median_time(lambda p=p: draft(state, cache, last, p, key, jnp.int32(1)).n,
-                            repeats) for name, p in plans.items()}
-    rows["base"].append(t["none"])
-    rows["attn"].append(max(t["attn"] - t["none"], 0.0) / L)
-    rows["mlp"].append(max(t["mlp"] - t["none"], 0.0) / L)
-    proto = Draft(n=jnp.int32(gamma), tokens=jnp.ones((gamma,), jnp.int32),
-                  confidence=jnp.ones((gamma,), jnp.float32), q_rows=None)
-    verify = compiled(verify_step, state, cache, last, proto, full, key, graphdef=graphdef,
-                      sampling=greedy, residuals=False)
-    step = compiled(decode_step, state, cache, jnp.ones((1,), jnp.int32), full, key,
-                    graphdef=graphdef, sampling=greedy)
-    holder = {"cache": cache}
-
-    def run_verify():
-      out, c = verify(state, holder["cache"], last, proto, full, key)
-      holder["cache"] = c.with_length(length)  # donated: keep the returned buffers
-      return out.n_commit
-
-    def run_step():
-      tok, c = step(state, holder["cache"], jnp.ones((1,), jnp.int32), full, key)
-      holder["cache"] = c.with_length(length)
-      return tok
-
-    rows["verify"].append(median_time(run_verify, repeats))
-    rows["step"].append(median_time(run_step, repeats))
-  dtype = precision_name(cfg, state)
-  return LatencyProfile(model=model.name, device=device_name(), dtype=dtype, num_layers=L,
-                        verify_tokens=gamma + 1, lengths=lengths,
+    # step_times allocates context + γ + 2 + loop slots: n, the size this point stands for
+    t = step_times(graphdef, state, cfg, plans, gammas=(gamma,), context=n - gamma - 2 - loop,
+                   repeats=repeats, loop=loop)
+    none = t.drafts["none"]
+    rows["base"].append(none)
+    rows["attn"].append(max(t.drafts["attn"] - none, 0.0) / L)
+    rows["mlp"].append(max(t.drafts["mlp"] - none, 0.0) / L)
+    rows["verify"].append(t.verify[gamma])
+    rows["step"].append(t.ar)
+  return LatencyProfile(model=model.name, device=device_name(), dtype=precision_name(cfg, state),
+                        num_layers=L, verify_tokens=gamma + 1, lengths=lengths,
                         draft=draft_label(None if draft_weights is None
                                           else draft_weights.bits),
-                        **{k: tuple(v) for k, v in rows.items()})
+                        loop_steps=loop, **{k: tuple(v) for k, v in rows.items()})
 
 
 def table(profile: LatencyProfile) -> str:
