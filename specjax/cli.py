@@ -175,8 +175,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
   from specjax.selection import profiler
 
   lengths = tuple(int(n) for n in args.lengths.split(",") if n)
-  if not lengths or min(lengths) < args.gamma + 8:
-    raise ConfigError(f"--lengths must be cache sizes above {args.gamma + 8}, got {args.lengths}")
+  profiler.check_lengths(lengths, args.gamma, args.loop_steps)  # before loading the model
   model = load_model(args.model, dtype=args.dtype)
   weights = None
   if args.draft_weights != "target":

@@ -40,6 +40,8 @@ def test_bad_input_exits_2_with_a_message(capsys):
   assert "empty" in capsys.readouterr().err
   assert main(["generate", "--model", "tiny-llama", "--prompt", "x" * 600]) == 2
   assert "exceeds the model's context" in capsys.readouterr().err
+  assert main(["profile", "--model", "tiny-llama", "--lengths", "20,128"]) == 2
+  assert "no context for 16 chained steps" in capsys.readouterr().err
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch):

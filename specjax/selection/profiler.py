@@ -224,6 +224,19 @@ def median_time(fn, repeats: int, warmup: int = 2) -> float:
   return statistics.median(times)
 
 
+def check_lengths(lengths, gamma: int, loop_steps: int | None = None) -> int:
+  """The loop steps `measure` will chain (`loop_steps`, default `LOOP_STEPS`), after
+  checking that every cache size leaves a context for them and a verification."""
+  from specjax.decode.draft_length import LOOP_STEPS
+
+  loop = LOOP_STEPS if loop_steps is None else loop_steps
+  if loop < 0 or not lengths or min(lengths) - gamma - 2 - loop < 4:
+    raise ConfigError(f"cache sizes {tuple(lengths)} leave no context for {loop} chained "
+                      f"steps and a verification of {gamma + 1} tokens: use larger lengths or "
+                      "fewer loop steps")
+  return loop
+
+
 def measure(model, lengths=(256, 1024, 2048, 4096), gamma: int = 4, repeats: int = 7,
             verbose: bool = True, draft_weights=None, loop_steps: int | None = None
             ) -> LatencyProfile:
@@ -232,17 +245,13 @@ def measure(model, lengths=(256, 1024, 2048, 4096), gamma: int = 4, repeats: int
   `loop_steps`: steps chained per timed loop (default `LOOP_STEPS`; 0: host calls)."""
   from tqdm.auto import tqdm
 
-  from specjax.decode.draft_length import LOOP_STEPS, step_times
+  from specjax.decode.draft_length import step_times
   from specjax.decode.generate import precision_name
 
   cfg, graphdef, state = model.config, model.graphdef, model.state
   L = cfg.num_layers
-  loop = LOOP_STEPS if loop_steps is None else loop_steps
   lengths = tuple(sorted({min(int(n), cfg.max_context) for n in lengths}))
-  if loop < 0 or lengths[0] - gamma - 2 - loop < 4:
-    raise ConfigError(f"cache sizes {lengths} leave no context for {loop} chained steps "
-                      f"and a verification of {gamma + 1} tokens: use larger lengths or fewer "
-                      "loop steps")
+  loop = check_lengths(lengths, gamma, loop_steps)
   ones, zeros = np.ones(L, bool), np.zeros(L, bool)
   plans = {name: [DraftPlan.from_masks(a, m).replace(weights=draft_weights)] for name, (a, m)
            in dict(none=(zeros, zeros), attn=(ones, zeros), mlp=(zeros, ones)).items()}
