@@ -1,15 +1,22 @@
 """The f32 kernel's [I, O] tile alone on one core, against what the core's FMA units can do.
 
     python experiments/bench_f32_tile.py [--shape 576,3072] [--rows 1,2,4,5,8,9]
+        [--copies 30] [--pad 16]
 
 `bench_cpu_kernels.py` times real steps, where DRAM, threads and XLA blur the picture; this
 times the inner loop of `specjax/cpu_kernels/f32_matmul.cc` (`RowsIO`, one thread, the
-matrix warm in the caches) built with the package's compiler flags, so a change to the
-tile can be judged in seconds, and its assembly read beside it (`--asm`). The default
-shape is one SmolLM2 gate_up matrix (7 MB: in L3 on the CPUs we use). Reports µs per
-matmul, GB/s of weights and the share of the core's FMA rate (a register-only FMA loop);
-the last line is JSON. This found GCC's reassociated trees in the five-row tile (then at a
+matrix warm in the caches unless `--copies`) built with the package's compiler flags, so a
+change to the tile can be judged in seconds, and its assembly read beside it (`--asm`).
+The default shape is one SmolLM2 gate_up matrix (7 MB: in L3 on the CPUs we use). Reports
+µs per matmul, GB/s of weights and the share of the core's FMA rate (a register-only FMA
+loop); the last line is JSON. This found GCC's reassociated trees in the five-row tile (then at a
 third of that rate; docs/BENCHMARKS.md).
+
+`--copies N` takes N such matrices in turn, so that their weights come from DRAM as in a
+step (30 of SmolLM2's gate_up matrices are 212 MB); `--pad P` stores each weight row P
+floats longer than its O columns. A row stride that is a multiple of 4 KiB (SmolLM2's
+gate_up: 12 KiB) puts the eight rows the tile reads side by side in one set of the L1
+cache; padding shows what that costs.
 """
 
 from __future__ import annotations
@@ -69,6 +76,9 @@ def main() -> None:
   ap.add_argument("--rows", default="1,2,3,4,5,8,9",
                   help="rows of x (1 to the kernel's rows per pass, 9)")
   ap.add_argument("--reps", type=int, default=200, help="calls per timed batch (7 batches)")
+  ap.add_argument("--copies", type=int, default=1,
+                  help="matrices taken in turn (enough of them: from DRAM)")
+  ap.add_argument("--pad", type=int, default=0, help="floats stored past each weight row")
   ap.add_argument("--asm", type=Path, help="also write the harness's assembly here")
   args = ap.parse_args()
   I, O = (int(v) for v in args.shape.split(","))
@@ -76,22 +86,27 @@ def main() -> None:
   most = max_rows()
   if not all(1 <= r <= most for r in rows):
     raise SystemExit(f"--rows: each between 1 and {most} (one pass of the kernel)")
+  if args.copies < 1 or args.pad < 0:
+    raise SystemExit("--copies: at least 1; --pad: at least 0")
 
   with tempfile.TemporaryDirectory() as tmp:
     exe = Path(tmp) / "harness"
     build(exe, args.asm)
-    out = subprocess.run([str(exe), str(I), str(O), str(args.reps), *map(str, rows)],
-                         check=True, capture_output=True, text=True).stdout
+    cmd = [exe, I, O, args.reps, args.copies, args.pad, *rows]
+    out = subprocess.run(list(map(str, cmd)), check=True, capture_output=True, text=True).stdout
   lanes, peak, times = parse(out.splitlines())
   table_rows, figures = [], {"machine": report.machine(), "shape": [I, O],
+                             "copies": args.copies, "pad": args.pad,
                              "peak_gvfma": round(peak, 3), "rows": {}}
   for r, us in times.items():
     gbs = I * O * 4 / us / 1e3
     gvfma = I * O / lanes * r / us / 1e3
     figures["rows"][r] = {"us": us, "gb_s": round(gbs, 2), "share_of_peak": round(gvfma / peak, 3)}
     table_rows.append([r, f"{us:.1f}", f"{gbs:.1f}", f"{gvfma:.2f}", f"{gvfma / peak:.0%}"])
-  print(f"{figures['machine']}; [I, O] = [{I}, {O}], one thread, {lanes} floats per vector; "
-        f"register-only FMA loop: {peak:.2f} G vector FMAs/s")
+  stored = f", rows stored {O + args.pad} floats apart" if args.pad else ""
+  print(f"{figures['machine']}; [I, O] = [{I}, {O}]{stored}, {args.copies} in turn, one "
+        f"thread, {lanes} floats per vector; register-only FMA loop: {peak:.2f} G vector "
+        f"FMAs/s")
   print(report.markdown_table(["rows", "µs", "GB/s", "G vector FMAs/s", "of peak"], table_rows))
   report.print_json(figures)
 

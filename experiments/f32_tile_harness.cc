@@ -1,10 +1,11 @@
 // The f32 kernel's [I, O] tile alone, on one core: `bench_f32_tile.py` builds this beside
 // specjax/cpu_kernels/f32_matmul.cc with the package's flags and reads its lines.
 //
-// Usage: f32_tile_harness I O REPS ROWS...; prints "lanes <floats per vector>", "peak <G
-// vector FMAs/s>" (a loop of independent FMAs in registers: what the core can do), then per
-// ROWS
-// "rows <ROWS> <µs per matmul>" (median of 7 batches of REPS calls).
+// Usage: f32_tile_harness I O REPS COPIES PAD ROWS...; prints "lanes <floats per vector>",
+// "peak <G vector FMAs/s>" (a loop of independent FMAs in registers: what the core can do),
+// then per ROWS "rows <ROWS> <µs per matmul>" (median of 7 batches of REPS calls). The calls
+// take COPIES matrices in turn (from DRAM once they outgrow the last-level cache), each
+// row of each stored PAD floats longer than its O columns.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -37,22 +38,34 @@ double PeakVectorFmas() {
   return kIters * 12 / s / 1e9;
 }
 
+// `RowsIO` over a matrix whose rows are `stride` floats apart (O + PAD).
+template <int MB>
+struct StridedRows {
+  static void Run(const float* x, const float* w, float* part, int64_t I, int64_t O,
+                  int64_t stride) {
+    std::fill(part, part + MB * O, 0.0f);
+    BlockIO<MB>(x, w, part, O, I, stride, 0, I, 0, O);
+  }
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 5) return 2;
+  if (argc < 7) return 2;
   const int64_t I = atol(argv[1]), O = atol(argv[2]);
   const int reps = atoi(argv[3]);
-  std::vector<float> w(I * O), x(kMaxRows * I, 0.5f), part(kMaxRows * O);
-  for (int64_t j = 0; j < I * O; ++j) w[j] = float(j % 7) * 0.01f;
+  const int64_t copies = atol(argv[4]), stride = O + atol(argv[5]);
+  std::vector<float> w(copies * I * stride), x(kMaxRows * I, 0.5f), part(kMaxRows * O);
+  for (int64_t j = 0; j < static_cast<int64_t>(w.size()); ++j) w[j] = float(j % 7) * 0.01f;
   std::printf("lanes %d\npeak %.3f\n", kLanes, PeakVectorFmas());
-  for (int a = 4; a < argc; ++a) {
+  for (int a = 6; a < argc; ++a) {
     const int rows = atoi(argv[a]);
     std::vector<double> batches;
     for (int b = 0; b < 7; ++b) {
       const auto t = std::chrono::steady_clock::now();
       for (int r = 0; r < reps; ++r)
-        Dispatch<RowsIO>(rows, x.data(), w.data(), part.data(), I, O, int64_t{0}, I);
+        Dispatch<StridedRows>(rows, x.data(), w.data() + (r % copies) * I * stride,
+                              part.data(), I, O, stride);
       batches.push_back(Seconds(t) / reps);
     }
     std::sort(batches.begin(), batches.end());

@@ -32,8 +32,22 @@ def test_a_small_matrix_is_timed_at_every_row_count(monkeypatch, capsys):
   assert all(r["us"] > 0 and r["share_of_peak"] > 0 for r in figures["rows"].values())
 
 
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_matrices_in_turn_with_padded_rows_are_timed(monkeypatch, capsys):
+  monkeypatch.setattr(sys, "argv", ["bench_f32_tile.py", "--shape", "40,72", "--rows", "5",
+                                    "--reps", "4", "--copies", "3", "--pad", "8"])
+  bench_f32_tile.main()
+  out = capsys.readouterr().out.strip().splitlines()
+  assert "rows stored 80 floats apart, 3 in turn" in out[0]
+  figures = json.loads(out[-1])
+  assert (figures["copies"], figures["pad"]) == (3, 8) and figures["rows"]["5"]["us"] > 0
+
+
 def test_rows_beyond_one_pass_are_refused(monkeypatch):
   assert bench_f32_tile.max_rows() == 9  # a γ = 8 verification in one pass
   monkeypatch.setattr(sys, "argv", ["bench_f32_tile.py", "--rows", "5,10"])
   with pytest.raises(SystemExit, match="between 1 and 9"):
+    bench_f32_tile.main()
+  monkeypatch.setattr(sys, "argv", ["bench_f32_tile.py", "--copies", "0"])
+  with pytest.raises(SystemExit, match="--copies: at least 1"):
     bench_f32_tile.main()
