@@ -9,8 +9,8 @@ matrix warm in the caches unless `--copies`) built with the package's compiler f
 change to the tile can be judged in seconds, and its assembly read beside it (`--asm`).
 The default shape is one SmolLM2 gate_up matrix (7 MB: in L3 on the CPUs we use). Reports
 µs per matmul, GB/s of weights and the share of the core's FMA rate (a register-only FMA
-loop); the last line is JSON. This found GCC's reassociated trees in the five-row tile (then at a
-third of that rate; docs/BENCHMARKS.md).
+loop); the last line is JSON. This found GCC's reassociated trees in the five-row tile
+(then at a third of that rate; docs/BENCHMARKS.md).
 
 `--copies N` takes N such matrices in turn, so that their weights come from DRAM as in a
 step (30 of SmolLM2's gate_up matrices are 212 MB); `--pad P` stores each weight row P
