@@ -184,7 +184,7 @@ def test_8bit_sampling_round_keeps_the_target_distribution():
   """Rounds drafted at 8-bit weights over a plan that skips layer 1 (so q is far enough
   from p for the test to see each classic acceptance bug), verified by the fp32 target:
   the first committed token ~ p, the second ~ p(. | first)."""
-  config, graphdef, state = target("llama", 3, 12)
+  config, graphdef, state = target("llama", 4, 12)
   L, sampling = config.num_layers, SamplingParams(temperature=2.0, top_p=1.0)
   prompt = jnp.asarray([[9, 8, 10, 4, 3, 11, 9, 5, 8, 3, 5, 8, 10, 4, 6, 3, 8, 11, 7, 10, 3,
                          9, 8, 10, 4, 3, 11, 9, 5, 8]], jnp.int32)

@@ -186,7 +186,7 @@ def test_4bit_weights_take_the_kernel_on_a_cpu_and_xla_without_it(monkeypatch):
 # --- the cache ---------------------------------------------------------------------------------
 
 
-def tiny(arch: str = "llama", layers: int = 3):
+def tiny(arch: str = "llama", layers: int = 4):
   return target(arch, layers)
 
 
@@ -405,7 +405,7 @@ def test_quantspec_is_lossless_across_many_flushes(monkeypatch, arch, codes):
   ar = generate(graphdef, state, config, PROMPT, max_new_tokens=160, eos_ids=(), kv_cache=KV)
   # Over a base that skips layer 1: QuantSpec's own draft agrees with some
   # trained targets on every token, and this test is about rolling rejections back.
-  skip = StaticDrafter(DraftPlan.from_skips(3, [1], [1]))
+  skip = StaticDrafter(DraftPlan.from_skips(config.num_layers, [1], [1]))
   out = speculative_generate(graphdef, state, config, PROMPT, drafter_for(arch, base=skip),
                              max_new_tokens=160, gamma=4, eos_ids=(), record_rounds=True,
                              threshold=0.0)
@@ -459,7 +459,7 @@ def test_quantspec_composes_with_knapspec_and_samples():
   from test_knapspec import synthetic_profile
 
   config, graphdef, state = tiny("llama")
-  ks = KnapSpecDrafter(profile=synthetic_profile(layers=3), interval=2, window=4)
+  ks = KnapSpecDrafter(profile=synthetic_profile(layers=config.num_layers), interval=2, window=4)
   d = drafter_for("llama", base=ks)
   ar = generate(graphdef, state, config, PROMPT, max_new_tokens=60, eos_ids=(), kv_cache=KV)
   out = speculative_generate(graphdef, state, config, PROMPT, d, max_new_tokens=60, gamma=4,
@@ -478,7 +478,7 @@ def test_quantspec_sampling_round_keeps_the_target_distribution():
   rounds from one state the first committed token ~ p and the second ~ p(. | first),
   where p is the target as it reads the quantised cache; the test has the power to see
   the classic acceptance bugs with this draft (asserted)."""
-  config, graphdef, state = target("llama", 3, 12)
+  config, graphdef, state = target("llama", 4, 12)
   L, sampling = config.num_layers, SamplingParams(temperature=2.0, top_p=1.0)
   # Words of the tiny model's language, ending with one: the next word is uncertain.
   prompt = jnp.asarray([[9, 8, 10, 4, 3, 11, 9, 5, 8, 3, 5, 8, 10, 4, 6, 3, 8, 11, 7, 10, 3,
@@ -486,9 +486,9 @@ def test_quantspec_sampling_round_keeps_the_target_distribution():
   cache = QuantKVCache.create(config, 1, 64, group=8, residual=8)
   first, cache = prefill_step(state, cache, prompt, jnp.int32(30), DraftPlan.full(L),
                               jax.random.key(0), graphdef=graphdef, sampling=sampling)
-  # 4-bit KV and weights alone stay within TV 0.013 of the target, too close for 40k
+  # 4-bit KV and weights alone stay within TV 0.017 of the target, too close for 40k
   # samples to see a wrong acceptance rule; skipping layer 1 as well (QuantSpec over a layer
-  # drafter) moves q to TV 0.04, where the test sees each classic bug with power ~1.
+  # drafter) moves q to TV 0.09, where the test sees each classic bug with power ~1.
   plan = DraftPlan.from_skips(L, [1], [1]).replace(
       kv_bits=4, weights=quant.quantize_mlp_weights(state, L, 32))
   target_cache = cache.settle()  # what verification reads: 24 tokens quantised, 6 buffered
