@@ -44,8 +44,8 @@ def ssd(arch, drafter, n=48, **kw):
 @given(data=st.data())
 def test_greedy_static_random_plans_are_lossless(data):
   arch = data.draw(st.sampled_from(["llama", "qwen2", "qwen3", "gemma3"]))
-  attn = data.draw(st.lists(st.booleans(), min_size=6, max_size=6))
-  mlp = data.draw(st.lists(st.booleans(), min_size=6, max_size=6))
+  attn = data.draw(st.lists(st.booleans(), min_size=4, max_size=4))
+  mlp = data.draw(st.lists(st.booleans(), min_size=4, max_size=4))
   threshold = data.draw(st.sampled_from([0.0, 0.5]))
   out = ssd(arch, StaticDrafter(DraftPlan.from_masks(attn, mlp)), gamma=3, threshold=threshold)
   assert out.tokens == ar_tokens(arch)
@@ -56,7 +56,7 @@ def test_greedy_static_random_plans_are_lossless(data):
 
 @pytest.mark.parametrize("gamma,threshold", [(1, 0.0), (6, 0.0), (6, 0.8), (6, 0.95)])
 def test_lossless_for_any_draft_length_and_threshold(gamma, threshold):
-  plan = DraftPlan.from_skips(6, [1, 2, 3, 4], [2])
+  plan = DraftPlan.from_skips(4, [1, 2, 3], [2])
   out = ssd("qwen2", StaticDrafter(plan), gamma=gamma, threshold=threshold)
   assert out.tokens == ar_tokens("qwen2")
   assert max(out.round_drafted) <= gamma
@@ -68,8 +68,10 @@ def test_lossless_for_any_draft_length_and_threshold(gamma, threshold):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("drafter", [
     EarlyExitDrafter(k=2),
-    SwiftDrafter(trials=12, bo_every=5, window=16),
-    SelfSDDrafter(DraftPlan.from_skips(6, [2, 3], [1, 4])),
+    # Three of the four sub-layers SWIFT may skip here (the middle layers): its default two
+    # leave a draft qwen2 accepts in full, testing no rejection.
+    SwiftDrafter(trials=12, bo_every=5, window=16, skip_ratio=0.75),
+    SelfSDDrafter(DraftPlan.from_skips(4, [2], [1])),
 ])
 @pytest.mark.parametrize("threshold", [None, 0.0])  # the drafter's own, and no early stop
 def test_every_drafter_is_lossless(arch, drafter, threshold):
@@ -131,7 +133,7 @@ def test_self_sd_search_finds_a_plan_and_is_lossless(tmp_path):
                        init_points=6, new_tokens=12, verbose=False)
   assert len({h["objective"] for h in res.history}) > 1  # the target tells plans apart
   assert len(res.history) == 12
-  eligible = [h["objective"] for h in res.history if h["skipped"] >= 0.2 * 12]
+  eligible = [h["objective"] for h in res.history if h["skipped"] >= 0.2 * 2 * config.num_layers]
   assert res.objective == max(eligible)
   assert res.plan.active_fraction <= 0.8
   path = tmp_path / "plan.json"
@@ -207,7 +209,7 @@ def test_bad_requests():
     speculative_generate(graphdef, state, config, [], EarlyExitDrafter(k=2))
   with pytest.raises(UnknownDrafterError, match="available"):
     drafter_class("medusa")
-  with pytest.raises(PlanError, match="6 layers"):
+  with pytest.raises(PlanError, match="4 layers"):
     ssd("llama", StaticDrafter(DraftPlan.full(5)))
 
 

@@ -28,7 +28,7 @@ from specjax.selection.profiler import LatencyProfile, MissingProfileError, Prof
 tiny = target
 
 
-def synthetic_profile(layers: int = 6, model: str = "tiny-llama", a: float = 2e-6,
+def synthetic_profile(layers: int = 4, model: str = "tiny-llama", a: float = 2e-6,
                       b: float = 1e-4, c: float = 3e-4, draft: str = "target") -> LatencyProfile:
   """t_attn(n) = a·n + b, t_mlp = c, exactly (for weight tests and fast drafter tests)."""
   lengths = (128, 1024, 4096)
@@ -112,7 +112,7 @@ def test_a_carried_choice_is_priced_again_at_the_new_context():
   budget keeps DPs rare on a CPU; the 1.5B's long prompts drafted with a plan chosen at
   52 tokens before this)."""
   d = KnapSpecDrafter(profile=synthetic_profile(a=1e-7, b=1e-6, c=1e-4), max_gamma=4)
-  mlp_only, full = np.zeros(12, bool), np.ones(12, bool)
+  mlp_only, full = np.zeros(8, bool), np.ones(8, bool)
   mlp_only[1::2] = True  # sub-layers alternate attention, MLP
   st = run(d, n=8).drafter_state
   st = dataclasses.replace(st, candidates=(np.stack([full, mlp_only]), np.asarray([1.0, 0.85])),
@@ -149,7 +149,7 @@ def test_realised_acceptance_is_tallied_per_plan_and_blended():
   # poorly loses to one whose estimate promises more, at no DP.
   d = KnapSpecDrafter(profile=synthetic_profile(), realised=True)
   st = out.drafter_state
-  cheap, full = np.zeros(12, bool), np.ones(12, bool)
+  cheap, full = np.zeros(8, bool), np.ones(8, bool)
   cheap[[0, 1]] = True
   cands = (np.stack([cheap, full]), np.asarray([1.0, 1.0]))
   fresh = dataclasses.replace(st, candidates=cands, tallies={}, bits=cheap, gamma=6)
@@ -187,7 +187,7 @@ def test_knapspec_sampling_runs_and_stays_in_vocab():
 def test_weights_follow_the_profile():
   p = synthetic_profile(a=2e-6, b=1e-4, c=3e-4)
   # n = 100: t_attn = 3e-4 = t_mlp -> all ones.
-  np.testing.assert_array_equal(p.weights(100), np.ones(12))
+  np.testing.assert_array_equal(p.weights(100), np.ones(8))
   # n = 1000: t_attn = 2.1e-3 = 7·t_mlp -> attention capped at 5, MLP 1.
   w = p.weights(1000, cap=5)
   np.testing.assert_array_equal(w[0::2], 5)
@@ -197,7 +197,7 @@ def test_weights_follow_the_profile():
   assert p.t_attn(1000) == pytest.approx(2.1e-3)
   assert p.t_target(1000, 5) == pytest.approx(9e-3)
   assert p.t_target(1000, 1) == pytest.approx(5.5e-3)
-  assert slots_for(p.weights(1000)) == 48  # 6·5 + 6·1 + 1 -> rounded up to 16
+  assert slots_for(p.weights(1000)) == 32  # 4·5 + 4·1 + 1 -> rounded up to 16
 
 
 def test_tokens_per_time():
@@ -220,30 +220,30 @@ def test_measured_profile_round_trips_and_is_checked(tmp_path):
   assert p.loop_steps == LOOP_STEPS  # timed as the device loop pays its steps
   with pytest.raises(ConfigError, match="no context for 16 chained steps"):
     profiler.measure(m, lengths=(20, 128), gamma=2, repeats=2, verbose=False)
-  assert p.weights(128).shape == (12,) and p.weights(128).min() >= 1
+  assert p.weights(128).shape == (8,) and p.weights(128).min() >= 1
   path = profiler.save_profile(p, tmp_path / "p.json")
-  assert profiler.load_profile("tiny-llama", 6, path) == p
+  assert profiler.load_profile("tiny-llama", 4, path) == p
   with pytest.raises(ProfileMismatchError, match="specjax profile --model other"):
-    profiler.load_profile("other", 6, path)
+    profiler.load_profile("other", 4, path)
   obj = json.loads(path.read_text())
   obj["device"] = "tpu-v9"
   path.write_text(json.dumps(obj))
   with pytest.raises(ProfileMismatchError, match="measured on tpu-v9"):
-    profiler.load_profile("tiny-llama", 6, path)
+    profiler.load_profile("tiny-llama", 4, path)
   path.write_text("{not json")
   with pytest.raises(ProfileMismatchError, match="not a valid profile"):
-    profiler.load_profile("tiny-llama", 6, path)
+    profiler.load_profile("tiny-llama", 4, path)
   with pytest.raises(MissingProfileError, match="run `specjax profile --model tiny-llama`"):
-    profiler.load_profile("tiny-llama", 6, tmp_path / "none.json")
+    profiler.load_profile("tiny-llama", 4, tmp_path / "none.json")
   old = {k: v for k, v in obj.items() if k not in ("dtype", "num_layers", "verify_tokens")}
   path.write_text(json.dumps(old))  # an older specjax's format: say what to run
   with pytest.raises(ProfileMismatchError, match=r"missing \['dtype'.*run `specjax profile"):
-    profiler.load_profile("tiny-llama", 6, path)
+    profiler.load_profile("tiny-llama", 4, path)
   del obj["draft"]  # written before 8-bit draft profiles existed: a target-weight profile
   del obj["loop_steps"]  # written before loop timing existed: its steps were host calls
   obj["device"] = p.device
   path.write_text(json.dumps(obj))
-  back = profiler.load_profile("tiny-llama", 6, path)
+  back = profiler.load_profile("tiny-llama", 4, path)
   assert back.draft == "target" and back.loop_steps == 0
   assert back.timing == "each step a call from the host"
 
@@ -261,14 +261,14 @@ def test_int8_draft_profile_is_timed_with_the_8bit_weights_and_kept_apart(tmp_pa
   assert p.loop_steps == 0
   assert profiler.profile_path("m", "cpu") != profiler.profile_path("m", "cpu", draft="8bit")
   path = profiler.save_profile(p, tmp_path / "p8.json")
-  assert profiler.load_profile("tiny-llama", 6, path, draft="8bit") == p
+  assert profiler.load_profile("tiny-llama", 4, path, draft="8bit") == p
   with pytest.raises(ProfileMismatchError, match="reading 8bit weights, not target"):
-    profiler.load_profile("tiny-llama", 6, path)  # asked for the target-weight draft
+    profiler.load_profile("tiny-llama", 4, path)  # asked for the target-weight draft
   path.write_text(json.dumps({**p.to_json(), "draft": "target"}))
   with pytest.raises(ProfileMismatchError, match="--draft-weights int8"):
-    profiler.load_profile("tiny-llama", 6, path, draft="8bit")
+    profiler.load_profile("tiny-llama", 4, path, draft="8bit")
   with pytest.raises(ProfileMismatchError, match="--draft-weights int4"):
-    profiler.load_profile("tiny-llama", 6, path, draft=profiler.draft_label(4))
+    profiler.load_profile("tiny-llama", 4, path, draft=profiler.draft_label(4))
 
 
 def test_bad_settings_are_clear_errors():
@@ -284,7 +284,7 @@ def test_bad_settings_are_clear_errors():
     KnapSpecDrafter(profile=p, objective="speed")
   with pytest.raises(ProfileMismatchError, match="8 layers"):
     run(KnapSpecDrafter(profile=synthetic_profile(layers=8)))
-  with pytest.raises(PlanError, match="cannot skip 9 layers of a 6-layer"):
+  with pytest.raises(PlanError, match="cannot skip 9 layers of a 4-layer"):
     run(ClaspDrafter(skip=9))
   with pytest.raises(PlanError, match="cannot skip -1"):
     ClaspDrafter(skip=-1)

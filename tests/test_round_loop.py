@@ -35,7 +35,7 @@ from specjax.quant_kv_cache import QuantKV
 from specjax.sampling import SamplingParams
 from specjax.selection.layer_probe import Window
 
-SKIP = DraftPlan.from_skips(6, [1, 3], [2])
+SKIP = DraftPlan.from_skips(4, [1, 3], [2])
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.95)
 
 
