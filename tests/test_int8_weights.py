@@ -42,7 +42,7 @@ from specjax.quant import Int8Matrix
 from specjax.quant_kv_cache import QuantKV
 from specjax.sampling import SamplingParams
 
-SKIP = DraftPlan.from_skips(4, [1, 2], [2])  # lighter, and qwen2 drafts with α = 1
+SKIP = DraftPlan.from_skips(4, [1, 2], [2])  # [2], [2] alone: qwen2 drafts with α = 1
 
 
 def as_model(arch: str, **kw):
