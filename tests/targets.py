@@ -28,7 +28,8 @@ MIN_DISTINCT = 8  # of 48 greedy tokens
 def target(arch: str = "llama", layers: int = 4, vocab: int = 97, **overrides):
   """(config, graphdef, state) of a trained tiny model whose greedy output varies. Four
   layers unless asked: the depth every drafter test shares, so each family is trained once
-  per suite (a 6-layer default trained four more and compiled each program 30 % longer)."""
+  per suite (a 6-layer default trained four more, and its SSD loop compiled in 3.1 s
+  against 2.2 s)."""
   config, graphdef, state = tiny_model(arch, num_layers=layers, vocab_size=vocab, **overrides)
   prompt = [t % vocab for t in PROMPT]
   toks = generate(graphdef, state, config, prompt, max_new_tokens=48, eos_ids=()).tokens
