@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from targets import assert_exercised, assert_round_distribution, target
+from targets import assert_exercised, assert_round_distribution, sample_rounds, target
 
 from specjax.config import tiny_config
 from specjax.decode.engine import draft_step, round_fn, shortlist_rows, speculative_generate
@@ -345,17 +345,17 @@ def test_dynaspec_sampling_round_keeps_the_target_distribution(with_core):
   plan = DynaSpecDrafter(b, core=core_ids(m.config, 6) if with_core else None
                          ).overlay_plan(session_of(m))
   kw = dict(graphdef=m.graphdef, vocab=V, threshold=0.0, sampling=sampling)
-  run = jax.jit(jax.vmap(lambda k: round_fn(m.state, cache, first[0], plan, k, gamma=3,
-                                            **kw)[0]))
-  out = run(jax.random.split(jax.random.key(1), 40_000))
+  out = sample_rounds(lambda k: round_fn(m.state, cache, first[0], plan, k, gamma=3, **kw)[0])
   q1 = draft_step(m.state, cache, first[0], plan, jax.random.key(2), jnp.int32(1),
                   gamma=1, **kw).q_rows[0]
 
-  def p(tokens):
-    o, _ = apply(m.state, cache, jnp.asarray([tokens], jnp.int32),
-                 positions_for(cache, len(tokens), 1), DraftPlan.full(L), graphdef=m.graphdef,
-                 write_cache=False)
-    return np.asarray(probs(o.logits[0, -1], sampling), np.float64)
+  @jax.jit
+  def next_probs(tokens):
+    o, _ = apply(m.state, cache, tokens[None], positions_for(cache, len(tokens), 1),
+                 DraftPlan.full(L), graphdef=m.graphdef, write_cache=False)
+    return probs(o.logits[0, -1], sampling)
+
+  p = lambda tokens: np.asarray(next_probs(jnp.asarray(tokens, jnp.int32)), np.float64)
 
   f = int(first[0])
   q1 = np.asarray(q1, np.float64)

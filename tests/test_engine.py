@@ -13,7 +13,14 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import reference_forward
-from targets import PROMPT, ar_tokens, assert_exercised, assert_round_distribution, target
+from targets import (
+    PROMPT,
+    ar_tokens,
+    assert_exercised,
+    assert_round_distribution,
+    sample_rounds,
+    target,
+)
 
 from specjax.bench.results_store import ResultsStore
 from specjax.decode.engine import draft_step, round_fn, speculative_generate
@@ -179,10 +186,9 @@ def test_sampling_round_keeps_the_target_distribution(shortlist, top_p):
   plan = DraftPlan.from_skips(4, [1, 2], [2])
   if shortlist is not None:
     plan = plan.with_shortlist(np.asarray(shortlist), 12, eos_ids=[2])
-  run = jax.jit(jax.vmap(lambda k: round_fn(
+  out = sample_rounds(lambda k: round_fn(
       state, cache, first[0], plan, k, graphdef=graphdef, vocab=12, gamma=3, threshold=0.0,
-      sampling=sampling)[0]))
-  out = run(jax.random.split(jax.random.key(1), 40_000))
+      sampling=sampling)[0])
   ctx = np.asarray(prompt[0]).tolist() + [int(first[0])]
   q1 = draft_step(state, cache, first[0], plan, jax.random.key(2), jnp.int32(1),
                   graphdef=graphdef, vocab=12, gamma=1,

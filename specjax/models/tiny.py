@@ -121,11 +121,11 @@ def _loss(state, tokens, *, graphdef, config: ModelConfig):
 
 
 @contextlib.contextmanager
-def _optimised():
-  """XLA's optimisations on while training, whatever the process default. The test suite
-  turns most of them off (its programs are small and run once), but training runs one
-  program for hundreds of steps: optimised, a step of the L = 6 model took 112 ms against
-  284 ms, for 15 s of compile against 9 s (two busy cores)."""
+def optimised():
+  """XLA's optimisations on for what is compiled inside, whatever the process default. The
+  test suite turns most of them off (its programs are small and run once), but training
+  runs one program for hundreds of steps: optimised, a step of the L = 6 model took 112 ms
+  against 284 ms, for 15 s of compile against 9 s (two busy cores)."""
   off = jax.config.read("jax_disable_most_optimizations")
   jax.config.update("jax_disable_most_optimizations", False)
   try:
@@ -136,7 +136,7 @@ def _optimised():
 
 def train(config: ModelConfig, recipe: Recipe = Recipe(), verbose: bool = False) -> nnx.State:
   """Train a random-init `config` model on its word language; returns the params."""
-  with _optimised():
+  with optimised():
     return _train(config, recipe, verbose)
 
 
