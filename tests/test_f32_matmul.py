@@ -52,6 +52,18 @@ def test_wide_matrices_split_by_columns(rows):
   np.testing.assert_allclose(np.asarray(got), x @ w, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 9])
+@pytest.mark.parametrize("outer", [1024, 2048 + 1024])
+def test_rows_4_kib_apart_match_numpy(rows, outer):
+  """Rows a multiple of 4 KiB apart (SmolLM2's gate_up: 3072 columns) take the tile
+  without its prefetch: equal to numpy there, tail rows included (I = 45)."""
+  rng = np.random.default_rng(outer + rows)
+  x = rng.normal(size=(rows, 45)).astype(np.float32)
+  w = rng.normal(size=(45, outer)).astype(np.float32)
+  got = jax.jit(cpu_kernels.f32_matmul)(x, w)
+  np.testing.assert_allclose(np.asarray(got), x @ w, rtol=1e-5, atol=1e-4)
+
+
 def test_results_do_not_depend_on_the_threads():
   """Row chunks' partial sums are added in chunk order: bit-identical results on every
   call, whichever thread ran which chunk."""

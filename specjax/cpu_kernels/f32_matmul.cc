@@ -111,24 +111,37 @@ inline float Sum(Vec v) {
   return s;
 }
 
+// Whether rows of O floats lie a multiple of 4 KiB apart (SmolLM2's gate_up: 12 KiB). Then
+// the same columns of every row, and of the rows `BlockIO` prefetches, fall in one set of
+// an L1 cache whose sets repeat every 4 KiB (32 KiB, 8-way: the CPUs we use), and the
+// prefetched lines evict the tile's before they are read. On an AMD EPYC (two threads, 30
+// layers chained from DRAM as `experiments/bench_cpu_kernels.py` times them) SmolLM2's
+// gate_up at five rows took 9.0-11.6 ms without the prefetch against 10.1-15.5 ms with it,
+// and its AR step 25.4 ms against 27.4 (`experiments/profile_round.py`, medians of 8
+// alternated runs). Rows that spread over the sets (SmolLM2's q/k/v, o and down, all of
+// Qwen2.5-0.5B's) read faster with it: down at five rows took 8.0 ms without, 6.5 with.
+constexpr bool FourKiBRows(int64_t O) { return O * int64_t(sizeof(float)) % 4096 == 0; }
+
 // [I, O]: acc[m·stride + c] += Σ_i x[m·I + i] · w[i·O + o0 + c] over rows [i0, i1) of w
 // and columns c < o1 - o0, for rows x[0..MB). The weights are read eight rows at a time,
 // each row's segment front to back, and every weight vector meets MB broadcast x values in
 // registers; the tile's sums make one trip through `acc` per eight rows: half the loads
 // and stores of `acc` per weight read that four rows made. A tile is V vectors wide, at
-// most 128 bytes of a row, as many as the registers hold beside MB rows of sums.
+// most 128 bytes of a row, as many as the registers hold beside MB rows of sums. The rows
+// eight ahead are prefetched, unless `FourKiBRows`.
 template <int MB>
 inline void BlockIO(const float* x, const float* w, float* acc, int64_t stride, int64_t I,
                     int64_t O, int64_t i0, int64_t i1, int64_t o0, int64_t o1) {
   constexpr int kRows = 8, kAhead = 8;  // rows per group; rows ahead to prefetch
   constexpr int V = FitRegisters(MB, kIOWidth / kLanes), kWidth = V * kLanes;
   const int64_t width = o1 - o0, tiles = width / kWidth;
+  const bool prefetch = !FourKiBRows(O);
   int64_t i = i0;
   for (; i + kRows <= i1; i += kRows) {
     float xs[kRows][MB];
     for (int r = 0; r < kRows; ++r)
       for (int m = 0; m < MB; ++m) xs[r][m] = x[m * I + i + r];
-    const bool ahead = i + kRows + kAhead <= I;  // one test per group, not per row
+    const bool ahead = prefetch && i + kRows + kAhead <= I;  // one test per group
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t c = t * kWidth;
       Vec a[MB][V];
