@@ -78,6 +78,24 @@ def test_a_failing_compiler_is_a_clear_build_error(tmp_path, monkeypatch):
   assert not any(p.suffix == ".so" for p in tmp_path.rglob("*"))  # nothing half-written kept
 
 
+def test_processes_building_one_kernel_together_compile_it_once(tmp_path, monkeypatch):
+  """Test workers start together and ask for the same kernels: the first builds each one,
+  the others wait for it and load its library."""
+  from concurrent.futures import ThreadPoolExecutor
+
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  runs = tmp_path / "runs"
+  compiler = tmp_path / "cxx"  # notes its call, then writes the library it is asked for
+  compiler.write_text(f'#!/bin/sh\necho x >> {runs}\nsleep 1\n'
+                      'while [ "$1" != -o ]; do shift; done\necho lib > "$2"\n')
+  compiler.chmod(0o755)
+  with ThreadPoolExecutor(3) as pool:
+    built = list(pool.map(lambda _: cpu_kernels._build(cpu_kernels._SOURCE, str(compiler)),
+                          range(3)))
+  assert len(set(built)) == 1 and built[0].read_text() == "lib\n"
+  assert runs.read_text().count("x") == 1
+
+
 def test_loading_the_kernel_keeps_subnormal_floats():
   """Built with -ffast-math, the shared object switched the process to flush-to-zero."""
   cpu_kernels.kernel_status()

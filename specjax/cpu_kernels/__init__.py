@@ -47,6 +47,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from filelock import FileLock
 
 from specjax.errors import SpecjaxError
 
@@ -99,14 +100,19 @@ def _build(source: Path, compiler: str) -> Path:
   if out.exists():
     return out
   out.parent.mkdir(parents=True, exist_ok=True)
-  with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-    built = Path(tmp) / out.name
-    cmd = [compiler, *COMPILE_FLAGS, "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}",
-           str(source), "-o", str(built)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-      raise KernelBuildError(f"{' '.join(cmd)}\n{proc.stderr[-2000:]}")
-    os.replace(built, out)  # atomic: parallel test workers never load a half-written file
+  # One build per library: processes that start together (test workers) wait for the first
+  # one's, rather than each spending 5-10 s of a core on the same compile.
+  with FileLock(str(out) + ".lock"):
+    if out.exists():
+      return out
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+      built = Path(tmp) / out.name
+      cmd = [compiler, *COMPILE_FLAGS, "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}",
+             str(source), "-o", str(built)]
+      proc = subprocess.run(cmd, capture_output=True, text=True)
+      if proc.returncode != 0:
+        raise KernelBuildError(f"{' '.join(cmd)}\n{proc.stderr[-2000:]}")
+      os.replace(built, out)  # atomic: a process that skips the lock never reads half a file
   return out
 
 
