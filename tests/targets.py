@@ -144,7 +144,8 @@ def assert_round_distribution(out, p_first, q_first, p_after, *, gamma: int) -> 
 def sample_rounds(one_round, rounds: int = 40_000, seed: int = 1):
   """`one_round(key)` for `rounds` independent keys, vmapped into one program. Compiled with
   XLA's optimisations (the suite turns most of them off: its programs are small and run
-  once), as this one runs 40 000 rounds: a DynaSpec test's ran 4.0 s so against 16-18 s."""
+  once), as this one runs 40 000 rounds: a DynaSpec test's took 4.0 s optimised, 16-18 s
+  not."""
   import jax
 
   with optimised():
