@@ -9,7 +9,8 @@
   fails on a sample outside the target's support, and a check that the test can see the
   three classic acceptance bugs with n samples (power from the noncentral χ²).
 * `sample_rounds(one_round)`: 40 000 independent rounds from one state in one vmapped
-  program, compiled with XLA's optimisations (the samples those χ² tests count).
+  program, compiled with XLA's optimisations (the samples those χ² tests count), and
+  `target_probs(...)`: the target's distributions they are tested against.
 """
 
 from __future__ import annotations
@@ -153,6 +154,28 @@ def sample_rounds(one_round, rounds: int = 40_000, seed: int = 1):
     return jax.block_until_ready(run(jax.random.split(jax.random.key(seed), rounds)))
 
 
+def target_probs(state, graphdef, config, cache, sampling):
+  """p(tokens): the target's sampling distribution after `tokens` read from `cache` (float64
+  numpy), one jitted forward per length of `tokens` rather than op by op."""
+  import jax
+  import jax.numpy as jnp
+
+  from specjax.decode.generate import positions_for
+  from specjax.model import apply
+  from specjax.plan import DraftPlan
+  from specjax.sampling import probs
+
+  full = DraftPlan.full(config.num_layers)
+
+  @jax.jit
+  def next_probs(tokens):
+    o, _ = apply(state, cache, tokens[None], positions_for(cache, len(tokens), 1), full,
+                 graphdef=graphdef, write_cache=False)
+    return probs(o.logits[0, -1], sampling)
+
+  return lambda tokens: np.asarray(next_probs(jnp.asarray(tokens, jnp.int32)), np.float64)
+
+
 def assert_plan_keeps_the_target_distribution(state, graphdef, config, cache, first, plan,
                                               sampling, *, target_cache=None, vocab: int,
                                               gamma: int = 3, rounds: int = 40_000) -> dict:
@@ -163,25 +186,12 @@ def assert_plan_keeps_the_target_distribution(state, graphdef, config, cache, fi
   import jax.numpy as jnp
 
   from specjax.decode.engine import draft_step, round_fn
-  from specjax.decode.generate import positions_for
-  from specjax.model import apply
-  from specjax.plan import DraftPlan
-  from specjax.sampling import probs
 
-  target_cache = cache if target_cache is None else target_cache
-  full = DraftPlan.full(config.num_layers)
   out = sample_rounds(lambda k: round_fn(
       state, cache, first, plan, k, graphdef=graphdef, vocab=vocab, gamma=gamma,
       threshold=0.0, sampling=sampling)[0], rounds)
-
-  @jax.jit
-  def next_probs(tokens):
-    o, _ = apply(state, target_cache, tokens[None], positions_for(target_cache, len(tokens), 1),
-                 full, graphdef=graphdef, write_cache=False)
-    return probs(o.logits[0, -1], sampling)
-
-  p = lambda tokens: np.asarray(next_probs(jnp.asarray(tokens, jnp.int32)), np.float64)
-
+  p = target_probs(state, graphdef, config, cache if target_cache is None else target_cache,
+                   sampling)
   q1 = draft_step(state, cache, first, plan, jax.random.key(2), jnp.int32(1),
                   graphdef=graphdef, vocab=vocab, gamma=1,
                   threshold=0.0, sampling=sampling).q_rows[0]

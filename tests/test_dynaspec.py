@@ -14,7 +14,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from targets import assert_exercised, assert_round_distribution, sample_rounds, target
+from targets import (
+    assert_exercised,
+    assert_round_distribution,
+    sample_rounds,
+    target,
+    target_probs,
+)
 
 from specjax.config import tiny_config
 from specjax.decode.engine import draft_step, round_fn, shortlist_rows, speculative_generate
@@ -35,7 +41,7 @@ from specjax.offline.router import (
 )
 from specjax.offline.vocab_clusters import balanced_assignment, spherical_kmeans
 from specjax.plan import DraftPlan
-from specjax.sampling import SamplingParams, probs
+from specjax.sampling import SamplingParams
 
 V = 97
 PROMPT = list(range(3, 40))
@@ -348,15 +354,7 @@ def test_dynaspec_sampling_round_keeps_the_target_distribution(with_core):
   out = sample_rounds(lambda k: round_fn(m.state, cache, first[0], plan, k, gamma=3, **kw)[0])
   q1 = draft_step(m.state, cache, first[0], plan, jax.random.key(2), jnp.int32(1),
                   gamma=1, **kw).q_rows[0]
-
-  @jax.jit
-  def next_probs(tokens):
-    o, _ = apply(m.state, cache, tokens[None], positions_for(cache, len(tokens), 1),
-                 DraftPlan.full(L), graphdef=m.graphdef, write_cache=False)
-    return probs(o.logits[0, -1], sampling)
-
-  p = lambda tokens: np.asarray(next_probs(jnp.asarray(tokens, jnp.int32)), np.float64)
-
+  p = target_probs(m.state, m.graphdef, m.config, cache, sampling)
   f = int(first[0])
   q1 = np.asarray(q1, np.float64)
   assert (q1 == 0).sum() > V // 4  # the shortlist really left tokens out
