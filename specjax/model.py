@@ -126,19 +126,35 @@ class Attention(nnx.Module):
     """Softmax of q[B, T, N, H] over the keys of every segment, each masked by validity,
     causality (key position <= query position) and the sliding window; returns [B, T, D].
     With `kernel`, also over a layer of a quantised cache, read by the Pallas kernel;
-    `weights.o`, when set, replaces the output projection."""
+    `weights.o`, when set, replaces the output projection. A step's few float32 tokens on
+    a CPU take `cpu_kernels.f32_attention`, a segment at a time (`cpu_kernels.attends_here`)."""
     if kernel is not None:
       return self._attend_kernel(q, positions, segments, kernel, weights)
     B, T, N, H = q.shape
+    if all(cpu_kernels.attends_here(q, seg.k) for seg in segments):
+      out = _merge([self._kernel_partial(q, positions, seg) for seg in segments])
+      return self._project_out(out.astype(q.dtype).reshape(B, T, N * H), weights)
     rows, row_pos = _to_rows(q, positions, segments[0].k.shape[1])  # [B, K, R, H], [B, R]
-    parts = [self._prefix(rows, row_pos, seg) if _prefix_readable(seg) else
-             self._partial(rows, row_pos, seg.k, seg.v, seg.positions, seg.valid)
-             for seg in segments]
-    m = functools.reduce(jnp.maximum, [p[0] for p in parts])  # [B, K, R]
-    w = [jnp.exp(p[0] - m) for p in parts]
-    total = sum(wi * p[1] for wi, p in zip(w, parts))
-    out = sum(wi[..., None] * p[2] for wi, p in zip(w, parts)) / total[..., None]
+    out = _merge([self._prefix(rows, row_pos, seg) if _prefix_readable(seg) else
+                  self._partial(rows, row_pos, seg.k, seg.v, seg.positions, seg.valid)
+                  for seg in segments])
     return self._project_out(_from_rows(out.astype(q.dtype), T), weights)
+
+  def _kernel_partial(self, q, positions, seg: Segment):
+    """`_partial` of q[B, T, N, H] over `seg` by `cpu_kernels.f32_attention`, in the
+    tokens' layout ([B, T, N] and [B, T, N, H]): it reads q and the cache as they are
+    stored, and a segment with a `filled` bound only up to it."""
+    bound = seg.k.shape[2] if seg.filled is None else seg.filled
+    return cpu_kernels.f32_attention(q, positions, seg.k, seg.v, seg.positions, seg.valid,
+                                     bound, scale=self.config.scale, window=self.window,
+                                     xla=self._partial_tokens)
+
+  def _partial_tokens(self, q, q_pos, k, v, key_pos, valid):
+    """`_partial` in the kernel's layout (its XLA form: under vmap and for tangents)."""
+    T = q.shape[1]
+    rows, row_pos = _to_rows(q, q_pos, k.shape[1])
+    return tuple(_rows_to_tokens(a, T) for a in self._partial(rows, row_pos, k, v, key_pos,
+                                                              valid))
 
   def _partial(self, rows, row_pos, k, v, key_pos, valid):
     """Unnormalised attention of rows[B, K, R, H] over keys k/v[B, K, S, H] at key_pos[B, S]:
@@ -217,11 +233,26 @@ def _to_rows(q: jax.Array, positions: jax.Array, K: int) -> tuple[jax.Array, jax
   return rows, row_pos
 
 
+def _rows_to_tokens(a: jax.Array, T: int) -> jax.Array:
+  """[B, K, G·T, ...] (`_to_rows`' order) -> [B, T, N, ...], heads in q's order."""
+  B, K, R, *rest = a.shape
+  G = R // T
+  return (a.reshape(B, K, G, T, *rest).transpose(0, 3, 1, 2, *range(4, a.ndim + 1))
+          .reshape(B, T, K * G, *rest))
+
+
 def _from_rows(out: jax.Array, T: int) -> jax.Array:
   """rows[B, K, G·T, H] -> [B, T, N·H], heads in the order of the o projection."""
-  B, K, R, H = out.shape
-  G = R // T
-  return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, K * G * H)
+  return _rows_to_tokens(out, T).reshape(out.shape[0], T, -1)
+
+
+def _merge(parts: list[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
+  """Softmax-weighted values over every segment from their partials (m, l, acc), in any
+  layout with acc's last axis H: each part's sums rescaled to the overall max."""
+  m = functools.reduce(jnp.maximum, [p[0] for p in parts])
+  w = [jnp.exp(p[0] - m) for p in parts]
+  total = sum(wi * p[1] for wi, p in zip(w, parts))
+  return sum(wi[..., None] * p[2] for wi, p in zip(w, parts)) / total[..., None]
 
 
 def _dense(x: jax.Array, w: jax.Array) -> jax.Array:

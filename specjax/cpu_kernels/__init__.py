@@ -1,6 +1,6 @@
 """C++ kernels that XLA:CPU lacks, compiled on first use and called through `jax.ffi`.
 
-Four kernels:
+Five kernels:
 
 * `int8_matmul`, a matmul against int8 weights with one scale per output channel, for
   8-bit drafts. XLA:CPU widens an int8 matrix to float32 in memory before its dot (31 ms
@@ -20,6 +20,10 @@ Four kernels:
   Dequantised first, XLA:CPU wrote and read a float32 copy of every layer on every step:
   an int8-KV AR step of SmolLM2 at context 1000 cost 50-54 ms against 35 ms over float32
   keys; reading the codes, 33 ms. `reads_codes` says when a quantised cache takes it.
+* `f32_attention`, a decode step's or a verification's attention over a float32 cache
+  segment, up to the filled slots only. XLA:CPU spent two YNNPACK dots, a softmax fusion
+  and the copies that gather a kv head's query rows on it: 85 µs a layer at one token and
+  157 µs at five over SmolLM2's 320-slot cache. `attends_here` says when a step takes it.
 
 Each source is compiled once per machine with the host's C++ compiler (`$CXX`, else
 g++) for its own CPU (`-march=native`) and cached under `cache_root()/kernels`, keyed by
@@ -57,6 +61,7 @@ _KERNELS = {
     "int4_matmul": ("int4_matmul.cc", {"specjax_int4_matmul": "Int4Matmul"}),
     "f32_matmul": ("f32_matmul.cc", {"specjax_f32_matmul_io": "F32MatmulIO",
                                      "specjax_f32_matmul_oi": "F32MatmulOI"}),
+    "f32_attention": ("f32_attention.cc", {"specjax_f32_attention": "F32Attention"}),
     "quant_attention": ("quant_attention.cc", {"specjax_quant_key_scores": "QuantKeyScores",
                                                "specjax_quant_value_sums": "QuantValueSums"}),
 }
@@ -311,6 +316,58 @@ def _f32_matmul_jvp(transposed, primals, tangents):
   return f32_matmul(x, w, transposed), jnp.einsum(spec, dx, w) + jnp.einsum(spec, x, dw)
 
 
-__all__ = ["FEW_ROWS", "KernelBuildError", "f32_matmul", "few_rows", "int4_matmul",
+def attends_here(q: jax.Array, k: jax.Array) -> bool:
+  """Whether attention of q[B, T, N, H] over cache segments like k[B, K, S, H] should take
+  `f32_attention`: float32 on a CPU backend, 1 to FEW_ROWS tokens (a step or a
+  verification; a prompt's many rows keep XLA's dots, which reuse each key for all of
+  them), whole vectors of H, the kernel built."""
+  return (1 <= q.shape[1] <= FEW_ROWS and q.dtype == k.dtype == jnp.float32
+          and q.shape[-1] % 16 == 0 and runs_here("f32_attention"))
+
+
+def f32_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
+                  key_pos: jax.Array, valid: jax.Array, bound: jax.Array, *, scale: float,
+                  window: int | None, xla) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Unnormalised attention of q[B, T, N, H] at q_pos[B, T] over one cache segment
+  (k/v[B, K, S, H] at key_pos[B, S], where `valid`), reading slots [0, bound) only: each
+  query row's masked score max m[B, T, N], l = Σ exp(s - m)[B, T, N] and
+  acc = Σ exp(s - m)·v [B, T, N, H], for a log-sum-exp merge over segments. A slot is
+  visible to a row when valid, at or before it and within `window` of it.
+
+  `xla(q, q_pos, k, v, key_pos, valid)` is the same in XLA's ops. It takes a vmap (the
+  sampling tests' batched rounds: one call per element would be one per round) and the
+  tangents (XLA's ops differentiate; the kernel does not)."""
+  kernel_status("f32_attention")  # registers the target on first use
+
+  def kernel(q, q_pos, k, v, key_pos, valid):
+    B, T, N, H = q.shape
+    out = (jax.ShapeDtypeStruct((B, T, N), jnp.float32),) * 2 + (
+        jax.ShapeDtypeStruct((B, T, N, H), jnp.float32),)
+    return jax.ffi.ffi_call("specjax_f32_attention", out)(
+        q, q_pos.astype(jnp.int32), k, v, key_pos.astype(jnp.int32), valid,
+        jnp.asarray(bound, jnp.int32), scale=np.float32(scale), window=np.int64(window or 0))
+
+  @jax.custom_batching.custom_vmap
+  def batchable(*args):
+    return kernel(*args)
+
+  @batchable.def_vmap
+  def _batched(axis_size, in_batched, *args):
+    axes = tuple(0 if b else None for b in in_batched)
+    return jax.vmap(xla, in_axes=axes)(*args), (True,) * 3
+
+  @jax.custom_jvp
+  def call(*args):
+    return batchable(*args)
+
+  @call.defjvp
+  def _jvp(primals, tangents):
+    return call(*primals), jax.jvp(xla, primals, tangents)[1]
+
+  return call(q, q_pos, k, v, key_pos, valid)
+
+
+__all__ = ["FEW_ROWS", "KernelBuildError", "attends_here", "f32_attention", "f32_matmul",
+           "few_rows", "int4_matmul",
            "int8_matmul", "kernel_status", "quant_key_scores", "quant_value_sums",
            "reads_codes", "runs_here"]
