@@ -1,0 +1,140 @@
+"""A decode step's attention on a CPU: the `f32_attention` kernel against XLA's dots, in
+the whole AR step and the whole verification of γ + 1 tokens.
+
+    python experiments/bench_attention.py [--model smollm2-135m-instruct] [--gamma 4]
+        [--contexts 256,1024] [--repeats 40]
+
+Each step is compiled twice in one process, once as the model takes it (the kernel, where
+`cpu_kernels.attends_here`) and once with the kernel disabled (XLA's two dots and softmax
+per layer, over a filled prefix of the cache where `_prefix` applies), and the four
+executables of a context run round-robin, so the machine's drift hits both paths alike.
+A step is the engine's own: `generate.decode_step` (greedy) and `engine.verify_step`.
+The cache holds `context` tokens in `context + 64` slots. Medians; the last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report  # noqa: E402
+
+from specjax import cpu_kernels  # noqa: E402
+from specjax.decode.engine import Draft, verify_fn  # noqa: E402
+from specjax.decode.generate import _step  # noqa: E402
+from specjax.kv_cache import KVCache  # noqa: E402
+from specjax.models.loader import load_model  # noqa: E402
+from specjax.plan import DraftPlan  # noqa: E402
+from specjax.sampling import SamplingParams  # noqa: E402
+
+# Every kernel but f32_attention: the path the model took before it.
+WITHOUT = ",".join(k for k in cpu_kernels._KERNELS if k != "f32_attention")
+
+
+@contextlib.contextmanager
+def kernels(chosen: str):
+  """Trace with `SPECJAX_CPU_KERNELS=chosen` (the choice is read when a step is traced)."""
+  before = os.environ.get("SPECJAX_CPU_KERNELS")
+  os.environ["SPECJAX_CPU_KERNELS"] = chosen
+  cpu_kernels.kernel_status.cache_clear()
+  try:
+    yield
+  finally:
+    if before is None:
+      os.environ.pop("SPECJAX_CPU_KERNELS")
+    else:
+      os.environ["SPECJAX_CPU_KERNELS"] = before
+    cpu_kernels.kernel_status.cache_clear()
+
+
+def steps(m, cache: KVCache, gamma: int) -> dict:
+  """{(step, path): call}: the AR step and the verification, each compiled with and
+  without the kernel; each call runs one step at the cache's length."""
+  full, greedy = DraftPlan.full(m.config.num_layers), SamplingParams()
+  key, tok, last = jax.random.key(0), jnp.ones((1,), jnp.int32), jnp.int32(1)
+  draft = Draft(n=jnp.int32(gamma), tokens=jnp.ones((gamma,), jnp.int32),
+                confidence=jnp.ones((gamma,), jnp.float32), q_rows=None)
+  length = int(cache.length)
+  holder = {"cache": cache}  # each step donates the cache: carry the returned one
+  calls = {}
+  for path, chosen in (("kernel", "1"), ("xla", WITHOUT)):
+    with kernels(chosen):
+      ar = jax.jit(lambda s, c: _step(s, c, tok, full, key, graphdef=m.graphdef,
+                                      sampling=greedy), donate_argnums=1)
+      verify = jax.jit(lambda s, c: verify_fn(s, c, last, draft, full, key,
+                                              graphdef=m.graphdef, sampling=greedy),
+                       donate_argnums=1)
+      exes = {"ar": ar.lower(m.state, cache).compile(),
+              "verify": verify.lower(m.state, cache).compile()}
+    for name, exe in exes.items():
+      assert ("specjax_f32_attention" in exe.as_text()) == (path == "kernel"), (name, path)
+
+      def run(exe=exe):
+        out, c = exe(m.state, holder["cache"])
+        holder["cache"] = c.with_length(length)
+        jax.block_until_ready(out)
+      calls[(name, path)] = run
+  return calls
+
+
+def timed(calls: dict, repeats: int) -> dict:
+  """Median ms of each call, round-robin, after one untimed pass."""
+  times = {name: [] for name in calls}
+  for i in range(repeats + 1):
+    for name, call in calls.items():
+      t = time.perf_counter()
+      call()
+      if i:
+        times[name].append((time.perf_counter() - t) * 1e3)
+  return {name: statistics.median(v) for name, v in times.items()}
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--gamma", type=int, default=4)
+  ap.add_argument("--contexts", default="256,1024")
+  ap.add_argument("--repeats", type=int, default=40)
+  report.common_args(ap, results=False)
+  args = ap.parse_args()
+  if cpu_kernels.kernel_status("f32_attention") != "ready" or jax.default_backend() != "cpu":
+    sys.exit(f"bench_attention needs the CPU kernel: {cpu_kernels.kernel_status('f32_attention')}"
+             f" on a {jax.default_backend()} backend")
+
+  m = load_model(args.model, dtype="float32")
+  rows, figures = [], {}
+  for context in (int(c) for c in args.contexts.split(",")):
+    cache = KVCache.create(m.config, 1, context + 64).with_length(context)
+    ms = timed(steps(m, cache, args.gamma), args.repeats)
+    ar_k, ar_x = ms[("ar", "kernel")], ms[("ar", "xla")]
+    ver_k, ver_x = ms[("verify", "kernel")], ms[("verify", "xla")]
+    rows.append([context, ar_x, ar_k, ar_k / ar_x, ver_x, ver_k, ver_k / ver_x,
+                 ver_x / ar_x, ver_k / ar_k])
+    figures[str(context)] = {"ar_ms": {"xla": round(ar_x, 3), "kernel": round(ar_k, 3)},
+                             "verify_ms": {"xla": round(ver_x, 3), "kernel": round(ver_k, 3)},
+                             "verify_over_ar": {"xla": round(ver_x / ar_x, 4),
+                                                "kernel": round(ver_k / ar_k, 4)}}
+  T = args.gamma + 1
+  table = report.markdown_table(
+      ["context", "AR ms, XLA", "AR ms, kernel", "kernel ÷ XLA", f"verify T={T} ms, XLA",
+       "verify ms, kernel", "kernel ÷ XLA", "verify ÷ AR, XLA", "verify ÷ AR, kernel"], rows)
+  head = (f"{args.model}, float32, {report.machine()}; medians of {args.repeats} steps, "
+          f"the four steps of a context round-robin in one process.")
+  print(head)
+  print(table)
+  if args.write_docs:
+    report.write_section(f"attention-{args.model}", f"{head}\n\n{table}")
+  report.print_json({"model": args.model, "machine": report.machine(), "gamma": args.gamma,
+                     "repeats": args.repeats, "contexts": figures})
+
+
+if __name__ == "__main__":
+  main()
