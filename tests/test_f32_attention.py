@@ -22,42 +22,33 @@ pytestmark = pytest.mark.skipif(cpu_kernels.kernel_status("f32_attention") != "r
                                 reason="no C++ compiler: the XLA path is the only one")
 
 
-def reference(q, q_pos, k, v, key_pos, valid, bound, scale, window):
-  """(m, l, acc) in float64 numpy, slots past `bound` unread."""
+def partials(xp, q, q_pos, k, v, key_pos, valid, scale, window, bound=None):
+  """(m, l, acc) in the array module `xp`: numpy over float64, the reference; jax.numpy,
+  the kernel's XLA form as the model passes it (for vmap and tangents)."""
   B, T, N, H = q.shape
   K, S = k.shape[1], k.shape[2]
-  s = np.einsum("btkgh,bksh->btkgs", q.reshape(B, T, K, N // K, H).astype(np.float64),
-                k.astype(np.float64)) * scale
-  ok = (valid[:, None, :] & (key_pos[:, None, :] <= q_pos[:, :, None])
-        & (np.arange(S) < bound)[None, None, :])
+  s = xp.einsum("btkgh,bksh->btkgs", q.reshape(B, T, K, N // K, H), k) * scale
+  ok = valid[:, None, :] & (key_pos[:, None, :] <= q_pos[:, :, None])
+  if bound is not None:
+    ok &= (xp.arange(S) < bound)[None, None, :]
   if window:
     ok &= q_pos[:, :, None] - key_pos[:, None, :] < window
   ok = ok[:, :, None, None, :]
-  s = np.where(ok, s, -1e30)
+  s = xp.where(ok, s, -1e30)
   m = s.max(-1)
-  p = np.where(ok, np.exp(s - m[..., None]), 0.0)
-  acc = np.einsum("btkgs,bksh->btkgh", p, v.astype(np.float64))
+  p = xp.where(ok, xp.exp(s - m[..., None]), 0.0)
+  acc = xp.einsum("btkgs,bksh->btkgh", p, v)
   return m.reshape(B, T, N), p.sum(-1).reshape(B, T, N), acc.reshape(B, T, N, H)
 
 
+def reference(q, q_pos, k, v, key_pos, valid, bound, scale, window):
+  """(m, l, acc) in float64 numpy, slots past `bound` unread."""
+  f64 = lambda a: a.astype(np.float64)
+  return partials(np, f64(q), q_pos, f64(k), f64(v), key_pos, valid, scale, window, bound)
+
+
 def xla(scale, window):
-  """The kernel's XLA form, as the model passes it: jnp ops in the kernel's layout."""
-
-  def run(q, q_pos, k, v, key_pos, valid):
-    B, T, N, H = q.shape
-    K = k.shape[1]
-    s = jnp.einsum("btkgh,bksh->btkgs", q.reshape(B, T, K, N // K, H), k) * scale
-    ok = valid[:, None, :] & (key_pos[:, None, :] <= q_pos[:, :, None])
-    if window:
-      ok &= q_pos[:, :, None] - key_pos[:, None, :] < window
-    ok = ok[:, :, None, None, :]
-    s = jnp.where(ok, s, -1e30)
-    m = s.max(-1)
-    p = jnp.where(ok, jnp.exp(s - m[..., None]), 0.0)
-    acc = jnp.einsum("btkgs,bksh->btkgh", p, v)
-    return m.reshape(B, T, N), p.sum(-1).reshape(B, T, N), acc.reshape(B, T, N, H)
-
-  return run
+  return lambda *args: partials(jnp, *args, scale, window)
 
 
 def inputs(rng, B, T, N, K, S, H, p_valid=0.8):
