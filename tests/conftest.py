@@ -128,25 +128,25 @@ def pytest_configure(config):
 
 # The slowest modules, slowest first (worker-seconds on the 2-core AMD EPYC, each beside the
 # other worker's modules, from an empty `.cache` and compilation cache: a cold run of the
-# suite as configured here, 2026-11-29, 1292 s wall). `make test` hands whole modules to two
+# suite as configured here, 2026-11-29, 1197 s wall). `make test` hands whole modules to two
 # workers in collection order (`--dist loadfile --no-loadscope-reorder`): started first, the
 # long ones overlap; left to xdist's order (most tests first), a long module started last
 # and ran alone for minutes.
 SLOW_MODULES = (
-    "test_round_loop",  # 330 s (some of them training the tiny targets it asks for first)
-    "test_real_ssd",  # 315
-    "test_notebooks",  # 236
-    "test_quantspec",  # 206
-    "test_dynaspec",  # 145
-    "test_drafter_factory",  # 136
-    "test_engine",  # 131
-    "test_golden",  # 128
-    "test_knapspec",  # 93
-    "test_bench_gpu_script",  # 89
-    "test_int8_weights",  # 80
-    "test_model",  # 77
-    "test_prefill",  # 58
-    "test_draft_length",  # 58
+    "test_round_loop",  # 313 s (some of them training the tiny targets it asks for first)
+    "test_real_ssd",  # 292
+    "test_notebooks",  # 221
+    "test_quantspec",  # 199
+    "test_dynaspec",  # 126
+    "test_drafter_factory",  # 121
+    "test_golden",  # 112
+    "test_engine",  # 98
+    "test_bench_gpu_script",  # 85
+    "test_int8_weights",  # 71
+    "test_model",  # 70
+    "test_knapspec",  # 66
+    "test_prefill",  # 60
+    "test_draft_length",  # 51
 )
 
 
