@@ -68,10 +68,11 @@ inline void Sums4(const Vec* v, float* out) {
 #endif
 }
 
-// exp(x) for x ≤ 0, a lane at a time in registers: 2^n · e^r with n = round(x / ln 2) and
-// |r| ≤ ln 2 / 2, e^r by the polynomial of Cephes' expf (≤ 2 ulp); 0 below −87, where
-// e^x leaves float's normal range. libm's expf is scalar, and GCC vectorises it only
-// under -ffast-math, which this build avoids (see COMPILE_FLAGS).
+// exp(x) for x ≤ 0, lane by lane in vector registers: 2^n · e^r with n = round(x / ln 2) and
+// |r| ≤ ln 2 / 2, e^r by the polynomial of Cephes' expf; 0 below −87, where e^x leaves
+// float's normal range. Against double-precision exp: within 1.4 ulp over [−20, 0], 4.5
+// near −87 (every float above −1, every 16th below). libm's expf is scalar, and GCC
+// vectorises it only under -ffast-math, which this build avoids (see COMPILE_FLAGS).
 inline Vec ExpNonPositive(Vec x) {
   const IVec under = x < Splat(-87.0f);
   x = under ? Splat(0.0f) : x;
