@@ -126,12 +126,16 @@ def main() -> None:
   table = report.markdown_table(
       ["context", "AR ms, XLA", "AR ms, kernel", "kernel ÷ XLA", f"verify T={T} ms, XLA",
        "verify ms, kernel", "kernel ÷ XLA", "verify ÷ AR, XLA", "verify ÷ AR, kernel"], rows)
-  head = (f"{args.model}, float32, {report.machine()}; medians of {args.repeats} steps, "
-          f"the four steps of a context round-robin in one process.")
+  head = (f"The AR step and verification of {T} tokens (the engine's, float32, greedy) "
+          f"compiled with the `f32_attention` kernel and with XLA's dots, the cache holding "
+          f"`context` tokens in `context + 64` slots; medians of {args.repeats} steps, the "
+          f"four executables of a context round-robin in one process:")
   print(head)
   print(table)
   if args.write_docs:
-    report.write_section(f"attention-{args.model}", f"{head}\n\n{table}")
+    report.write_section(f"attention-{args.model}", "\n\n".join([
+        f"## A step's attention: the CPU kernel against XLA's dots ({args.model})",
+        f"Machine: {report.machine()}. Commit {report.git_revision()}.", head, table]))
   report.print_json({"model": args.model, "machine": report.machine(), "gamma": args.gamma,
                      "repeats": args.repeats, "contexts": figures})
 
