@@ -8,7 +8,10 @@ Each step is compiled twice in one process, once as the model takes it (the kern
 `cpu_kernels.attends_here`) and once with the kernel disabled (XLA's two dots and softmax
 per layer, over a filled prefix of the cache where `_prefix` applies), and the four
 executables of a context run round-robin, so the machine's drift hits both paths alike.
-A step is the engine's own: `generate.decode_step` (greedy) and `engine.verify_step`.
+A step is the engine's own function (`generate.decode_step`'s, greedy, and
+`engine.verify_step`'s), jitted afresh for each path: the kernel's choice is read when a
+step is traced, so the engine's jitted steps would serve one path's trace to both.
+Float32 only: the kernel takes no other dtype.
 The cache holds `context` tokens in `context + 64` slots. Medians; the last line is JSON.
 """
 
@@ -105,6 +108,9 @@ def main() -> None:
   ap.add_argument("--repeats", type=int, default=40)
   report.common_args(ap, results=False)
   args = ap.parse_args()
+  if args.dtype not in ("auto", "float32"):
+    sys.exit(f"bench_attention compares float32 steps (the kernel's only dtype), not "
+             f"--dtype {args.dtype}")
   if cpu_kernels.kernel_status("f32_attention") != "ready" or jax.default_backend() != "cpu":
     sys.exit(f"bench_attention needs the CPU kernel: {cpu_kernels.kernel_status('f32_attention')}"
              f" on a {jax.default_backend()} backend")

@@ -174,3 +174,32 @@ def test_bench_attention_times_both_paths(monkeypatch, capsys):
   for row in figures["contexts"].values():
     assert all(t > 0 for step in ("ar_ms", "verify_ms") for t in row[step].values())
   assert cpu_kernels.kernel_status("f32_matmul") == "ready"  # the kernels' choice restored
+
+
+def test_bench_attention_refuses_another_dtype(monkeypatch):
+  """--dtype other than float32 stops with a message (the kernel takes float32 only)."""
+  import sys
+  from pathlib import Path
+
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+  import bench_attention
+
+  monkeypatch.setattr(sys, "argv", ["bench_attention.py", "--model", "tiny-llama",
+                                    "--dtype", "bfloat16"])
+  with pytest.raises(SystemExit, match="float32 steps"):
+    bench_attention.main()
+
+
+def test_kernel_unavailable_says_why(monkeypatch):
+  """Called with the kernel disabled, `f32_attention` raises with the reason, not an
+  unknown FFI target at compile time."""
+  from specjax.errors import SpecjaxError
+
+  monkeypatch.setenv("SPECJAX_CPU_KERNELS", "int8_matmul")
+  cpu_kernels.kernel_status.cache_clear()
+  try:
+    args = inputs(np.random.default_rng(0), 1, 1, 2, 1, 8, 16)
+    with pytest.raises(SpecjaxError, match="disabled by SPECJAX_CPU_KERNELS"):
+      kernel(*args, 8)
+  finally:
+    cpu_kernels.kernel_status.cache_clear()

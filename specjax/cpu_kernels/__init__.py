@@ -337,7 +337,9 @@ def f32_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
   `xla(q, q_pos, k, v, key_pos, valid)` is the same in XLA's ops. It takes a vmap (the
   sampling tests' batched rounds: one call per element would be one per round) and the
   tangents (XLA's ops differentiate; the kernel does not)."""
-  kernel_status("f32_attention")  # registers the target on first use
+  status = kernel_status("f32_attention")  # registers the target on first use
+  if status != "ready":
+    raise SpecjaxError(f"the f32_attention CPU kernel is not available: {status}")
 
   def kernel(q, q_pos, k, v, key_pos, valid):
     B, T, N, H = q.shape
