@@ -59,17 +59,41 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, base: float, interleaved: bool) -> jax.Array:
-  """Rotary embedding of x[B, T, N, H] at positions[B, T].
+@flax.struct.dataclass
+class Rotation:
+  """cos and sin of the tokens' rotary angles, [B, T, H/2] each, for one rope base.
+
+  Computed once per forward and base, and read by every layer. Computed inside each
+  layer's rotation, the cos and sin were fused into it and evaluated once per rotated
+  element, each angle for every head: 13 µs a layer's q or k in a five-token verification
+  of SmolLM2 (`experiments/trace_step_ops.py`)."""
+
+  cos: jax.Array
+  sin: jax.Array
+
+
+def rotation(positions: jax.Array, base: float, H: int) -> Rotation:
+  """The rotary angles of positions[B, T] for head dim H, materialised once.
+
+  The table goes through a sum (with zeros) because XLA fuses elementwise producers into
+  every consumer, an expensive cos included, and an optimisation barrier is gone before
+  fusion on XLA:CPU; a reduction is the producer it does not fuse. Adding zeros changes no
+  value (`test_model.py` checks the compiled step holds one cos per rope base)."""
+  inv_freq = 1.0 / (base ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))  # [H/2]
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+  table = jnp.stack([jnp.cos(angles), jnp.sin(angles)])  # [2, B, T, H/2]
+  table = jnp.stack([table, jnp.zeros_like(table)]).sum(0)
+  return Rotation(table[0], table[1])
+
+
+def rotate(x: jax.Array, rot: Rotation, interleaved: bool) -> jax.Array:
+  """Rotary embedding of x[B, T, N, H] by the angles `rot` holds.
 
   `interleaved` rotates pairs (0,1), (2,3), ... (Meta / llama.cpp llama layout); otherwise
   halves (0, H/2), ... (NeoX / HF layout). The two give the same q.k on permuted weights.
   """
   H = x.shape[-1]
-  inv_freq = 1.0 / (base ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))  # [H/2]
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
-  sin = jnp.sin(angles)[:, :, None, :]
-  cos = jnp.cos(angles)[:, :, None, :]
+  cos, sin = rot.cos[:, :, None, :], rot.sin[:, :, None, :]
   x32 = x.astype(jnp.float32)
   if interleaved:
     x1, x2 = x32[..., 0::2], x32[..., 1::2]
@@ -78,6 +102,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, base: float, interleaved: boo
     x1, x2 = x32[..., : H // 2], x32[..., H // 2 :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, base: float, interleaved: bool) -> jax.Array:
+  """Rotary embedding of x[B, T, N, H] at positions[B, T] (`rotate` by fresh angles)."""
+  return rotate(x, rotation(positions, base, x.shape[-1]), interleaved)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype) -> nnx.Param:
@@ -100,10 +129,11 @@ class Attention(nnx.Module):
     self.window = config.sliding_window if config.is_sliding(layer) else None
     self.rope_base = config.layer_rope_base(layer)
 
-  def project(self, x: jax.Array, positions: jax.Array, weights: LayerWeights | None = None
+  def project(self, x: jax.Array, rot: Rotation, weights: LayerWeights | None = None
               ) -> tuple[jax.Array, ...]:
-    """x[B, T, D] -> q[B, T, N, H], k[B, T, K, H], v[B, T, K, H] (normed and rotated),
-    with the layer's own projection or a draft's quantised one (`weights.qkv`)."""
+    """x[B, T, D] -> q[B, T, N, H], k[B, T, K, H], v[B, T, K, H] (normed and rotated by
+    `rot`, the tokens' angles at this layer's base), with the layer's own projection or a
+    draft's quantised one (`weights.qkv`)."""
     N, K = self.config.num_heads, self.config.num_kv_heads
     if weights is not None and weights.qkv is not None:
       qkv = weights.qkv.matmul(x).reshape(x.shape[:2] + self.qkv.shape[1:])
@@ -117,8 +147,8 @@ class Attention(nnx.Module):
     q, k, v = qkv[:, :, :N], qkv[:, :, N : N + K], qkv[:, :, N + K :]
     if self.config.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    rope = lambda t: apply_rope(t, positions, self.rope_base, self.config.rope_interleaved)
-    return rope(q), rope(k), v
+    interleaved = self.config.rope_interleaved
+    return rotate(q, rot, interleaved), rotate(k, rot, interleaved), v
 
   def attend(self, q: jax.Array, positions: jax.Array, segments: list[Segment],
              kernel: QuantRead | None = None, weights: LayerWeights | None = None
@@ -303,10 +333,11 @@ class Block(nnx.Module):
     return x + (getattr(self, post_norm)(out) if self.post_norms else out)
 
   def attn_sublayer(self, run: jax.Array | bool | None, x: jax.Array, positions: jax.Array,
-                    layer: LayerView, weights: LayerWeights | None = None
-                    ) -> tuple[jax.Array, LayerView]:
+                    layer: LayerView, weights: LayerWeights | None = None,
+                    rot: Rotation | None = None) -> tuple[jax.Array, LayerView]:
     """The attention sub-layer over one layer's cache view: project the tokens and write
     their K/V where the view keeps them, then attend over everything the view reads.
+    `rot`: the tokens' rotary angles at this layer's base, if the caller holds them.
 
     Each half is its own `lax.cond` (a skipped sub-layer passes its operands through as
     `false_fun`; `run` None: no conditional). Only the arrays the tokens' K/V go into
@@ -314,9 +345,11 @@ class Block(nnx.Module):
     A draft's quantised `weights` replace the projections."""
     B, T, _ = x.shape
     N, H = self.attn.config.num_heads, self.attn.config.head_dim
+    if rot is None:
+      rot = rotation(positions, self.attn.rope_base, H)
 
     def project(x, target):
-      q, k, v = self.attn.project(self.attn_norm(x), positions, weights)
+      q, k, v = self.attn.project(self.attn_norm(x), rot, weights)
       return q, layer.write(target, k, v)
 
     def keep(x, target):
@@ -481,11 +514,15 @@ class Transformer(nnx.Module):
     if buffer is not None:
       view = buffer.view(view, cache.length)
     x = self.embed(tokens)
+    H = self.config.head_dim
+    rots = {base: rotation(positions, base, H)  # one per rope base (gemma3: local, global)
+            for base in sorted({block.attn.rope_base for block in self.blocks})}
     with float32_dots(x.dtype):
       residuals = []
       for l, block in enumerate(self.blocks):
         run = plan.runs("attn", l)
-        x, layer = block.attn_sublayer(run, x, positions, view.layer(l), layer_weights[l])
+        x, layer = block.attn_sublayer(run, x, positions, view.layer(l), layer_weights[l],
+                                       rots[block.attn.rope_base])
         view.keep(l, layer, run, x)
         if return_residuals:
           residuals.append(x)

@@ -166,6 +166,20 @@ def test_every_sublayer_of_a_draft_plan_is_a_conditional_and_a_dense_plan_has_no
   assert count(DraftPlan.full(L)) == 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_forward_computes_each_rope_base_angles_once(arch):
+  """The rotary cos and sin are computed once per forward and base (gemma3 has two), not
+  once per layer, nor once per rotated element inside each layer's fusion."""
+  config = tiny_config(arch)
+  graphdef, state = _tiny_split(arch)
+  toks = tokens_for(config, B=1)
+  bases = {config.layer_rope_base(l) for l in range(config.num_layers)}
+  for plan in (DraftPlan.full(config.num_layers), DraftPlan.from_skips(config.num_layers)):
+    hlo = _apply.lower(state, KVCache.create(config, 1, 32), toks, jnp.arange(T)[None], plan,
+                       graphdef=graphdef).compile().as_text()
+    assert hlo.count(" cosine(") == hlo.count(" sine(") == len(bases) < config.num_layers
+
+
 @pytest.mark.parametrize("dtype", ["mixed", "bfloat16"])
 def test_float32_activations_ask_every_dot_for_float32_arithmetic(dtype):
   """`mixed` (bfloat16 weights, float32 activations) lowers every dot of a forward, draft
