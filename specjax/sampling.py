@@ -7,7 +7,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from specjax import cpu_kernels
 from specjax.errors import ConfigError
 
 
@@ -30,15 +32,11 @@ class SamplingParams:
 
 
 def argmax(logits: jax.Array) -> jax.Array:
-  """`jnp.argmax(logits, axis=-1)` as int32, in two plain reductions (the max, then the
-  first index that holds it or a NaN), which XLA:CPU vectorises; its variadic
-  (value, index) reduce does not. Same answer, ties and NaNs included: the first
-  maximum, or the first NaN. Measured on an Intel Xeon: 5 × 49152 logits 986 -> 318 µs,
-  1 × 151936 597 -> 249 µs (`tests/test_sampling.py` holds it equal to `jnp.argmax`)."""
-  top = jnp.max(logits, axis=-1, keepdims=True)
-  ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
-  hit = (logits == top) | jnp.isnan(logits)
-  return jnp.min(jnp.where(hit, ids, logits.shape[-1]), axis=-1)
+  """`jnp.argmax(logits, axis=-1)` as int32: the first maximum, or the first NaN. On a CPU
+  it is one pass of `cpu_kernels.f32_argmax` over each row (float32 logits)."""
+  if _kernel_takes(logits):
+    return cpu_kernels.f32_argmax(jax.lax.stop_gradient(logits))[0]  # piecewise constant
+  return _argmax_xla(logits)
 
 
 def top_probability(logits: jax.Array) -> jax.Array:
@@ -46,6 +44,46 @@ def top_probability(logits: jax.Array) -> jax.Array:
   over the logits instead of a softmax's three and a third reduction."""
   top = jnp.max(logits, axis=-1, keepdims=True)
   return 1.0 / jnp.sum(jnp.exp(logits - top), axis=-1)
+
+
+def argmax_and_top_probability(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(`argmax`, `top_probability`) of logits[..., V]: a draft's greedy token and its
+  confidence, in one kernel call per step on a CPU."""
+  if _kernel_takes(logits):
+    return _argmax_and_top_kernel(logits)
+  return _argmax_xla(logits), top_probability(logits)
+
+
+def _kernel_takes(logits: jax.Array) -> bool:
+  """Whether the greedy choice over `logits` takes the CPU kernel: float32 rows of at least
+  one logit on a CPU backend, the kernel built."""
+  return (logits.dtype == jnp.float32 and logits.ndim >= 1 and logits.shape[-1] > 0
+          and cpu_kernels.runs_here("f32_argmax"))
+
+
+def _argmax_xla(logits: jax.Array) -> jax.Array:
+  """`jnp.argmax` in two plain reductions (the max, then the first index that holds it or a
+  NaN), which XLA:CPU vectorises; its variadic (value, index) reduce does not. Same answer,
+  ties and NaNs included. Measured on an Intel Xeon: 5 × 49152 logits 986 -> 318 µs,
+  1 × 151936 597 -> 249 µs (`tests/test_sampling.py` holds it equal to `jnp.argmax`)."""
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+  hit = (logits == top) | jnp.isnan(logits)
+  return jnp.min(jnp.where(hit, ids, logits.shape[-1]), axis=-1)
+
+
+@jax.custom_jvp
+def _argmax_and_top_kernel(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return cpu_kernels.f32_argmax(logits, probability=True)
+
+
+@_argmax_and_top_kernel.defjvp
+def _argmax_and_top_jvp(primals, tangents):
+  """The kernel does not differentiate: the probability's tangent is XLA's expression's."""
+  (logits,), (dlogits,) = primals, tangents
+  ids, p = _argmax_and_top_kernel(logits)
+  _, dp = jax.jvp(top_probability, (logits,), (dlogits,))
+  return (ids, p), (np.zeros(ids.shape, jax.dtypes.float0), dp)
 
 
 def probs(logits: jax.Array, params: SamplingParams) -> jax.Array:

@@ -1,6 +1,6 @@
 """C++ kernels that XLA:CPU lacks, compiled on first use and called through `jax.ffi`.
 
-Five kernels:
+Six kernels:
 
 * `int8_matmul`, a matmul against int8 weights with one scale per output channel, for
   8-bit drafts. XLA:CPU widens an int8 matrix to float32 in memory before its dot (31 ms
@@ -24,16 +24,20 @@ Five kernels:
   segment, up to the filled slots only. XLA:CPU spent two YNNPACK dots, a softmax fusion
   and the copies that gather a kv head's query rows on it: 85 µs a layer at one token and
   157 µs at five over SmolLM2's 320-slot cache. `attends_here` says when a step takes it.
+* `f32_argmax`, the greedy choice per row of logits: the first maximum's index, and the
+  top softmax probability a draft's confidence is. XLA:CPU spent four threaded reductions
+  on the two, 0.3 ms for one row of SmolLM2's vocabulary; one pass takes a few tens of µs.
+  `sampling.argmax` and `sampling.argmax_and_top_probability` take it.
 
 Each source is compiled once per machine with the host's C++ compiler (`$CXX`, else
 g++) for its own CPU (`-march=native`) and cached under `cache_root()/kernels`, keyed by
 the source and the headers beside it (`workers.h`: how the kernels share work with XLA's
-threads), the jax version and the CPU's flags. Where no compiler is found, or
-`SPECJAX_CPU_KERNELS=0`, the kernels fall back to the XLA path (the same numbers up to
-float32 rounding, slower) and `kernel_status()` says why; `SPECJAX_CPU_KERNELS` may
-also list the kernels to use (`int8_matmul,f32_matmul`), to measure one against XLA. On a GPU the XLA path is the
-right one: XLA:GPU fuses the int8 convert into its GEMM, and its GEMMs stream weights
-at bandwidth.
+threads; `vector_exp.h`: exp in vector registers), the jax version and the CPU's flags.
+Where no compiler is found, or `SPECJAX_CPU_KERNELS=0`, the kernels fall back to the XLA
+path (the same numbers up to float32 rounding, slower) and `kernel_status()` says why;
+`SPECJAX_CPU_KERNELS` may also list the kernels to use (`int8_matmul,f32_matmul`), to
+measure one against XLA. On a GPU the XLA path is the right one: XLA:GPU fuses the int8
+convert into its GEMM, and its GEMMs stream weights at bandwidth.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ _KERNELS = {
     "f32_matmul": ("f32_matmul.cc", {"specjax_f32_matmul_io": "F32MatmulIO",
                                      "specjax_f32_matmul_oi": "F32MatmulOI"}),
     "f32_attention": ("f32_attention.cc", {"specjax_f32_attention": "F32Attention"}),
+    "f32_argmax": ("f32_argmax.cc", {"specjax_f32_argmax": "F32Argmax"}),
     "quant_attention": ("quant_attention.cc", {"specjax_quant_key_scores": "QuantKeyScores",
                                                "specjax_quant_value_sums": "QuantValueSums"}),
 }
@@ -369,7 +374,21 @@ def f32_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
   return call(q, q_pos, k, v, key_pos, valid)
 
 
-__all__ = ["FEW_ROWS", "KernelBuildError", "attends_here", "f32_attention", "f32_matmul",
-           "few_rows", "int4_matmul",
-           "int8_matmul", "kernel_status", "quant_key_scores", "quant_value_sums",
-           "reads_codes", "runs_here"]
+def f32_argmax(logits: jax.Array, probability: bool = False) -> tuple[jax.Array, jax.Array]:
+  """Per row of float32 logits[..., V]: (the index of the first maximum, or of the first
+  NaN, as int32[...]; with `probability`, 1 / Σ exp(logits - max) as float32[...], NaN
+  where the maximum is not finite; without, that output is unspecified). Rows are
+  independent, so a vmap adds rows. Not differentiable: callers that differentiate take
+  XLA's expression (`sampling.top_probability`)."""
+  status = kernel_status("f32_argmax")  # registers the target on first use
+  if status != "ready":
+    raise SpecjaxError(f"the f32_argmax CPU kernel is not available: {status}")
+  rows = logits.shape[:-1]
+  out = (jax.ShapeDtypeStruct(rows, jnp.int32), jax.ShapeDtypeStruct(rows, jnp.float32))
+  return jax.ffi.ffi_call("specjax_f32_argmax", out, vmap_method="broadcast_all")(
+      logits, probability=probability)
+
+
+__all__ = ["FEW_ROWS", "KernelBuildError", "attends_here", "f32_argmax", "f32_attention",
+           "f32_matmul", "few_rows", "int4_matmul", "int8_matmul", "kernel_status",
+           "quant_key_scores", "quant_value_sums", "reads_codes", "runs_here"]

@@ -23,6 +23,7 @@
 #include <immintrin.h>
 #endif
 
+#include "vector_exp.h"
 #include "workers.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -68,29 +69,8 @@ inline void Sums4(const Vec* v, float* out) {
 #endif
 }
 
-// exp(x) for x ≤ 0, lane by lane in vector registers: 2^n · e^r with n = round(x / ln 2) and
-// |r| ≤ ln 2 / 2, e^r by the polynomial of Cephes' expf; 0 below −87, where e^x leaves
-// float's normal range. Against double-precision exp: within 1.4 ulp over [−20, 0], 4.5
-// near −87 (every float above −1, every 16th below). libm's expf is scalar, and GCC
-// vectorises it only under -ffast-math, which this build avoids (see COMPILE_FLAGS).
-inline Vec ExpNonPositive(Vec x) {
-  const IVec under = x < Splat(-87.0f);
-  x = under ? Splat(0.0f) : x;
-  const Vec z = x * Splat(1.44269504088896341f) + Splat(0.5f);
-  IVec n = __builtin_convertvector(z, IVec);            // truncates toward zero
-  n -= (__builtin_convertvector(n, Vec) > z) ? 1 : 0;  // floor (the mask is -1 or 0)
-  const Vec nf = __builtin_convertvector(n, Vec);
-  const Vec r = x - nf * Splat(0.693359375f) - nf * Splat(-2.12194440e-4f);
-  Vec p = Splat(1.9875691500e-4f);
-  p = p * r + Splat(1.3981999507e-3f);
-  p = p * r + Splat(8.3334519073e-3f);
-  p = p * r + Splat(4.1665795894e-2f);
-  p = p * r + Splat(1.6666665459e-1f);
-  p = p * r + Splat(5.0000001201e-1f);
-  const Vec e = p * r * r + r + Splat(1.0f);
-  const Vec scale = reinterpret_cast<Vec>((n + 127) << 23);  // 2^n
-  return under ? Splat(0.0f) : e * scale;
-}
+// exp(x) for x ≤ 0 in vector registers (`vector_exp.h`).
+inline Vec ExpNonPositive(Vec x) { return specjax::ExpNonPositive<Vec, IVec>(x); }
 
 struct Dims {
   int64_t B, T, N, K, S, H;

@@ -33,7 +33,7 @@ from specjax.jit_cache import CompileClock, compiled
 from specjax.kv_cache import DraftBuffer, KVCache
 from specjax.model import apply
 from specjax.plan import DraftPlan
-from specjax.sampling import SamplingParams, argmax, probs, top_probability
+from specjax.sampling import SamplingParams, argmax, argmax_and_top_probability, probs
 
 
 @flax.struct.dataclass
@@ -90,7 +90,8 @@ def _choose(logits, ids, key, vocab, sampling):
   over the whole vocabulary."""
   back = (lambda j: j) if ids is None else (lambda j: ids[j])
   if sampling.greedy:
-    return back(argmax(logits)), top_probability(logits), None
+    token, confidence = argmax_and_top_probability(logits)
+    return back(token), confidence, None
   q = probs(logits, sampling)
   nxt = back(jax.random.categorical(key, jnp.log(q)).astype(jnp.int32))
   if ids is not None:
