@@ -4,6 +4,7 @@ so both sample from exactly the same target distribution."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -55,9 +56,11 @@ def argmax_and_top_probability(logits: jax.Array) -> tuple[jax.Array, jax.Array]
 
 
 def _kernel_takes(logits: jax.Array) -> bool:
-  """Whether the greedy choice over `logits` takes the CPU kernel: float32 rows of at least
-  one logit on a CPU backend, the kernel built."""
+  """Whether the greedy choice over `logits` takes the CPU kernel: a step's few float32
+  rows (up to `cpu_kernels.FEW_ROWS`: the kernel runs on one thread, where XLA's
+  reductions split many rows over all of them) on a CPU backend, the kernel built."""
   return (logits.dtype == jnp.float32 and logits.ndim >= 1 and logits.shape[-1] > 0
+          and math.prod(logits.shape[:-1]) <= cpu_kernels.FEW_ROWS
           and cpu_kernels.runs_here("f32_argmax"))
 
 

@@ -62,7 +62,7 @@ def test_top_probability_is_max_softmax():
 
 
 @kernel_built
-def test_the_kernel_batches_differentiates_and_is_what_a_step_calls():
+def test_the_kernel_batches_differentiates_and_takes_a_steps_few_rows():
   logits = 3.0 * jax.random.normal(jax.random.key(2), (4, 2, 999))
   ids, p = jax.vmap(argmax_and_top_probability)(logits)  # a vmap adds rows
   np.testing.assert_array_equal(ids, jnp.argmax(logits, axis=-1))
@@ -73,6 +73,9 @@ def test_the_kernel_batches_differentiates_and_is_what_a_step_calls():
   assert jax.grad(lambda l: (argmax(l) * l[..., 0]).sum())(logits).shape == logits.shape
   hlo = jax.jit(argmax_and_top_probability).lower(logits).as_text()
   assert "specjax_f32_argmax" in hlo and "reduce" not in hlo
+  for rows, kernel in ((cpu_kernels.FEW_ROWS, True), (cpu_kernels.FEW_ROWS + 1, False)):
+    hlo = jax.jit(argmax).lower(jnp.zeros((rows, 10))).as_text()  # many rows: XLA's threads
+    assert ("specjax_f32_argmax" in hlo) == kernel
 
 
 def test_without_the_kernel_the_xla_forms_answer(monkeypatch):
@@ -87,3 +90,22 @@ def test_without_the_kernel_the_xla_forms_answer(monkeypatch):
   finally:
     monkeypatch.undo()
     cpu_kernels.kernel_status.cache_clear()
+
+
+@kernel_built
+def test_bench_greedy_times_each_form(monkeypatch, capsys):
+  """experiments/bench_greedy.py on small logits: all four forms timed, one JSON line at
+  the end; a malformed --shapes stops with a message."""
+  import json
+  import sys
+  from pathlib import Path
+
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+  import bench_greedy
+
+  monkeypatch.setattr(sys, "argv", ["bench_greedy.py", "--shapes", "2x300", "--repeats", "3"])
+  bench_greedy.main()
+  figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert set(figures["us"]["2x300"]) == set(bench_greedy.FORMS)
+  with pytest.raises(SystemExit, match="--shapes"):
+    bench_greedy.shapes("5by300")

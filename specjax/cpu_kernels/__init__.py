@@ -27,7 +27,7 @@ Six kernels:
 * `f32_argmax`, the greedy choice per row of logits: the first maximum's index, and the
   top softmax probability a draft's confidence is. XLA:CPU spent four threaded reductions
   on the two, 0.3 ms for one row of SmolLM2's vocabulary; one pass takes a few tens of µs.
-  `sampling.argmax` and `sampling.argmax_and_top_probability` take it.
+  `sampling.argmax` and `sampling.argmax_and_top_probability` take it for a step's few rows.
 
 Each source is compiled once per machine with the host's C++ compiler (`$CXX`, else
 g++) for its own CPU (`-march=native`) and cached under `cache_root()/kernels`, keyed by
