@@ -12,27 +12,15 @@
 #include <cstdint>
 #include <limits>
 
-#include "vector_exp.h"
+#include "float_vectors.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kVecBytes = 64;
-#elif defined(__AVX__)
-constexpr int kVecBytes = 32;
-#else
-constexpr int kVecBytes = 16;
-#endif
-constexpr int kLanes = kVecBytes / 4;
-
-typedef float Vec __attribute__((vector_size(kVecBytes)));
-typedef int32_t IVec __attribute__((vector_size(kVecBytes)));
-typedef float VecU __attribute__((vector_size(kVecBytes), aligned(4)));
-inline Vec Load(const float* p) { return *reinterpret_cast<const VecU*>(p); }
-inline Vec Splat(float x) { return Vec{} + x; }
+using specjax::kLanes, specjax::Vec, specjax::IVec, specjax::Load, specjax::Splat,
+    specjax::ExpNonPositive;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
@@ -75,10 +63,10 @@ float TopProbability(const float* row, int64_t V, float top) {
   Vec sum{};
   int64_t i = 0;
   for (; i + kLanes <= V; i += kLanes)
-    sum += specjax::ExpNonPositive<Vec, IVec>(Load(row + i) - Splat(top));
+    sum += ExpNonPositive(Load(row + i) - Splat(top));
   float s = 0;
   for (int j = 0; j < kLanes; ++j) s += sum[j];
-  for (; i < V; ++i) s += specjax::ExpNonPositive<Vec, IVec>(Splat(row[i] - top))[0];
+  for (; i < V; ++i) s += ExpNonPositive(Splat(row[i] - top))[0];
   return 1.0f / s;
 }
 

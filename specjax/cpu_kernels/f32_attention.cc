@@ -23,7 +23,7 @@
 #include <immintrin.h>
 #endif
 
-#include "vector_exp.h"
+#include "float_vectors.h"
 #include "workers.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -31,25 +31,14 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kVecBytes = 64;
-#elif defined(__AVX__)
-constexpr int kVecBytes = 32;
-#else
-constexpr int kVecBytes = 16;
-#endif
-constexpr int kLanes = kVecBytes / 4;
+using specjax::kLanes, specjax::Vec, specjax::Load, specjax::Store, specjax::Splat,
+    specjax::ExpNonPositive;
+
 constexpr int kBlock = 32;  // slots per block: a block of keys or values (8 KiB at H = 64)
 constexpr int kKeys = 4;     // keys a row's scores take at a time
 constexpr int kSumVecs = 8;  // vectors of a row's value sums held in registers
 constexpr float kMasked = -1e30f;  // a masked score, as the XLA path writes it
 
-typedef float Vec __attribute__((vector_size(kVecBytes)));
-typedef int32_t IVec __attribute__((vector_size(kVecBytes)));
-typedef float VecU __attribute__((vector_size(kVecBytes), aligned(4)));
-inline Vec Load(const float* p) { return *reinterpret_cast<const VecU*>(p); }
-inline void Store(float* p, Vec v) { *reinterpret_cast<VecU*>(p) = v; }
-inline Vec Splat(float x) { return Vec{} + x; }
 inline float Sum(Vec v) {
   float s = 0;
   for (int j = 0; j < kLanes; ++j) s += v[j];
@@ -68,9 +57,6 @@ inline void Sums4(const Vec* v, float* out) {
   for (int i = 0; i < 4; ++i) out[i] = Sum(v[i]);
 #endif
 }
-
-// exp(x) for x ≤ 0 in vector registers (`vector_exp.h`).
-inline Vec ExpNonPositive(Vec x) { return specjax::ExpNonPositive<Vec, IVec>(x); }
 
 struct Dims {
   int64_t B, T, N, K, S, H;
