@@ -65,8 +65,8 @@ class Rotation:
 
   Computed once per forward and base, and read by every layer. Computed inside each
   layer's rotation, the cos and sin were fused into it and evaluated once per rotated
-  element, each angle for every head: 13 µs a layer's q or k in a five-token verification
-  of SmolLM2 (`experiments/trace_step_ops.py`)."""
+  element, each angle for every head: 13 µs a layer's q in a five-token verification of
+  SmolLM2 (`experiments/trace_step_ops.py`)."""
 
   cos: jax.Array
   sin: jax.Array

@@ -26,7 +26,7 @@ Six kernels:
   157 µs at five over SmolLM2's 320-slot cache. `attends_here` says when a step takes it.
 * `f32_argmax`, the greedy choice per row of logits: the first maximum's index, and the
   top softmax probability a draft's confidence is. XLA:CPU spent four threaded reductions
-  on the two, 0.3 ms for one row of SmolLM2's vocabulary; one pass takes a few tens of µs.
+  on the two, 0.2–0.45 ms for one row of SmolLM2's vocabulary; one pass takes tens of µs.
   `sampling.argmax` and `sampling.argmax_and_top_probability` take it for a step's few rows.
 
 Each source is compiled once per machine with the host's C++ compiler (`$CXX`, else
