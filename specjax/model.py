@@ -339,10 +339,13 @@ class Block(nnx.Module):
     their K/V where the view keeps them, then attend over everything the view reads.
     `rot`: the tokens' rotary angles at this layer's base, if the caller holds them.
 
-    Each half is its own `lax.cond` (a skipped sub-layer passes its operands through as
-    `false_fun`; `run` None: no conditional). Only the arrays the tokens' K/V go into
-    cross the first; the cache layers a step only reads enter the second as operands.
-    A draft's quantised `weights` replace the projections."""
+    A skipped sub-layer passes its operands through (`false_fun`; `run` None: no
+    conditional). Where the tokens' K/V go into the cache itself (`layer.in_place`), each
+    half is its own `lax.cond`: only the arrays the K/V go into cross the first, and the
+    cache layers a step only reads enter the second as operands. Elsewhere (a draft's
+    buffer, a forward that scores without writing) one conditional holds both halves, the
+    cache entering it as an operand: half the conditionals, and no query to pass between
+    them. A draft's quantised `weights` replace the projections."""
     B, T, _ = x.shape
     N, H = self.attn.config.num_heads, self.attn.config.head_dim
     if rot is None:
@@ -352,16 +355,23 @@ class Block(nnx.Module):
       q, k, v = self.attn.project(self.attn_norm(x), rot, weights)
       return q, layer.write(target, k, v)
 
+    def attend(x, q, layer):
+      out = self.attn.attend(q, positions, layer.read, layer.kernel, weights)
+      return self._residual(x, out, "post_attn_norm")
+
+    if not layer.in_place:
+      def sublayer(x, target):
+        q, target = project(x, target)
+        return attend(x, q, layer.with_target(target)), target
+
+      x, target = _cond(run, sublayer, lambda x, target: (x, target), x, layer.target)
+      return x, layer.with_target(target)
+
     def keep(x, target):
       return jnp.zeros((B, T, N, H), x.dtype), target
 
     q, target = _cond(run, project, keep, x, layer.target)
     layer = layer.with_target(target)
-
-    def attend(x, q, layer):
-      out = self.attn.attend(q, positions, layer.read, layer.kernel, weights)
-      return self._residual(x, out, "post_attn_norm")
-
     return _cond(run, attend, lambda x, q, layer: x, x, q, layer), layer
 
   def mlp_sublayer(self, run: jax.Array | bool | None, x: jax.Array,

@@ -166,6 +166,22 @@ def test_every_sublayer_of_a_draft_plan_is_a_conditional_and_a_dense_plan_has_no
   assert count(DraftPlan.full(L)) == 0
 
 
+def test_a_draft_step_has_one_conditional_per_sub_layer():
+  """A draft writes its K/V to its buffer, not the cache: each attention sub-layer is one
+  conditional (projection and attention together), not the two of a cache writer."""
+  from specjax.decode.engine import draft_step
+  from specjax.sampling import SamplingParams
+
+  config = tiny_config("llama")
+  graphdef, state = _tiny_split("llama")
+  L = config.num_layers
+  hlo = draft_step.lower(state, KVCache.create(config, 1, 32).with_length(T), jnp.int32(1),
+                         DraftPlan.from_skips(L), jax.random.key(0), jnp.int32(2),
+                         graphdef=graphdef, vocab=config.vocab_size, gamma=3, threshold=0.0,
+                         sampling=SamplingParams()).compile().as_text()
+  assert hlo.count(" conditional(") == 2 * L
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_a_forward_computes_each_rope_base_angles_once(arch):
   """The rotary cos and sin are computed once per forward and base (gemma3 has two), not
