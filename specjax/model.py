@@ -344,8 +344,8 @@ class Block(nnx.Module):
     half is its own `lax.cond`: only the arrays the K/V go into cross the first, and the
     cache layers a step only reads enter the second as operands. Elsewhere (a draft's
     buffer, a forward that scores without writing) one conditional holds both halves, the
-    cache entering it as an operand: half the conditionals, and no query to pass between
-    them. A draft's quantised `weights` replace the projections."""
+    cache entering it as an operand: one conditional where there were two, and no query to
+    pass between them. A draft's quantised `weights` replace the projections."""
     B, T, _ = x.shape
     N, H = self.attn.config.num_heads, self.attn.config.head_dim
     if rot is None:
