@@ -149,6 +149,13 @@ def kernel_status(kernel: str = "int8_matmul") -> str:
   return "ready"
 
 
+def _require(kernel: str) -> None:
+  """Build and register `kernel` if need be; `SpecjaxError` saying why when it cannot run."""
+  status = kernel_status(kernel)
+  if status != "ready":
+    raise SpecjaxError(f"the {kernel} CPU kernel is not available: {status}")
+
+
 def int8_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
   """x[..., I] times the int8 matrix codes[O, I] scaled per output: [..., O] in float32.
 
@@ -178,9 +185,7 @@ def int4_matmul(x: jax.Array, codes: jax.Array, lo: jax.Array, scale: jax.Array)
   """x[..., I] times a 4-bit matrix stored output-major (`quant.Int4Matrix`): codes
   uint8[O, I/2], lo and scale float32[O, I/G] -> [..., O] in float32. Only where
   `runs_here("int4_matmul")`; `Int4Matrix.matmul` takes XLA's dot elsewhere."""
-  status = kernel_status("int4_matmul")  # registers the target on first use
-  if status != "ready":
-    raise SpecjaxError(f"the int4_matmul CPU kernel is not available: {status}")
+  _require("int4_matmul")
   return _by_rows(_int4_kernel, _int4_xla)(x.astype(jnp.float32), codes,
                                            lo.astype(jnp.float32), scale.astype(jnp.float32))
 
@@ -240,9 +245,7 @@ def reads_codes() -> bool:
 
 
 def _codes_call(target: str, x: jax.Array, length: jax.Array, codes, bits: int, width: int):
-  status = kernel_status("quant_attention")  # registers the targets on first use
-  if status != "ready":
-    raise SpecjaxError(f"the quant_attention CPU kernel is not available: {status}")
+  _require("quant_attention")
   call = _rows_of_one_layer(target, width, bits)
   return call(x.astype(jnp.float32), jnp.asarray(length, jnp.int32), codes.upper, codes.lower,
               codes.lo.astype(jnp.float32), codes.scale.astype(jnp.float32))
@@ -342,9 +345,7 @@ def f32_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
   `xla(q, q_pos, k, v, key_pos, valid)` is the same in XLA's ops. It takes a vmap (the
   sampling tests' batched rounds: one call per element would be one per round) and the
   tangents (XLA's ops differentiate; the kernel does not)."""
-  status = kernel_status("f32_attention")  # registers the target on first use
-  if status != "ready":
-    raise SpecjaxError(f"the f32_attention CPU kernel is not available: {status}")
+  _require("f32_attention")
 
   def kernel(q, q_pos, k, v, key_pos, valid):
     B, T, N, H = q.shape
@@ -380,9 +381,7 @@ def f32_argmax(logits: jax.Array, probability: bool = False) -> tuple[jax.Array,
   where the maximum is not finite; without, that output is unspecified). Rows are
   independent, so a vmap adds rows. Not differentiable: callers that differentiate take
   XLA's expression (`sampling.top_probability`)."""
-  status = kernel_status("f32_argmax")  # registers the target on first use
-  if status != "ready":
-    raise SpecjaxError(f"the f32_argmax CPU kernel is not available: {status}")
+  _require("f32_argmax")
   rows = logits.shape[:-1]
   out = (jax.ShapeDtypeStruct(rows, jnp.int32), jax.ShapeDtypeStruct(rows, jnp.float32))
   return jax.ffi.ffi_call("specjax_f32_argmax", out, vmap_method="broadcast_all")(
