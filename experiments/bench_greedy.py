@@ -46,6 +46,9 @@ def shapes(text: str) -> list[tuple[int, int]]:
     out = []
   if not out or any(len(s) != 2 or min(s) < 1 for s in out):
     raise SystemExit(f"--shapes: ROWSxVOCAB[,ROWSxVOCAB...], e.g. 5x49152; got {text!r}")
+  if max(rows for rows, _ in out) > cpu_kernels.FEW_ROWS:  # sampling takes XLA's form there
+    raise SystemExit(f"--shapes: at most {cpu_kernels.FEW_ROWS} rows, the most the kernel "
+                     f"takes; got {text!r}")
   return out
 
 

@@ -109,3 +109,5 @@ def test_bench_greedy_times_each_form(monkeypatch, capsys):
   assert set(figures["us"]["2x300"]) == set(bench_greedy.FORMS)
   with pytest.raises(SystemExit, match="--shapes"):
     bench_greedy.shapes("5by300")
+  with pytest.raises(SystemExit, match="at most 16 rows"):
+    bench_greedy.shapes(f"{cpu_kernels.FEW_ROWS + 1}x300")
