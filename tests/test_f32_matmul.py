@@ -52,6 +52,17 @@ def test_wide_matrices_split_by_columns(rows):
   np.testing.assert_allclose(np.asarray(got), x @ w, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_tied_heads_split_by_channels_match_numpy(rows):
+  """A tied LM head ([O, I], 9.4 MB: both threads) in chunks of channels that do not divide
+  O, read one channel at a time at one row and several side by side at more."""
+  rng = np.random.default_rng(rows)
+  x = rng.normal(size=(rows, 576)).astype(np.float32)
+  w = rng.normal(size=(4096 + 3, 576)).astype(np.float32)
+  got = jax.jit(cpu_kernels.f32_matmul, static_argnums=2)(x, w, True)
+  np.testing.assert_allclose(np.asarray(got), x @ w.T, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 9])
 @pytest.mark.parametrize("outer", [1024, 2048 + 1024])
 def test_rows_4_kib_apart_match_numpy(rows, outer):

@@ -54,7 +54,7 @@ constexpr int kLanes = kVecBytes / 4;  // floats per vector
 constexpr int kMaxRows = 9;
 constexpr int kIOWidth = 32;   // [I, O]: the widest register tile, 128 bytes of a row
 constexpr int64_t kIOChunk = 512;  // [I, O]: most columns per claimed chunk (2 KiB of a row)
-constexpr int64_t kOIChunk = 32;   // [O, I]: output channels per claimed chunk
+constexpr int64_t kOIChunkBytes = int64_t{512} << 10;  // [O, I]: weights per claimed chunk
 
 // The most vectors (or weight rows) n, a power of two up to `most`, such that MB·n sums,
 // n weight vectors and one broadcast fit the registers: the tile for MB rows of x.
@@ -258,8 +258,15 @@ inline void Dispatch(int64_t rows, Args... args) {
 
 template <int MB>
 struct ChunkOI {
-  // Up to four weight rows at a time, while their R·MB sums fit the vector registers.
-  static constexpr int R = FitRegisters(MB, 4);
+  // Up to four weight rows at a time, while their R·MB sums fit the vector registers, but
+  // one at a time for one row of x, which has no x vector to reuse: then a chunk of
+  // channels is one sequential stream, where R rows side by side are R short streams that
+  // the hardware prefetchers keep losing (as `int8_matmul.cc` found). SmolLM2's head
+  // (49152 x 576) at one row took 5.6-6.0 ms four rows at a time, 5.5-5.8 two at a time
+  // and 4.8-5.1 one at a time (AMD EPYC, two threads, from DRAM); in
+  // `experiments/bench_cpu_kernels.py` 5.07 ms before (XLA's dot: 4.13) and 4.28 after
+  // (4.49).
+  static constexpr int R = MB == 1 ? 1 : FitRegisters(MB, 4);
   static void Run(const float* x, const float* w, float* y, int64_t I, int64_t O,
                   int64_t o0, int64_t o1) {
     int64_t o = o0;
@@ -275,6 +282,16 @@ inline int64_t IOChunk(int64_t O, int64_t threads) {
   const int64_t rounds = (O + workers * kIOChunk - 1) / (workers * kIOChunk);
   const int64_t width = (O + workers * rounds - 1) / (workers * rounds);
   return std::min(kIOChunk, (width + kIOWidth - 1) / kIOWidth * kIOWidth);
+}
+
+// [O, I]: output channels per chunk, about kOIChunkBytes of weights (SmolLM2's head took
+// 4-6 % longer in chunks of 32 channels, 74 KiB, than in chunks of 64 to 1024, whose times
+// did not differ), and at least four chunks per worker, so that a helper that starts late
+// costs at most a quarter of its share.
+inline int64_t OIChunk(int64_t I, int64_t O, int64_t threads) {
+  const int64_t by_bytes = std::max<int64_t>(8, kOIChunkBytes / (I * int64_t(sizeof(float))));
+  const int64_t pieces = 4 * std::max<int64_t>(1, threads);
+  return std::max<int64_t>(1, std::min(by_bytes, (O + pieces - 1) / pieces));
 }
 
 // How a matmul is cut into chunks: [I, O] by rows (partial sums, added in chunk order) or
@@ -344,9 +361,11 @@ inline int64_t RowChunk(int64_t I, int64_t threads) {
 // The chunks of y[M, O] = x[M, I] · w for `threads` workers.
 std::shared_ptr<Work> Plan(const float* x, const float* w, float* y, int64_t M, int64_t I,
                            int64_t O, bool io, int64_t threads) {
-  if (!io)
-    return std::make_shared<Work>(x, w, y, M, I, O, Split::kRowsOI, kOIChunk,
-                                  (O + kOIChunk - 1) / kOIChunk);
+  if (!io) {
+    const int64_t chunk = OIChunk(I, O, threads);
+    return std::make_shared<Work>(x, w, y, M, I, O, Split::kRowsOI, chunk,
+                                  (O + chunk - 1) / chunk);
+  }
   if (O <= kRowSplitMaxO) {
     const int64_t chunk = RowChunk(I, threads);
     return std::make_shared<Work>(x, w, y, M, I, O, Split::kRowsIO, chunk,
