@@ -87,6 +87,23 @@ def test_results_do_not_depend_on_the_threads():
     np.testing.assert_array_equal(np.asarray(f(x, w)), first)
 
 
+def test_a_direct_call_builds_the_kernel_or_says_why_not(monkeypatch):
+  """`f32_matmul` called before anything asked `few_rows` registers its kernel itself, and
+  with the kernel disabled raises with the reason, not an unknown FFI target at run time."""
+  from specjax.errors import SpecjaxError
+
+  x, w = jnp.ones((2, 8), jnp.float32), jnp.ones((8, 3), jnp.float32)
+  cpu_kernels.kernel_status.cache_clear()
+  try:
+    np.testing.assert_array_equal(np.asarray(jax.jit(cpu_kernels.f32_matmul)(x, w)), 8.0)
+    monkeypatch.setenv("SPECJAX_CPU_KERNELS", "int8_matmul")
+    cpu_kernels.kernel_status.cache_clear()
+    with pytest.raises(SpecjaxError, match="disabled by SPECJAX_CPU_KERNELS"):
+      cpu_kernels.f32_matmul(x, w)
+  finally:
+    cpu_kernels.kernel_status.cache_clear()
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_vmap_over_x_is_one_call_with_more_rows(transposed):
   """The layer probes vmap one-token forwards over tokens and candidates: the batch joins

@@ -298,6 +298,7 @@ def quant_value_sums(p: jax.Array, length: jax.Array, codes, bits: int) -> jax.A
 def f32_matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
   """x[..., I] @ w[I, O] (w[O, I] when `transposed`: a tied embedding) -> [..., O], by the
   few-row kernel (see `few_rows`). Differentiable: the tangents take XLA's dots."""
+  _require("f32_matmul")
   if transposed:
     return _by_rows(functools.partial(_f32_kernel, "oi"), _f32_oi_xla)(x, w)
   return _by_rows(functools.partial(_f32_kernel, "io"), _f32_io_xla)(x, w)
