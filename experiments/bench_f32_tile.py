@@ -9,8 +9,10 @@ matrix warm in the caches unless `--copies`) built with the package's compiler f
 change to the tile can be judged in seconds, and its assembly read beside it (`--asm`).
 The default shape is one SmolLM2 gate_up matrix (7 MB: in L3 on the CPUs we use). Reports
 µs per matmul, GB/s of weights and the share of the core's FMA rate (a register-only FMA
-loop); the last line is JSON. This found GCC's reassociated trees in the five-row tile
-(then at a third of that rate; docs/BENCHMARKS.md).
+loop), beside the rate of the tile's instruction mix alone (its weight loads and x
+broadcasts feeding its FMAs, every operand from L1, no sums stored: what the loads that
+feed the FMAs leave of that rate); the last line is JSON. This found GCC's reassociated
+trees in the five-row tile (then at a third of that rate; docs/BENCHMARKS.md).
 
 `--copies N` takes N such matrices in turn, so that their weights come from DRAM as in a
 step (30 of SmolLM2's gate_up matrices are 212 MB); `--pad P` stores each weight row P
@@ -56,9 +58,10 @@ def build(out: Path, asm: Path | None = None) -> None:
     subprocess.run([compiler, *flags, "-S", "-o", str(asm)], check=True)
 
 
-def parse(lines: list[str]) -> tuple[int, float, dict[int, float]]:
-  """(floats per vector, peak G vector FMAs/s, {rows: µs per matmul}) from the harness."""
-  lanes, peak, times = 0, 0.0, {}
+def parse(lines: list[str]) -> tuple[int, float, dict[int, float], dict[int, float]]:
+  """(floats per vector, peak G vector FMAs/s, {rows: µs per matmul}, {rows: G vector
+  FMAs/s of the tile's mix from L1}) from the harness."""
+  lanes, peak, times, mix = 0, 0.0, {}, {}
   for line in lines:
     word, *rest = line.split()
     if word == "lanes":
@@ -67,7 +70,9 @@ def parse(lines: list[str]) -> tuple[int, float, dict[int, float]]:
       peak = float(rest[0])
     elif word == "rows":
       times[int(rest[0])] = float(rest[1])
-  return lanes, peak, times
+    elif word == "mix":
+      mix[int(rest[0])] = float(rest[1])
+  return lanes, peak, times, mix
 
 
 def main() -> None:
@@ -94,20 +99,23 @@ def main() -> None:
     build(exe, args.asm)
     cmd = [exe, I, O, args.reps, args.copies, args.pad, *rows]
     out = subprocess.run(list(map(str, cmd)), check=True, capture_output=True, text=True).stdout
-  lanes, peak, times = parse(out.splitlines())
+  lanes, peak, times, mix = parse(out.splitlines())
   table_rows, figures = [], {"machine": report.machine(), "shape": [I, O],
                              "copies": args.copies, "pad": args.pad,
                              "peak_gvfma": round(peak, 3), "rows": {}}
   for r, us in times.items():
     gbs = I * O * 4 / us / 1e3
     gvfma = I * O / lanes * r / us / 1e3
-    figures["rows"][r] = {"us": us, "gb_s": round(gbs, 2), "share_of_peak": round(gvfma / peak, 3)}
-    table_rows.append([r, f"{us:.1f}", f"{gbs:.1f}", f"{gvfma:.2f}", f"{gvfma / peak:.0%}"])
+    figures["rows"][r] = {"us": us, "gb_s": round(gbs, 2), "share_of_peak": round(gvfma / peak, 3),
+                          "mix_gvfma": mix[r], "mix_share_of_peak": round(mix[r] / peak, 3)}
+    table_rows.append([r, f"{us:.1f}", f"{gbs:.1f}", f"{gvfma:.2f}", f"{gvfma / peak:.0%}",
+                       f"{mix[r]:.2f}", f"{mix[r] / peak:.0%}"])
   stored = f", rows stored {O + args.pad} floats apart" if args.pad else ""
   print(f"{figures['machine']}; [I, O] = [{I}, {O}]{stored}, {args.copies} in turn, one "
         f"thread, {lanes} floats per vector; register-only FMA loop: {peak:.2f} G vector "
         f"FMAs/s")
-  print(report.markdown_table(["rows", "µs", "GB/s", "G vector FMAs/s", "of peak"], table_rows))
+  print(report.markdown_table(["rows", "µs", "GB/s", "G vector FMAs/s", "of peak",
+                               "tile's mix from L1", "of peak"], table_rows))
   report.print_json(figures)
 
 

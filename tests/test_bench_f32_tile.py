@@ -16,9 +16,9 @@ import bench_f32_tile  # noqa: E402
 
 
 def test_parse_reads_lanes_peak_and_each_row_count():
-  lanes, peak, times = bench_f32_tile.parse(["lanes 8", "peak 6.031", "rows 1 233.5",
-                                             "rows 5 372.0"])
-  assert (lanes, peak, times) == (8, 6.031, {1: 233.5, 5: 372.0})
+  lanes, peak, times, mix = bench_f32_tile.parse(["lanes 8", "peak 6.031", "mix 1 5.5",
+                                                  "rows 1 233.5", "mix 5 3.3", "rows 5 372.0"])
+  assert (lanes, peak, times, mix) == (8, 6.031, {1: 233.5, 5: 372.0}, {1: 5.5, 5: 3.3})
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
@@ -29,7 +29,8 @@ def test_a_small_matrix_is_timed_at_every_row_count(monkeypatch, capsys):
   figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert figures["shape"] == [40, 72] and figures["peak_gvfma"] > 0
   assert set(figures["rows"]) == {"1", "5", "9"}
-  assert all(r["us"] > 0 and r["share_of_peak"] > 0 for r in figures["rows"].values())
+  assert all(r["us"] > 0 and r["share_of_peak"] > 0 and r["mix_gvfma"] > 0
+             for r in figures["rows"].values())
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
