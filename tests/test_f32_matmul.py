@@ -64,10 +64,11 @@ def test_tied_heads_split_by_channels_match_numpy(rows):
 
 
 @pytest.mark.parametrize("rows", [1, 5, 9])
-@pytest.mark.parametrize("outer", [1024, 2048 + 1024])
+@pytest.mark.parametrize("outer", [1024, 2048 + 1024, 1024 + 512])
 def test_rows_4_kib_apart_match_numpy(rows, outer):
-  """Rows a multiple of 4 KiB apart (SmolLM2's gate_up: 3072 columns) take the tile
-  without its prefetch: equal to numpy there, tail rows included (I = 45)."""
+  """Rows a multiple of 4 KiB apart (SmolLM2's gate_up: 3072 columns), and at one row a
+  multiple of 2 KiB (1536 columns), take the tile without its prefetch: equal to numpy
+  there, tail rows included (I = 45)."""
   rng = np.random.default_rng(outer + rows)
   x = rng.normal(size=(rows, 45)).astype(np.float32)
   w = rng.normal(size=(45, outer)).astype(np.float32)

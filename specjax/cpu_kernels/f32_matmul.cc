@@ -122,20 +122,29 @@ inline float Sum(Vec v) {
 // Qwen2.5-0.5B's) read faster with it: down at five rows took 8.0 ms without, 6.5 with.
 constexpr bool FourKiBRows(int64_t O) { return O * int64_t(sizeof(float)) % 4096 == 0; }
 
+// Whether rows lie a multiple of 2 KiB apart: two sets of the L1 for a tile's rows and the
+// prefetched ones. At five rows that measured within ±9 % either way; at one row, where the
+// tile runs through its weights fastest, the prefetch lost: Qwen2.5-0.5B's gate_up (38 KiB
+// rows, 42 % of its weights) took 1.36-1.45 ms without it against 1.65-1.69 with, Qwen2.5-
+// 1.5B's (70 KiB) 4.03 against 4.83, rows of 10 and 18 KiB 3-8 % less, of 6 KiB -6 to +2 %
+// (a `/tmp` harness: matrices chained from DRAM, two threads, AMD EPYC; XLA's dot took
+// 1.54-1.56 ms on the first). So one row prefetches only rows that spread over more sets.
+constexpr bool TwoKiBRows(int64_t O) { return O * int64_t(sizeof(float)) % 2048 == 0; }
+
 // [I, O]: acc[m·stride + c] += Σ_i x[m·I + i] · w[i·O + o0 + c] over rows [i0, i1) of w
 // and columns c < o1 - o0, for rows x[0..MB). The weights are read eight rows at a time,
 // each row's segment front to back, and every weight vector meets MB broadcast x values in
 // registers; the tile's sums make one trip through `acc` per eight rows: half the loads
 // and stores of `acc` per weight read that four rows made. A tile is V vectors wide, at
 // most 128 bytes of a row, as many as the registers hold beside MB rows of sums. The rows
-// eight ahead are prefetched, unless `FourKiBRows`.
+// eight ahead are prefetched, unless `FourKiBRows` (or, at one row, `TwoKiBRows`).
 template <int MB>
 inline void BlockIO(const float* x, const float* w, float* acc, int64_t stride, int64_t I,
                     int64_t O, int64_t i0, int64_t i1, int64_t o0, int64_t o1) {
   constexpr int kRows = 8, kAhead = 8;  // rows per group; rows ahead to prefetch
   constexpr int V = FitRegisters(MB, kIOWidth / kLanes), kWidth = V * kLanes;
   const int64_t width = o1 - o0, tiles = width / kWidth;
-  const bool prefetch = !FourKiBRows(O);
+  const bool prefetch = !FourKiBRows(O) && !(MB == 1 && TwoKiBRows(O));
   int64_t i = i0;
   for (; i + kRows <= i1; i += kRows) {
     float xs[kRows][MB];
@@ -256,20 +265,43 @@ inline void Dispatch(int64_t rows, Args... args) {
   }
 }
 
+// [O, I] at one row of x: channel o's weight row read front to back into four chains of
+// sums (one chain waits on the FMA latency: SmolLM2's head took 5.0-5.1 ms that way, 4.7-4.8
+// this way; Qwen2.5's 20.3-22.6 and 18.8-20.2, where XLA's dot took 19.0-19.2).
+inline void DotOI(const float* x, const float* w, float* y, int64_t I, int64_t o) {
+  const float* wo = w + o * I;
+  Vec a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  int64_t i = 0;
+  for (; i + 4 * kLanes <= I; i += 4 * kLanes) {
+    a0 += Load(x + i) * Load(wo + i);
+    a1 += Load(x + i + kLanes) * Load(wo + i + kLanes);
+    a2 += Load(x + i + 2 * kLanes) * Load(wo + i + 2 * kLanes);
+    a3 += Load(x + i + 3 * kLanes) * Load(wo + i + 3 * kLanes);
+  }
+  for (; i + kLanes <= I; i += kLanes) a0 += Load(x + i) * Load(wo + i);
+  float s = Sum((a0 + a1) + (a2 + a3));
+  for (; i < I; ++i) s += x[i] * wo[i];
+  y[o] = s;
+}
+
 template <int MB>
 struct ChunkOI {
   // Up to four weight rows at a time, while their R·MB sums fit the vector registers, but
-  // one at a time for one row of x, which has no x vector to reuse: then a chunk of
-  // channels is one sequential stream, where R rows side by side are R short streams that
-  // the hardware prefetchers keep losing (as `int8_matmul.cc` found). SmolLM2's head
+  // one at a time (`DotOI`) for one row of x, which has no x vector to reuse: then a chunk
+  // of channels is one sequential stream, where R rows side by side are R short streams
+  // that the hardware prefetchers keep losing (as `int8_matmul.cc` found). SmolLM2's head
   // (49152 x 576) at one row took 5.6-6.0 ms four rows at a time, 5.5-5.8 two at a time
   // and 4.8-5.1 one at a time (AMD EPYC, two threads, from DRAM); in
   // `experiments/bench_cpu_kernels.py` 5.07 ms before (XLA's dot: 4.13) and 4.28 after
   // (4.49).
-  static constexpr int R = MB == 1 ? 1 : FitRegisters(MB, 4);
+  static constexpr int R = FitRegisters(MB, 4);
   static void Run(const float* x, const float* w, float* y, int64_t I, int64_t O,
                   int64_t o0, int64_t o1) {
     int64_t o = o0;
+    if constexpr (MB == 1) {
+      for (; o < o1; ++o) DotOI(x, w, y, I, o);
+      return;
+    }
     for (; o + R <= o1; o += R) RowsOI<MB, R>(x, w, y, I, O, o);
     for (; o < o1; ++o) RowsOI<MB, 1>(x, w, y, I, O, o);
   }
