@@ -292,8 +292,8 @@ struct ChunkOI {
   // that the hardware prefetchers keep losing (as `int8_matmul.cc` found). SmolLM2's head
   // (49152 x 576) at one row took 5.6-6.0 ms four rows at a time, 5.5-5.8 two at a time
   // and 4.8-5.1 one at a time (AMD EPYC, two threads, from DRAM); in
-  // `experiments/bench_cpu_kernels.py` 5.07 ms before (XLA's dot: 4.13) and 4.28 after
-  // (4.49).
+  // `experiments/bench_cpu_kernels.py` 5.07 ms four at a time (XLA's dot: 4.13), 4.28 one
+  // at a time in one chain of sums (4.49), 4.38 in `DotOI`'s four (5.66, a slower moment).
   static constexpr int R = FitRegisters(MB, 4);
   static void Run(const float* x, const float* w, float* y, int64_t I, int64_t O,
                   int64_t o0, int64_t o1) {
