@@ -123,8 +123,9 @@ inline float Sum(Vec v) {
 constexpr bool FourKiBRows(int64_t O) { return O * int64_t(sizeof(float)) % 4096 == 0; }
 
 // Whether rows lie a multiple of 2 KiB apart: two sets of the L1 for a tile's rows and the
-// prefetched ones. At five rows that measured within ±9 % either way; at one row, where the
-// tile runs through its weights fastest, the prefetch lost: Qwen2.5-0.5B's gate_up (38 KiB
+// prefetched ones. At five rows dropping the prefetch there ranged from 9 % faster to 13 %
+// slower (Qwen2.5-1.5B's down); at one row, where the tile runs through its weights
+// fastest, the prefetch lost: Qwen2.5-0.5B's gate_up (38 KiB
 // rows, 42 % of its weights) took 1.36-1.45 ms without it against 1.65-1.69 with, Qwen2.5-
 // 1.5B's (70 KiB) 4.03 against 4.83, rows of 10 and 18 KiB 3-8 % less, of 6 KiB -6 to +2 %
 // (a `/tmp` harness: matrices chained from DRAM, two threads, AMD EPYC; XLA's dot took
@@ -266,8 +267,8 @@ inline void Dispatch(int64_t rows, Args... args) {
 }
 
 // [O, I] at one row of x: channel o's weight row read front to back into four chains of
-// sums (one chain waits on the FMA latency: SmolLM2's head took 5.0-5.1 ms that way, 4.7-4.8
-// this way; Qwen2.5's 20.3-22.6 and 18.8-20.2, where XLA's dot took 19.0-19.2).
+// sums (one chain waits on the FMA latency: SmolLM2's head took 5.0-5.6 ms that way, 4.7-4.9
+// this way; Qwen2.5's 20.3-25.5 and 18.8-23.4, where XLA's dot took 19.0-23.9).
 inline void DotOI(const float* x, const float* w, float* y, int64_t I, int64_t o) {
   const float* wo = w + o * I;
   Vec a0 = {}, a1 = {}, a2 = {}, a3 = {};
