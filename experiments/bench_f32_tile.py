@@ -47,12 +47,12 @@ def max_rows() -> int:
 
 
 def build(out: Path, asm: Path | None = None) -> None:
-  """The harness, compiled with the flags the package builds its kernels with."""
+  """The harness, compiled with the flags the package builds `f32_matmul.cc` with."""
   import jax
 
   compiler = os.environ.get("CXX", "g++")
-  flags = [*cpu_kernels.COMPILE_FLAGS, "-w", f"-I{KERNELS}", f"-I{jax.ffi.include_dir()}",
-           str(HARNESS)]
+  flags = [*cpu_kernels.compile_flags("f32_matmul.cc"), "-w", f"-I{KERNELS}",
+           f"-I{jax.ffi.include_dir()}", str(HARNESS)]
   subprocess.run([compiler, *flags, "-o", str(out)], check=True)
   if asm is not None:
     subprocess.run([compiler, *flags, "-S", "-o", str(asm)], check=True)

@@ -76,6 +76,21 @@ def test_rows_4_kib_apart_match_numpy(rows, outer):
   np.testing.assert_allclose(np.asarray(got), x @ w, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("inner", [576, 896, 100, 40])
+def test_a_row_has_the_same_bits_whatever_rows_share_its_call(inner, transposed):
+  """Row t of a call with M rows equals a call with row t alone, bit for bit, for either
+  layout (the tied head included): a verification's logits are the AR step's. Inner sizes
+  of SmolLM2 and Qwen2.5 and two with tails past the last vector pair."""
+  rng = np.random.default_rng(inner)
+  x = rng.normal(size=(9, inner)).astype(np.float32)
+  w = rng.normal(size=(1000, inner) if transposed else (inner, 1000)).astype(np.float32)
+  call = jax.jit(cpu_kernels.f32_matmul, static_argnums=2)
+  alone = np.concatenate([np.asarray(call(x[t:t + 1], w, transposed)) for t in range(9)])
+  for rows in range(2, 10):
+    np.testing.assert_array_equal(np.asarray(call(x[:rows], w, transposed)), alone[:rows])
+
+
 def test_results_do_not_depend_on_the_threads():
   """Row chunks' partial sums are added in chunk order: bit-identical results on every
   call, whichever thread ran which chunk."""

@@ -81,6 +81,18 @@ _REASSOCIATE = ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
 # How every kernel is compiled (for this CPU); `experiments/bench_f32_tile.py` builds its
 # harness the same way.
 COMPILE_FLAGS = ("-O3", "-march=native", *_REASSOCIATE, "-std=c++17")
+# Sources compiled without reassociation: their sums run in the order written, so a row of
+# x gets the same bits whatever rows share its call (a verification's logits equal the AR
+# step's). With it GCC reordered `f32_matmul`'s one-row and five-row dot products
+# differently, and the tied head's logits differed in their last bits.
+_IN_ORDER = frozenset({"f32_matmul.cc"})
+
+
+def compile_flags(source: str) -> tuple[str, ...]:
+  """The compiler flags of the kernel source named `source`."""
+  if source in _IN_ORDER:
+    return tuple(f for f in COMPILE_FLAGS if f != "-fassociative-math")
+  return COMPILE_FLAGS
 
 
 class KernelBuildError(SpecjaxError, RuntimeError):
@@ -105,7 +117,7 @@ def _build(source: Path, compiler: str) -> Path:
   headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # e.g. workers.h
   key = hashlib.sha256(b"\0".join(
       [source.read_bytes(), *headers, jax.__version__.encode(), _cpu_flags().encode(),
-       compiler.encode()])).hexdigest()[:16]
+       compiler.encode(), " ".join(compile_flags(source.name)).encode()])).hexdigest()[:16]
   out = cache_root() / "kernels" / f"{source.stem}-{key}.so"
   if out.exists():
     return out
@@ -117,8 +129,8 @@ def _build(source: Path, compiler: str) -> Path:
       return out
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
       built = Path(tmp) / out.name
-      cmd = [compiler, *COMPILE_FLAGS, "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}",
-             str(source), "-o", str(built)]
+      cmd = [compiler, *compile_flags(source.name), "-shared", "-fPIC", "-w",
+             f"-I{jax.ffi.include_dir()}", str(source), "-o", str(built)]
       proc = subprocess.run(cmd, capture_output=True, text=True)
       if proc.returncode != 0:
         raise KernelBuildError(f"{' '.join(cmd)}\n{proc.stderr[-2000:]}")

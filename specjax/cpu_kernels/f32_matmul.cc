@@ -218,35 +218,48 @@ struct RowsIO {
   }
 };
 
-// [O, I]: output channels [o, o + R) for rows x[0..MB): R·MB dot products over R
-// contiguous weight rows, each read once; each x vector loaded meets R weight vectors.
-// The next R rows are prefetched as these are read: at MB ≥ 2 the loop issues its loads
-// too slowly for the hardware prefetchers to keep DRAM busy. With the prefetch, SmolLM2's
-// head at MB = 5 costs 1.25× XLA's dot at one row (`experiments/bench_cpu_kernels.py`).
+// [O, I]: output channels [o, o + R) for rows x[0..MB), each channel's dot product in two
+// chains of FMAs (even and odd vectors of I; one chain waits on the FMA latency), added and
+// summed across lanes. Every row runs these operations in this order whatever MB and R
+// are, and this file is compiled without reassociation (`cpu_kernels._IN_ORDER`), so a
+// row's outputs do not depend on the rows beside it: a verification's logits equal the AR
+// step's bit for bit. The one-row form with four chains did not (the tied head's logits
+// differed in their last bits). The next R rows are prefetched as these are read: at
+// MB ≥ 2 the loop issues its loads too slowly for the hardware prefetchers to keep DRAM
+// busy. At one row they are not: the channels read one at a time are one sequential
+// stream, and the prefetch cost SmolLM2's head 5.4 ms against 4.5 (`/tmp` harness).
 template <int MB, int R>
 inline void RowsOI(const float* x, const float* w, float* y, int64_t I, int64_t O,
                    int64_t o) {
-  Vec acc[R][MB] = {};
+  Vec even[R][MB] = {}, odd[R][MB] = {};
   const float* next = w + std::min(o + R, O - R) * I;  // the last rows prefetch themselves
   int64_t i = 0;
-  for (; i + kLanes <= I; i += kLanes) {
-    Vec wv[R];
+  for (; i + 2 * kLanes <= I; i += 2 * kLanes) {
+    Vec we[R], wo[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      __builtin_prefetch(next + r * I + i, 0, kPrefetchL2);
-      wv[r] = Load(w + (o + r) * I + i);
+      if constexpr (MB > 1) __builtin_prefetch(next + r * I + i, 0, kPrefetchL2);
+      we[r] = Load(w + (o + r) * I + i);
+      wo[r] = Load(w + (o + r) * I + i + kLanes);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
-      const Vec xv = Load(x + m * I + i);
+      const Vec xe = Load(x + m * I + i), xo = Load(x + m * I + i + kLanes);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) acc[r][m] += xv * wv[r];
+      for (int r = 0; r < R; ++r) {
+        even[r][m] = Fma(xe, we[r], even[r][m]);
+        odd[r][m] = Fma(xo, wo[r], odd[r][m]);
+      }
     }
   }
+  const bool one_more = i + kLanes <= I;  // an odd number of vectors: the last one is even
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) {
-      float s = Sum(acc[r][m]);
-      for (int64_t k = i; k < I; ++k) s += x[m * I + k] * w[(o + r) * I + k];
+      Vec a = even[r][m];
+      if (one_more) a = Fma(Load(x + m * I + i), Load(w + (o + r) * I + i), a);
+      float s = Sum(a + odd[r][m]);
+      for (int64_t k = one_more ? i + kLanes : i; k < I; ++k)
+        s += x[m * I + k] * w[(o + r) * I + k];
       y[m * O + o + r] = s;
     }
 }
@@ -266,44 +279,25 @@ inline void Dispatch(int64_t rows, Args... args) {
   }
 }
 
-// [O, I] at one row of x: channel o's weight row read front to back into four chains of
-// sums (one chain waits on the FMA latency: SmolLM2's head took 5.0-5.6 ms that way, 4.7-4.9
-// this way; Qwen2.5's 20.3-25.5 and 18.8-23.4, where XLA's dot took 19.0-23.9).
-inline void DotOI(const float* x, const float* w, float* y, int64_t I, int64_t o) {
-  const float* wo = w + o * I;
-  Vec a0 = {}, a1 = {}, a2 = {}, a3 = {};
-  int64_t i = 0;
-  for (; i + 4 * kLanes <= I; i += 4 * kLanes) {
-    a0 += Load(x + i) * Load(wo + i);
-    a1 += Load(x + i + kLanes) * Load(wo + i + kLanes);
-    a2 += Load(x + i + 2 * kLanes) * Load(wo + i + 2 * kLanes);
-    a3 += Load(x + i + 3 * kLanes) * Load(wo + i + 3 * kLanes);
-  }
-  for (; i + kLanes <= I; i += kLanes) a0 += Load(x + i) * Load(wo + i);
-  float s = Sum((a0 + a1) + (a2 + a3));
-  for (; i < I; ++i) s += x[i] * wo[i];
-  y[o] = s;
-}
-
 template <int MB>
 struct ChunkOI {
-  // Up to four weight rows at a time, while their R·MB sums fit the vector registers, but
-  // one at a time (`DotOI`) for one row of x, which has no x vector to reuse: then a chunk
-  // of channels is one sequential stream, where R rows side by side are R short streams
-  // that the hardware prefetchers keep losing (as `int8_matmul.cc` found). SmolLM2's head
-  // (49152 x 576) at one row took 5.6-6.0 ms four rows at a time, 5.5-5.8 two at a time
-  // and 4.8-5.1 one at a time (AMD EPYC, two threads, from DRAM); in
-  // `experiments/bench_cpu_kernels.py` 5.07 ms four at a time (XLA's dot: 4.13), 4.28 one
-  // at a time in one chain of sums (4.49), 4.38 in `DotOI`'s four (5.66, a slower moment).
-  static constexpr int R = FitRegisters(MB, 4);
+  // Two channels at a time while their 2·R·MB sums fit the vector registers beside a
+  // weight vector per channel and an x vector, else one; and one at a time for one row of
+  // x, which has no x vector to reuse: then a chunk of channels is one sequential stream,
+  // where R rows side by side are R short streams that the hardware prefetchers keep
+  // losing (as `int8_matmul.cc` found). SmolLM2's head (49152 x 576) at one row took
+  // 5.6-6.0 ms four rows at a time, 5.5-5.8 two at a time and 4.8-5.1 one at a time (AMD
+  // EPYC, two threads, from DRAM). In one chain and two, measured against the four chains
+  // this file used before (which a row at a time could not share with more rows:
+  // register space), one row took 4.47 ms against 4.53 on SmolLM2's head, 20.4 against 19.3
+  // on Qwen2.5's (151936 x 896); five rows 6.3 against 5.7 and 25.0 against 22.7 (`/tmp`
+  // harness, alternated, medians of 9-15).
+  static constexpr int R = (2 * 2 * MB + 2 + 1 <= kRegisters) ? 2 : 1;
   static void Run(const float* x, const float* w, float* y, int64_t I, int64_t O,
                   int64_t o0, int64_t o1) {
     int64_t o = o0;
-    if constexpr (MB == 1) {
-      for (; o < o1; ++o) DotOI(x, w, y, I, o);
-      return;
-    }
-    for (; o + R <= o1; o += R) RowsOI<MB, R>(x, w, y, I, O, o);
+    if constexpr (MB > 1)
+      for (; o + R <= o1; o += R) RowsOI<MB, R>(x, w, y, I, O, o);
     for (; o < o1; ++o) RowsOI<MB, 1>(x, w, y, I, O, o);
   }
 };
