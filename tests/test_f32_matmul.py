@@ -55,7 +55,7 @@ def test_wide_matrices_split_by_columns(rows):
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_tied_heads_split_by_channels_match_numpy(rows):
   """A tied LM head ([O, I], 9.4 MB: both threads) in chunks of channels that do not divide
-  O, read one channel at a time at one row and several side by side at more."""
+  O, read as two streams of channels at one row and several side by side at more."""
   rng = np.random.default_rng(rows)
   x = rng.normal(size=(rows, 576)).astype(np.float32)
   w = rng.normal(size=(4096 + 3, 576)).astype(np.float32)

@@ -218,50 +218,63 @@ struct RowsIO {
   }
 };
 
-// [O, I]: output channels [o, o + R) for rows x[0..MB), each channel's dot product in two
-// chains of FMAs (even and odd vectors of I; one chain waits on the FMA latency), added and
-// summed across lanes. Every row runs these operations in this order whatever MB and R
-// are, and this file is compiled without reassociation (`cpu_kernels._IN_ORDER`), so a
-// row's outputs do not depend on the rows beside it: a verification's logits equal the AR
-// step's bit for bit. The one-row form with four chains did not (the tied head's logits
-// differed in their last bits). The next R rows are prefetched as these are read: at
-// MB ≥ 2 the loop issues its loads too slowly for the hardware prefetchers to keep DRAM
-// busy. At one row they are not: the channels read one at a time are one sequential
-// stream, and the prefetch cost SmolLM2's head 5.4 ms against 4.5 (`/tmp` harness).
+// [O, I]: output channels [o, o + R) for rows x[0..MB): R·MB dot products over R
+// contiguous weight rows, each read once; each x vector loaded meets R weight vectors.
+// Each dot product is one chain of FMAs over I in order, summed across lanes at the end:
+// the operations `TwoStreamsOI` gives a channel too. This file is compiled without
+// reassociation (`cpu_kernels._IN_ORDER`), so a row's outputs have the same bits whatever
+// rows share its call: a verification's logits equal the AR step's. (Before, one row took
+// four chains, and GCC reordered one-row and five-row sums differently: the tied head's
+// logits differed in their last bits.) The next R rows are prefetched as these are read:
+// at MB ≥ 2 the loop issues its loads too slowly for the hardware prefetchers to keep
+// DRAM busy.
 template <int MB, int R>
 inline void RowsOI(const float* x, const float* w, float* y, int64_t I, int64_t O,
                    int64_t o) {
-  Vec even[R][MB] = {}, odd[R][MB] = {};
+  Vec acc[R][MB] = {};
   const float* next = w + std::min(o + R, O - R) * I;  // the last rows prefetch themselves
   int64_t i = 0;
-  for (; i + 2 * kLanes <= I; i += 2 * kLanes) {
-    Vec we[R], wo[R];
+  for (; i + kLanes <= I; i += kLanes) {
+    Vec wv[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      if constexpr (MB > 1) __builtin_prefetch(next + r * I + i, 0, kPrefetchL2);
-      we[r] = Load(w + (o + r) * I + i);
-      wo[r] = Load(w + (o + r) * I + i + kLanes);
+      __builtin_prefetch(next + r * I + i, 0, kPrefetchL2);
+      wv[r] = Load(w + (o + r) * I + i);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
-      const Vec xe = Load(x + m * I + i), xo = Load(x + m * I + i + kLanes);
+      const Vec xv = Load(x + m * I + i);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        even[r][m] = Fma(xe, we[r], even[r][m]);
-        odd[r][m] = Fma(xo, wo[r], odd[r][m]);
-      }
+      for (int r = 0; r < R; ++r) acc[r][m] = Fma(xv, wv[r], acc[r][m]);
     }
   }
-  const bool one_more = i + kLanes <= I;  // an odd number of vectors: the last one is even
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) {
-      Vec a = even[r][m];
-      if (one_more) a = Fma(Load(x + m * I + i), Load(w + (o + r) * I + i), a);
-      float s = Sum(a + odd[r][m]);
-      for (int64_t k = one_more ? i + kLanes : i; k < I; ++k)
-        s += x[m * I + k] * w[(o + r) * I + k];
+      float s = Sum(acc[r][m]);
+      for (int64_t k = i; k < I; ++k) s += x[m * I + k] * w[(o + r) * I + k];
       y[m * O + o + r] = s;
     }
+}
+
+// [O, I] at one row of x: channels a and b, far apart, each in the one chain `RowsOI`
+// gives it. Two chains side by side wait on the FMA latency half as often as one, and two
+// channels far apart are two long sequential streams, where channels side by side are
+// short streams that the hardware prefetchers keep losing (as `int8_matmul.cc` found).
+inline void TwoStreamsOI(const float* x, const float* w, float* y, int64_t I, int64_t a,
+                         int64_t b) {
+  const float *wa = w + a * I, *wb = w + b * I;
+  Vec sa = {}, sb = {};
+  int64_t i = 0;
+  for (; i + kLanes <= I; i += kLanes) {
+    const Vec xv = Load(x + i);
+    sa = Fma(xv, Load(wa + i), sa);
+    sb = Fma(xv, Load(wb + i), sb);
+  }
+  float ya = Sum(sa), yb = Sum(sb);
+  for (int64_t k = i; k < I; ++k) ya += x[k] * wa[k];
+  for (int64_t k = i; k < I; ++k) yb += x[k] * wb[k];
+  y[a] = ya;
+  y[b] = yb;
 }
 
 template <template <int> class Fn, typename... Args>
@@ -281,23 +294,25 @@ inline void Dispatch(int64_t rows, Args... args) {
 
 template <int MB>
 struct ChunkOI {
-  // Two channels at a time while their 2·R·MB sums fit the vector registers beside a
-  // weight vector per channel and an x vector, else one; and one at a time for one row of
-  // x, which has no x vector to reuse: then a chunk of channels is one sequential stream,
-  // where R rows side by side are R short streams that the hardware prefetchers keep
-  // losing (as `int8_matmul.cc` found). SmolLM2's head (49152 x 576) at one row took
-  // 5.6-6.0 ms four rows at a time, 5.5-5.8 two at a time and 4.8-5.1 one at a time (AMD
-  // EPYC, two threads, from DRAM). In one chain and two, measured against the four chains
-  // this file used before (which a row at a time could not share with more rows:
-  // register space), one row took 4.47 ms against 4.53 on SmolLM2's head, 20.4 against 19.3
-  // on Qwen2.5's (151936 x 896); five rows 6.3 against 5.7 and 25.0 against 22.7 (`/tmp`
-  // harness, alternated, medians of 9-15).
-  static constexpr int R = (2 * 2 * MB + 2 + 1 <= kRegisters) ? 2 : 1;
+  // Up to four channels side by side while their R·MB sums fit the vector registers; at one
+  // row, which has no x vector to reuse, the two halves of the chunk side by side
+  // (`TwoStreamsOI`). SmolLM2's head (49152 x 576) at one row took 5.6-6.0 ms four channels
+  // side by side, 5.5-5.8 two and 4.8-5.1 one at a time in one chain (AMD EPYC, two
+  // threads, from DRAM). Against one channel at a time in four chains (commit 1a2d918,
+  // whose sums differed from more rows'), two streams took 3.8-4.3 ms against 4.1-4.5 on
+  // SmolLM2's head and 18.5-20.4 against 18.7-21.0 on Qwen2.5's (151936 x 896); five rows
+  // 5.2-5.7 against 5.0-5.1 and 22.3-23.8 against 22.1-25.5 (a `/tmp` harness, alternated,
+  // medians of 9-11, two runs).
+  static constexpr int R = FitRegisters(MB, 4);
   static void Run(const float* x, const float* w, float* y, int64_t I, int64_t O,
                   int64_t o0, int64_t o1) {
     int64_t o = o0;
-    if constexpr (MB > 1)
-      for (; o + R <= o1; o += R) RowsOI<MB, R>(x, w, y, I, O, o);
+    if constexpr (MB == 1) {
+      const int64_t half = (o1 - o0) / 2;
+      for (int64_t k = 0; k < half; ++k) TwoStreamsOI(x, w, y, I, o0 + k, o0 + half + k);
+      o = o0 + 2 * half;
+    }
+    for (; o + R <= o1; o += R) RowsOI<MB, R>(x, w, y, I, O, o);
     for (; o < o1; ++o) RowsOI<MB, 1>(x, w, y, I, O, o);
   }
 };
