@@ -42,6 +42,9 @@ class Segment:
   # A cache read from slot 0 whose slots [0, filled) are the valid ones (slot = position):
   # attention may then read only a prefix that holds them.
   filled: jax.Array | None = None
+  # The tokens' own K/V (`LayerView.reading`): after a `filled` segment, the slots that
+  # follow it, which `cpu_kernels.f32_attention` reads with it in one pass.
+  own: bool = flax.struct.field(pytree_node=False, default=False)
 
   @classmethod
   def slots(cls, k: jax.Array, v: jax.Array, valid: jax.Array | None = None,
@@ -86,7 +89,7 @@ class LayerView:
     B, T = positions.shape
     like = segments[0].k
     zeros = jnp.zeros(like.shape[:2] + (T, like.shape[3]), like.dtype)
-    new = Segment(zeros, zeros, positions, jnp.ones((B, T), jnp.bool_))
+    new = Segment(zeros, zeros, positions, jnp.ones((B, T), jnp.bool_), own=True)
     return cls(tuple(segments), kernel, new)
 
   @property

@@ -46,8 +46,31 @@ def _cond(run: jax.Array | bool | None, compute, skip, *operands):
   return jax.lax.cond(run, compute, skip, *operands)
 
 
+def tree_sum(x: jax.Array) -> jax.Array:
+  """Σ over the last axis (kept, of size 1) in a fixed order of elementwise adds: halves
+  added while the width is even, then the few left in turn (a width past 16 left is first
+  zero-padded to a power of two). The same bits for a row whatever rows come with it:
+  XLA:CPU's reduce sums a row in an order that depends on the array's shape, and
+  Qwen2.5's RMS norms (896 wide) gave a token other bits alone than among five, 6 times
+  in 30."""
+  n = x.shape[-1]
+  odd = n // (n & -n) if n else 1
+  if odd > 16:
+    width = 1 << (n - 1).bit_length()
+    x = jnp.concatenate([x, jnp.zeros(x.shape[:-1] + (width - n,), x.dtype)], axis=-1)
+  while x.shape[-1] % 2 == 0:
+    half = x.shape[-1] // 2
+    x = x[..., :half] + x[..., half:]
+  total = x[..., :1]
+  for i in range(1, x.shape[-1]):
+    total = total + x[..., i:i + 1]
+  return total
+
+
 class RMSNorm(nnx.Module):
-  """RMS norm computed in float32. `scale` is the effective multiplier (gemma's 1 + w)."""
+  """RMS norm computed in float32. `scale` is the effective multiplier (gemma's 1 + w). The
+  mean of squares is a `tree_sum`, so a token's norm does not depend on the tokens beside it
+  (a verification's rows are the AR steps')."""
 
   def __init__(self, dim: int, eps: float, dtype: jnp.dtype = jnp.float32):
     self.scale = nnx.Param(jnp.ones((dim,), dtype))
@@ -55,7 +78,7 @@ class RMSNorm(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    y = x32 * jax.lax.rsqrt(tree_sum(x32 * x32) / x32.shape[-1] + self.eps)
     return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
@@ -157,12 +180,14 @@ class Attention(nnx.Module):
     causality (key position <= query position) and the sliding window; returns [B, T, D].
     With `kernel`, also over a layer of a quantised cache, read by the Pallas kernel;
     `weights.o`, when set, replaces the output projection. A step's few float32 tokens on
-    a CPU take `cpu_kernels.f32_attention`, a segment at a time (`cpu_kernels.attends_here`)."""
+    a CPU take `cpu_kernels.f32_attention` (`cpu_kernels.attends_here`), a segment at a
+    time, but a filled cache and the tokens' own K/V after it in one call: then a token's
+    row has the same bits in an AR step and in a verification."""
     if kernel is not None:
       return self._attend_kernel(q, positions, segments, kernel, weights)
     B, T, N, H = q.shape
     if all(cpu_kernels.attends_here(q, seg.k) for seg in segments):
-      out = _merge([self._kernel_partial(q, positions, seg) for seg in segments])
+      out = _merge(self._kernel_partials(q, positions, segments))
       return self._project_out(out.astype(q.dtype).reshape(B, T, N * H), weights)
     rows, row_pos = _to_rows(q, positions, segments[0].k.shape[1])  # [B, K, R, H], [B, R]
     out = _merge([self._prefix(rows, row_pos, seg) if _prefix_readable(seg) else
@@ -170,14 +195,23 @@ class Attention(nnx.Module):
                   for seg in segments])
     return self._project_out(_from_rows(out.astype(q.dtype), T), weights)
 
-  def _kernel_partial(self, q, positions, seg: Segment):
-    """`_partial` of q[B, T, N, H] over `seg` by `cpu_kernels.f32_attention`, in the
+  def _kernel_partials(self, q, positions, segments: list[Segment]) -> list[tuple]:
+    """`_partial`s of q[B, T, N, H] over `segments` by `cpu_kernels.f32_attention`, in the
     tokens' layout ([B, T, N] and [B, T, N, H]): it reads q and the cache as they are
-    stored, and a segment with a `filled` bound only up to it."""
-    bound = seg.k.shape[2] if seg.filled is None else seg.filled
-    return cpu_kernels.f32_attention(q, positions, seg.k, seg.v, seg.positions, seg.valid,
-                                     bound, scale=self.config.scale, window=self.window,
-                                     xla=self._partial_tokens)
+    stored, a segment with a `filled` bound only up to it, and the tokens' own segment
+    after it as its next slots, in the same call."""
+    parts, i = [], 0
+    while i < len(segments):
+      seg = segments[i]
+      own = (segments[i + 1] if seg.filled is not None and i + 1 < len(segments)
+             and segments[i + 1].own else None)
+      bound = seg.k.shape[2] if seg.filled is None else seg.filled
+      parts.append(cpu_kernels.f32_attention(
+          q, positions, seg.k, seg.v, seg.positions, seg.valid, bound, scale=self.config.scale,
+          window=self.window, xla=self._partial_tokens,
+          own=None if own is None else (own.k, own.v, own.positions, own.valid)))
+      i += 1 if own is None else 2
+    return parts
 
   def _partial_tokens(self, q, q_pos, k, v, key_pos, valid):
     """`_partial` in the kernel's layout (its XLA form: under vmap and for tangents)."""

@@ -128,6 +128,24 @@ def _rows_against_steps(config, graphdef, state, ids: list[int], n: int) -> floa
   return float(np.abs(np.asarray(rows) - np.stack(steps)).max())
 
 
+def test_smollm2_verification_rows_equal_ar_steps_bit_for_bit():
+  """In float32 on a CPU, where the C++ kernels take every matmul and attention of a step,
+  a verification's rows are the AR steps' logits bit for bit: each kernel computes a row
+  the same way whatever rows share its call, attention reads the cache and the tokens as
+  one run of slots, and the norms sum in a fixed tree. So greedy SSD cannot leave greedy
+  AR's tokens on a near tie."""
+  import jax
+
+  from specjax import cpu_kernels
+
+  if jax.default_backend() != "cpu" or not all(
+      cpu_kernels.runs_here(k) for k in ("f32_matmul", "f32_attention")):
+    pytest.skip("the bit-exact rows are the CPU kernels' property")
+  m = real_model("smollm2-135m-instruct")
+  ids = m.tokenizer.encode_prompt("Why is the sky blue?")
+  assert _rows_against_steps(m.config, m.graphdef, m.state, ids, 6) == 0.0
+
+
 def test_smollm2_verification_rows_match_ar_steps_in_mixed_precision():
   """Why `--dtype mixed` exists: a verification forward computes γ + 1 rows in one set of
   dots, whose rounding differs from the AR step's single row. With bfloat16 activations

@@ -81,11 +81,12 @@ _REASSOCIATE = ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
 # How every kernel is compiled (for this CPU); `experiments/bench_f32_tile.py` builds its
 # harness the same way.
 COMPILE_FLAGS = ("-O3", "-march=native", *_REASSOCIATE, "-std=c++17")
-# Sources compiled without reassociation: their sums run in the order written, so a row of
-# x gets the same bits whatever rows share its call (a verification's logits equal the AR
-# step's). With it GCC reordered `f32_matmul`'s one-row and five-row dot products
-# differently, and the tied head's logits differed in their last bits.
-_IN_ORDER = frozenset({"f32_matmul.cc"})
+# Sources compiled without reassociation: their sums run in the order written, so a row
+# gets the same bits whatever rows share its call, and a verification's logits equal the
+# AR step's. With it GCC reordered `f32_matmul`'s one-row and five-row dot products
+# differently (the tied head's logits differed in their last bits), and may split a
+# loop's sum by its trip count, which `f32_attention` must not let depend on T.
+_IN_ORDER = frozenset({"f32_matmul.cc", "f32_attention.cc"})
 
 
 def compile_flags(source: str) -> tuple[str, ...]:
@@ -348,25 +349,46 @@ def attends_here(q: jax.Array, k: jax.Array) -> bool:
 
 def f32_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
                   key_pos: jax.Array, valid: jax.Array, bound: jax.Array, *, scale: float,
-                  window: int | None, xla) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  window: int | None, xla, own: tuple | None = None
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Unnormalised attention of q[B, T, N, H] at q_pos[B, T] over one cache segment
-  (k/v[B, K, S, H] at key_pos[B, S], where `valid`), reading slots [0, bound) only: each
-  query row's masked score max m[B, T, N], l = Σ exp(s - m)[B, T, N] and
-  acc = Σ exp(s - m)·v [B, T, N, H], for a log-sum-exp merge over segments. A slot is
-  visible to a row when valid, at or before it and within `window` of it.
+  (k/v[B, K, S, H] at key_pos[B, S], where `valid`), reading slots [0, bound) only, and
+  over `own` = (k, v[B, K, U, H], positions[B, U], valid[B, U]), the tokens' own keys and
+  values, read as the slots after `bound`: each query row's masked score max m[B, T, N],
+  l = Σ exp(s - m)[B, T, N] and acc = Σ exp(s - m)·v [B, T, N, H], for a log-sum-exp merge
+  over segments. A slot is visible to a row when valid, at or before it and within
+  `window` of it. A row's results have the same bits for any T (see the kernel's source):
+  an AR step (the cache filled to p, its token after it) and a verification's row at p
+  read the same slots in the same order.
 
-  `xla(q, q_pos, k, v, key_pos, valid)` is the same in XLA's ops. It takes a vmap (the
-  sampling tests' batched rounds: one call per element would be one per round) and the
-  tangents (XLA's ops differentiate; the kernel does not)."""
+  `xla(q, q_pos, k, v, key_pos, valid)` is the same in XLA's ops, for one segment. It takes
+  a vmap (the sampling tests' batched rounds: one call per element would be one per round)
+  and the tangents (XLA's ops differentiate; the kernel does not)."""
   _require("f32_attention")
+  B, _, _, H = q.shape
+  if own is None:
+    K = k.shape[1]
+    own = (jnp.zeros((B, K, 0, H), k.dtype), jnp.zeros((B, K, 0, H), v.dtype),
+           jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0), jnp.bool_))
 
-  def kernel(q, q_pos, k, v, key_pos, valid):
+  def kernel(q, q_pos, k, v, key_pos, valid, own_k, own_v, own_pos, own_valid):
     B, T, N, H = q.shape
     out = (jax.ShapeDtypeStruct((B, T, N), jnp.float32),) * 2 + (
         jax.ShapeDtypeStruct((B, T, N, H), jnp.float32),)
     return jax.ffi.ffi_call("specjax_f32_attention", out)(
         q, q_pos.astype(jnp.int32), k, v, key_pos.astype(jnp.int32), valid,
-        jnp.asarray(bound, jnp.int32), scale=np.float32(scale), window=np.int64(window or 0))
+        jnp.asarray(bound, jnp.int32), own_k, own_v, own_pos.astype(jnp.int32), own_valid,
+        scale=np.float32(scale), window=np.int64(window or 0))
+
+  def joined_xla(q, q_pos, k, v, key_pos, valid, own_k, own_v, own_pos, own_valid):
+    """Both segments' partials in XLA's ops, merged into one (m, l, acc)."""
+    if own_k.shape[2] == 0:
+      return xla(q, q_pos, k, v, key_pos, valid)
+    (m1, l1, a1), (m2, l2, a2) = (xla(q, q_pos, k, v, key_pos, valid),
+                                  xla(q, q_pos, own_k, own_v, own_pos, own_valid))
+    m = jnp.maximum(m1, m2)
+    w1, w2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
+    return m, w1 * l1 + w2 * l2, w1[..., None] * a1 + w2[..., None] * a2
 
   @jax.custom_batching.custom_vmap
   def batchable(*args):
@@ -375,7 +397,7 @@ def f32_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
   @batchable.def_vmap
   def _batched(axis_size, in_batched, *args):
     axes = tuple(0 if b else None for b in in_batched)
-    return jax.vmap(xla, in_axes=axes)(*args), (True,) * 3
+    return jax.vmap(joined_xla, in_axes=axes)(*args), (True,) * 3
 
   @jax.custom_jvp
   def call(*args):
@@ -383,9 +405,9 @@ def f32_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
 
   @call.defjvp
   def _jvp(primals, tangents):
-    return call(*primals), jax.jvp(xla, primals, tangents)[1]
+    return call(*primals), jax.jvp(joined_xla, primals, tangents)[1]
 
-  return call(q, q_pos, k, v, key_pos, valid)
+  return call(q, q_pos, k, v, key_pos, valid, *own)
 
 
 def f32_argmax(logits: jax.Array, probability: bool = False) -> tuple[jax.Array, jax.Array]:

@@ -1,7 +1,8 @@
 // Attention of a few query tokens (an AR or draft step, a verification of γ + 1 tokens)
-// over one float32 KV cache segment, unnormalised for the log-sum-exp merge of segments:
-// for each query row, the max m of its masked scores, l = Σ exp(s − m) and
-// acc = Σ exp(s − m)·v, over the slots [0, bound) only.
+// over one float32 KV cache segment and, optionally, the tokens' own keys and values after
+// it, unnormalised for the log-sum-exp merge of segments: for each query row, the max m
+// of its masked scores, l = Σ exp(s − m) and acc = Σ exp(s − m)·v, over the cache's slots
+// [0, bound) and then the tokens' rows.
 //
 // Why a kernel: XLA:CPU gives a decode step's attention two YNNPACK dots and a softmax
 // fusion per layer, plus copies that put the query heads of a kv head into rows and back.
@@ -11,8 +12,17 @@
 // all its query rows, straight from the cache's [B, K, S, H] layout and the projection's
 // [B, T, N, H] one, and slots past `bound` (the filled part) are never read.
 //
-// Each row is computed alone, in the same order of operations whatever the number of
-// tokens T, so a verification's row t equals the AR step's at the same inputs.
+// Same bits at any T. The cache's slots [0, bound) and the tokens' rows are read as one
+// sequence of slots j (the tokens' row i is slot bound + i), and what a row computes for
+// slot j does not depend on T or on the bound: every key's score takes the same
+// instructions (a short last group of keys repeats its last key rather than taking
+// another path), the slots are cut into parts at fixed multiples of kSpan, and a part's
+// sums run over whole vectors of slots, those past its end masked. So an AR step at
+// position p (the cache filled to p, its token as the one row after it) and a
+// verification's row at p (the cache filled to p − t, its tokens after it) sum the same
+// terms in the same order: their logits are equal bit for bit, and greedy SSD cannot part
+// from greedy AR on a near tie. As two segments merged apart, they differed in the last
+// bits.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -34,10 +44,12 @@ namespace {
 using specjax::kLanes, specjax::Vec, specjax::Load, specjax::Store, specjax::Splat,
     specjax::ExpNonPositive;
 
-constexpr int kBlock = 32;  // slots per block: a block of keys or values (8 KiB at H = 64)
+constexpr int kBlock = 32;   // slots per block: a block of keys or values (8 KiB at H = 64)
+constexpr int kSpan = 128;   // slots per part: the unit of work a thread takes
 constexpr int kKeys = 4;     // keys a row's scores take at a time
 constexpr int kSumVecs = 8;  // vectors of a row's value sums held in registers
 constexpr float kMasked = -1e30f;  // a masked score, as the XLA path writes it
+static_assert(kSpan % kBlock == 0 && kBlock % kKeys == 0 && kBlock % 16 == 0);
 
 inline float Sum(Vec v) {
   float s = 0;
@@ -58,21 +70,31 @@ inline void Sums4(const Vec* v, float* out) {
 #endif
 }
 
+// B batch, T query tokens, N query heads, K kv heads, S cache slots, H head dim, and U
+// rows of the tokens' own keys and values (0: the cache alone).
 struct Dims {
-  int64_t B, T, N, K, S, H;
+  int64_t B, T, N, K, S, H, U;
   int64_t G() const { return N / K; }
   int64_t R() const { return T * G(); }  // query rows of a kv head: row t·G + g
 };
 
-// One kv head of one batch row: its query rows, its keys and values, and which slots
-// each token sees (`Visibility`).
+// One kv head of one batch row: its query rows, its keys and values as one sequence of
+// slots, and which slots each token sees (`Visibility`).
 struct Head {
   const float* q;        // row (t, g) at q + (t·N + g)·H: the head's G query heads
-  const float* k;        // [S, H]
-  const float* v;        // [S, H]
+  const float* k;        // the cache's [S, H]: slots [0, bound)
+  const float* v;
+  const float* own_k;    // the tokens' [U, H]: slots [bound, bound + U)
+  const float* own_v;
+  int64_t bound, H;
   const bool* visible;   // [T, n]: slot j is visible to token t
   const bool* whole;     // [T, blocks]: block j / kBlock is visible whole to token t
-  int64_t n, blocks;     // the filled slots and their blocks: the strides of the two
+  int64_t n, blocks;     // the slots and their blocks: the strides of the two
+
+  const float* Key(int64_t j) const { return j < bound ? k + j * H : own_k + (j - bound) * H; }
+  const float* Value(int64_t j) const {
+    return j < bound ? v + j * H : own_v + (j - bound) * H;
+  }
 };
 
 // Which of the slots [0, n) each query token of a batch row sees, and which blocks of
@@ -80,31 +102,33 @@ struct Head {
 // slots once redid it for its own blocks (13 % of the kernel's time at five tokens over
 // SmolLM2's three kv heads).
 struct Visibility {
-  Visibility(const int32_t* qpos, const int32_t* kpos, const bool* valid, int64_t B,
-             int64_t T, int64_t S, int64_t n, int64_t window)
-      : n(n), blocks((n + kBlock - 1) / kBlock), visible(new bool[B * T * n]),
-        whole(new bool[B * T * blocks]) {
-    for (int64_t bt = 0; bt < B * T; ++bt) {
-      const int64_t b = bt / T;
-      const int32_t pos = qpos[bt];
-      const int32_t* kp = kpos + b * S;
-      const bool* ok = valid + b * S;
-      bool* row = visible.get() + bt * n;
-      for (int64_t j = 0; j < n; ++j)  // no branches: the compiler vectorises this
-        row[j] = ok[j] & (kp[j] <= pos) & ((window <= 0) | (pos - kp[j] < window));
-      for (int64_t c = 0; c < blocks; ++c)
-        whole[bt * blocks + c] =
-            std::all_of(row + c * kBlock, row + std::min(n, (c + 1) * kBlock),
-                        [](bool x) { return x; });
+  Visibility(const int32_t* qpos, const int32_t* kpos, const bool* valid,
+             const int32_t* own_pos, const bool* own_valid, const Dims& d, int64_t bound,
+             int64_t window)
+      : n(bound + d.U), blocks((n + kBlock - 1) / kBlock), visible(new bool[d.B * d.T * n]),
+        whole(new bool[d.B * d.T * blocks]) {
+    std::vector<int32_t> pos(n);
+    std::vector<char> ok(n);
+    for (int64_t b = 0; b < d.B; ++b) {
+      std::copy(kpos + b * d.S, kpos + b * d.S + bound, pos.begin());
+      std::copy(own_pos + b * d.U, own_pos + (b + 1) * d.U, pos.begin() + bound);
+      std::copy(valid + b * d.S, valid + b * d.S + bound, ok.begin());
+      std::copy(own_valid + b * d.U, own_valid + (b + 1) * d.U, ok.begin() + bound);
+      for (int64_t t = 0; t < d.T; ++t) {
+        const int32_t at = qpos[b * d.T + t];
+        bool* row = visible.get() + (b * d.T + t) * n;
+        for (int64_t j = 0; j < n; ++j)  // no branches: the compiler vectorises this
+          row[j] = ok[j] & (pos[j] <= at) & ((window <= 0) | (at - pos[j] < window));
+        for (int64_t c = 0; c < blocks; ++c)
+          whole[(b * d.T + t) * blocks + c] =
+              std::all_of(row + c * kBlock, row + std::min(n, (c + 1) * kBlock),
+                          [](bool x) { return x; });
+      }
     }
   }
-  // Batch row b's visibility for the head of `q`, `k` and `v`.
-  Head HeadOf(int64_t b, int64_t T, const float* q, const float* k, const float* v) const {
-    return {q, k, v, visible.get() + b * T * n, whole.get() + b * T * blocks, n, blocks};
-  }
 
-  const int64_t n, blocks;
-  const std::unique_ptr<bool[]> visible, whole;
+  int64_t n, blocks;
+  std::unique_ptr<bool[]> visible, whole;
 };
 
 // Row r of R's share of the cache lines of [next, next + bytes): the block after the one
@@ -131,40 +155,46 @@ template <int kH>
 void Attend(const Head& a, const Dims& d, int64_t lo, int64_t hi, float scale,
             const Partial& out, std::vector<float>& buf) {
   const int64_t H = kH > 0 ? kH : d.H, G = d.G(), R = d.R(), n = hi - lo;
-  const int64_t stride = (n + 15) / 16 * 16;
+  const int64_t stride = (n + 15) / 16 * 16, whole_vecs = (n + kLanes - 1) / kLanes * kLanes;
   buf.resize(R * stride);
   float* const scores = buf.data();
   const auto row_q = [&](int64_t r) { return a.q + ((r / G) * d.N + r % G) * H; };
-  // The block after [j0, j1), as `PrefetchShare` takes it; after the last block of keys,
-  // the first of values.
-  const auto next_bytes = [&](int64_t j1) { return (std::min(hi, j1 + kBlock) - j1) * H * 4; };
+  // The cache's slots of [j1, j1 + kBlock) ∩ [lo, hi), as `PrefetchShare` takes them (the
+  // tokens' own rows are few and were just written); after the last block of keys, the
+  // first of values.
+  const auto cached_bytes = [&](int64_t j1) {
+    return std::max<int64_t>(0, std::min({hi, j1 + kBlock, a.bound}) - j1) * H * 4;
+  };
 
   // Scores s[r, j] = q_r · k_j · scale, kMasked where the slot is not visible to row r.
   // Four keys at a time: four independent sums, where one key's FMAs in a chain waited
   // on each other's latency.
   for (int64_t j0 = lo; j0 < hi; j0 += kBlock) {
-    const int64_t j1 = std::min(hi, j0 + kBlock), after = next_bytes(j1);
-    const float* next = after > 0 ? a.k + j1 * H : a.v + lo * H;
-    const int64_t next_size = after > 0 ? after : next_bytes(lo);
+    const int64_t j1 = std::min(hi, j0 + kBlock), after = cached_bytes(j1);
+    const float* next = after > 0 ? a.Key(j1) : a.Value(lo);
+    const int64_t next_size = after > 0 ? after : cached_bytes(lo);
     for (int64_t r = 0; r < R; ++r) {
       PrefetchShare(next, next_size, r, R);
       const float* qr = row_q(r);
       const bool* ok = a.visible + (r / G) * a.n;  // a token's G rows share their mask
       const bool seen = a.whole[(r / G) * a.blocks + j0 / kBlock];
       float* s = scores + r * stride - lo;
-      int64_t j = j0;
-      for (; j + kKeys <= j1; j += kKeys) {
+      for (int64_t j = j0; j < j1; j += kKeys) {
+        const float* key[kKeys];
+        for (int i = 0; i < kKeys; ++i) key[i] = a.Key(std::min(j + i, j1 - 1));
         Vec sum[kKeys] = {};
         for (int64_t h = 0; h < H; h += kLanes) {
           const Vec x = Load(qr + h);
 #pragma GCC unroll 4
-          for (int i = 0; i < kKeys; ++i) sum[i] += x * Load(a.k + (j + i) * H + h);
+          for (int i = 0; i < kKeys; ++i) sum[i] += x * Load(key[i] + h);
         }
         float dots[kKeys];
         Sums4(sum, dots);
-        // A block every key of which the row sees (all but a causal edge) reads no mask:
-        // 4-7 % off the kernel at five tokens.
-        if (seen) {
+        if (j + kKeys > j1) {  // the block's last few keys: the rest were repeats
+          for (int64_t i = 0; i < j1 - j; ++i) s[j + i] = ok[j + i] ? dots[i] * scale : kMasked;
+        } else if (seen) {
+          // A block every key of which the row sees (all but a causal edge) reads no
+          // mask: 4-7 % off the kernel at five tokens.
 #pragma GCC unroll 4
           for (int i = 0; i < kKeys; ++i) s[j + i] = dots[i] * scale;
         } else {
@@ -172,25 +202,20 @@ void Attend(const Head& a, const Dims& d, int64_t lo, int64_t hi, float scale,
           for (int i = 0; i < kKeys; ++i) s[j + i] = ok[j + i] ? dots[i] * scale : kMasked;
         }
       }
-      for (; j < j1; ++j) {
-        Vec sum = Splat(0.0f);
-        for (int64_t h = 0; h < H; h += kLanes) sum += Load(qr + h) * Load(a.k + j * H + h);
-        s[j] = ok[j] ? Sum(sum) * scale : kMasked;
-      }
     }
   }
-  // Per row: m, then p = exp(s − m) in place (0 where masked), l = Σ p.
+  // Per row: m, then p = exp(s − m) in place (0 where masked), l = Σ p, over whole vectors
+  // of slots (those past hi masked): slot j's term always lands in lane (j − lo) % kLanes.
   for (int64_t r = 0; r < R; ++r) {
     float* s = scores + r * stride;
+    std::fill(s + n, s + whole_vecs, kMasked);
     Vec mv = Splat(kMasked);
-    int64_t j = 0;
-    for (; j + kLanes <= n; j += kLanes) {
+    for (int64_t j = 0; j < whole_vecs; j += kLanes) {
       const Vec x = Load(s + j);
       mv = x > mv ? x : mv;
     }
     float m = kMasked;
     for (int i = 0; i < kLanes; ++i) m = std::max(m, mv[i]);
-    for (; j < n; ++j) m = std::max(m, s[j]);
     out.m[r] = m;
     if (m == kMasked) {  // nothing visible: l and acc are 0 (the XLA path's where)
       std::fill(s, s + n, 0.0f);
@@ -198,27 +223,20 @@ void Attend(const Head& a, const Dims& d, int64_t lo, int64_t hi, float scale,
       continue;
     }
     Vec lsum = Splat(0.0f);
-    for (j = 0; j + kLanes <= n; j += kLanes) {
+    for (int64_t j = 0; j < whole_vecs; j += kLanes) {
       const Vec p = ExpNonPositive(Load(s + j) - Splat(m));
       Store(s + j, p);
       lsum += p;
     }
-    float l = Sum(lsum);
-    for (; j < n; ++j) {  // the last few slots, one lane used
-      Vec x = Splat(0.0f);
-      x[0] = s[j] - m;
-      s[j] = ExpNonPositive(x)[0];
-      l += s[j];
-    }
-    out.l[r] = l;
+    out.l[r] = Sum(lsum);
   }
   // acc_r = Σ_j p[r, j] · v_j: a block of values (in L1) against every row in turn, up to
   // kSumVecs vectors of a row's sums in registers, each its own chain of FMAs.
   std::fill(out.acc, out.acc + R * H, 0.0f);
   for (int64_t j0 = lo; j0 < hi; j0 += kBlock) {
-    const int64_t j1 = std::min(hi, j0 + kBlock), after = next_bytes(j1);
+    const int64_t j1 = std::min(hi, j0 + kBlock), after = cached_bytes(j1);
     for (int64_t r = 0; r < R; ++r) {
-      if (after > 0) PrefetchShare(a.v + j1 * H, after, r, R);
+      if (after > 0) PrefetchShare(a.Value(j1), after, r, R);
       const float* p = scores + r * stride - lo;
       float* acc = out.acc + r * H;
       for (int64_t h0 = 0; h0 < H; h0 += kSumVecs * kLanes) {
@@ -227,7 +245,7 @@ void Attend(const Head& a, const Dims& d, int64_t lo, int64_t hi, float scale,
         for (int c = 0; c < vecs; ++c) sum[c] = Load(acc + h0 + c * kLanes);
         for (int64_t j = j0; j < j1; ++j) {
           const Vec pj = Splat(p[j]);
-          const float* vj = a.v + j * H + h0;
+          const float* vj = a.Value(j) + h0;
 #pragma GCC unroll 8
           for (int c = 0; c < vecs; ++c) sum[c] += pj * Load(vj + c * kLanes);
         }
@@ -237,21 +255,19 @@ void Attend(const Head& a, const Dims& d, int64_t lo, int64_t hi, float scale,
   }
 }
 
-// The work of one call: chunk c is kv head (b, h)'s part c % parts of the slots, whose
-// partial goes to its own scratch; `Reduce` merges a head's parts into the outputs. The
-// parts split [0, n) at whole blocks by n alone, so the sums are the same for any T.
+// The work of one call: chunk c is kv head (b, h)'s part c % parts of the slots (kSpan
+// slots from c % parts · kSpan), whose partial goes to its own scratch; `Reduce` merges a
+// head's parts into the outputs.
 class Work : public specjax::Job {
  public:
-  Work(const float* q, const int32_t* qpos, const float* k, const float* v,
-       const int32_t* kpos, const bool* valid, Dims d, int64_t n, int64_t parts,
-       float scale, int64_t window)
-      : Job(d.B * d.K * parts), q(q), k(k), v(v), d(d), n(n), parts(parts),
-        span((n + parts * kBlock - 1) / (parts * kBlock) * kBlock), scale(scale),
-        seen(qpos, kpos, valid, d.B, d.T, d.S, n, window),
-        scratch(new float[d.B * d.K * parts * d.R() * (d.H + 2)]) {}
+  Work(const float* q, const float* k, const float* v, const float* own_k, const float* own_v,
+       Dims d, int64_t bound, float scale, Visibility seen)
+      : Job(d.B * d.K * ((seen.n + kSpan - 1) / kSpan)), q(q), k(k), v(v), own_k(own_k),
+        own_v(own_v), d(d), bound(bound), parts((seen.n + kSpan - 1) / kSpan), scale(scale),
+        seen(std::move(seen)), scratch(new float[d.B * d.K * parts * d.R() * (d.H + 2)]) {}
 
   // out m/l[B, T, N], acc[B, T, N, H]: each head's parts merged as the XLA path merges
-  // segments (rescaled to their common max).
+  // segments (rescaled to their common max; a part a row sees nothing of adds zeros).
   void Reduce(float* m, float* l, float* acc) const {
     const int64_t G = d.G(), R = d.R(), H = d.H;
     for (int64_t bh = 0; bh < d.B * d.K; ++bh) {
@@ -264,7 +280,7 @@ class Work : public specjax::Job {
         std::fill(y, y + H, 0.0f);
         for (int64_t p = 0; p < parts; ++p) {
           const Partial part = Of(bh * parts + p);
-          const float w = parts == 1 ? 1.0f : std::exp(part.m[r] - top);
+          const float w = std::exp(part.m[r] - top);  // 1 exactly for the part at the top
           total += w * part.l[r];
           for (int64_t c = 0; c < H; ++c) y[c] += w * part.acc[r * H + c];
         }
@@ -278,9 +294,11 @@ class Work : public specjax::Job {
   void Chunk(int64_t c) override {
     thread_local std::vector<float> buf;
     const int64_t bh = c / parts, b = bh / d.K, h = bh % d.K;
-    const int64_t lo = std::min(n, (c % parts) * span), hi = std::min(n, lo + span);
-    const Head a = seen.HeadOf(b, d.T, q + (b * d.T * d.N + h * d.G()) * d.H,
-                               k + bh * d.S * d.H, v + bh * d.S * d.H);
+    const int64_t lo = (c % parts) * kSpan, hi = std::min(seen.n, lo + kSpan);
+    const Head a{q + (b * d.T * d.N + h * d.G()) * d.H, k + bh * d.S * d.H,
+                 v + bh * d.S * d.H, own_k + bh * d.U * d.H, own_v + bh * d.U * d.H,
+                 bound, d.H, seen.visible.get() + b * d.T * seen.n,
+                 seen.whole.get() + b * d.T * seen.blocks, seen.n, seen.blocks};
     if (d.H == 64) Attend<64>(a, d, lo, hi, scale, Of(c), buf);
     else if (d.H == 128) Attend<128>(a, d, lo, hi, scale, Of(c), buf);
     else Attend<0>(a, d, lo, hi, scale, Of(c), buf);
@@ -292,9 +310,9 @@ class Work : public specjax::Job {
     return {base, base + d.R(), base + 2 * d.R()};
   }
 
-  const float *q, *k, *v;
+  const float *q, *k, *v, *own_k, *own_v;
   const Dims d;
-  const int64_t n, parts, span;
+  const int64_t bound, parts;
   const float scale;
   const Visibility seen;
   const std::unique_ptr<float[]> scratch;  // chunks × (m[R], l[R], acc[R, H])
@@ -303,24 +321,29 @@ class Work : public specjax::Job {
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> qpos,
                      ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                      ffi::Buffer<ffi::S32> kpos, ffi::Buffer<ffi::PRED> valid,
-                     ffi::Buffer<ffi::S32> bound, ffi::ResultBuffer<ffi::F32> m,
+                     ffi::Buffer<ffi::S32> bound, ffi::Buffer<ffi::F32> own_k,
+                     ffi::Buffer<ffi::F32> own_v, ffi::Buffer<ffi::S32> own_pos,
+                     ffi::Buffer<ffi::PRED> own_valid, ffi::ResultBuffer<ffi::F32> m,
                      ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> acc,
                      float scale, int64_t window) {
-  auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || qd[0] != kd[0] || qd[3] != kd[3] ||
-      kd[1] == 0 || qd[2] % kd[1] || qd[3] % kLanes)
+  auto qd = q.dimensions(), kd = k.dimensions(), ud = own_k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || ud.size() != 4 || qd[0] != kd[0] ||
+      qd[3] != kd[3] || kd[1] == 0 || qd[2] % kd[1] || qd[3] % kLanes || ud[0] != kd[0] ||
+      ud[1] != kd[1] || ud[3] != kd[3])
     return ffi::Error::InvalidArgument(
-        "f32_attention: q[B, T, N, H], k/v[B, K, S, H] with K | N and H a multiple of the "
-        "vector width expected");
-  const Dims d{qd[0], qd[1], qd[2], kd[1], kd[2], qd[3]};
+        "f32_attention: q[B, T, N, H], k/v[B, K, S, H] and the tokens' own k/v[B, K, U, H] "
+        "with K | N and H a multiple of the vector width expected");
+  const Dims d{qd[0], qd[1], qd[2], kd[1], kd[2], qd[3], ud[2]};
   const int64_t n = std::clamp<int64_t>(bound.typed_data()[0], 0, d.S);
-  // The keys and values read decide the threads; each thread then takes slots of every
-  // head (a part per thread), which splits the reads evenly whatever K is.
-  const int64_t threads = specjax::ThreadsFor(2 * d.B * d.K * n * d.H * 4, pool.num_threads());
-  const int64_t parts = std::max<int64_t>(1, std::min(threads, n / kBlock));
-  auto work = std::make_shared<Work>(q.typed_data(), qpos.typed_data(), k.typed_data(),
-                                     v.typed_data(), kpos.typed_data(), valid.typed_data(),
-                                     d, n, parts, scale, window);
+  Visibility seen(qpos.typed_data(), kpos.typed_data(), valid.typed_data(),
+                  own_pos.typed_data(), own_valid.typed_data(), d, n, window);
+  // The keys and values read decide the threads; the parts (kSpan slots of every head)
+  // are claimed by whichever thread is free.
+  const int64_t threads =
+      specjax::ThreadsFor(2 * d.B * d.K * seen.n * d.H * 4, pool.num_threads());
+  auto work = std::make_shared<Work>(q.typed_data(), k.typed_data(), v.typed_data(),
+                                     own_k.typed_data(), own_v.typed_data(), d, n, scale,
+                                     std::move(seen));
   specjax::RunOnPool(pool, work, threads);
   work->Reduce(m->typed_data(), l->typed_data(), acc->typed_data());
   return ffi::Error::Success();
@@ -338,6 +361,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(F32Attention, Attention,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // key positions
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // valid
                                   .Arg<ffi::Buffer<ffi::S32>>()   // bound
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // the tokens' own k
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // and v
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // their positions
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // their validity
                                   .Ret<ffi::Buffer<ffi::F32>>()   // m
                                   .Ret<ffi::Buffer<ffi::F32>>()   // l
                                   .Ret<ffi::Buffer<ffi::F32>>()   // acc
