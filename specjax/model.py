@@ -58,7 +58,7 @@ def tree_sum(x: jax.Array) -> jax.Array:
   if odd > 16:
     width = 1 << (n - 1).bit_length()
     x = jnp.concatenate([x, jnp.zeros(x.shape[:-1] + (width - n,), x.dtype)], axis=-1)
-  while x.shape[-1] % 2 == 0:
+  while x.shape[-1] > 1 and x.shape[-1] % 2 == 0:
     half = x.shape[-1] // 2
     x = x[..., :half] + x[..., half:]
   total = x[..., :1]

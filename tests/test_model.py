@@ -103,6 +103,23 @@ def test_incremental_decoding_equals_one_pass(tiny):
   np.testing.assert_allclose(jnp.concatenate(logits, 1), ref, atol=2e-4, rtol=2e-4)
 
 
+@settings(max_examples=25, deadline=None)
+@given(width=st.integers(1, 2100), rows=st.integers(2, 6), seed=st.integers(0, 2**16))
+def test_tree_sum_sums_a_row_to_the_same_bits_alone_or_among_others(width, rows, seed):
+  """`tree_sum` (the RMS norms' mean of squares) is a sum over the last axis, and a row's
+  bits do not depend on the rows that come with it (XLA's reduce gave 896-wide rows other
+  bits alone than among five)."""
+  from specjax.model import tree_sum
+
+  x = np.random.default_rng(seed).normal(size=(rows, width)).astype(np.float32)
+  total = jax.jit(tree_sum)
+  got = np.asarray(total(x))
+  assert got.shape == (rows, 1)
+  np.testing.assert_allclose(got, x.astype(np.float64).sum(-1, keepdims=True), rtol=1e-5,
+                             atol=1e-5 * width)
+  np.testing.assert_array_equal(np.asarray(total(x[1:2])), got[1:2])
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_verification_gives_the_ar_steps_logits_bit_for_bit(arch):
   """Five tokens in one forward after a prefill == the same five as T = 1 steps, bit for

@@ -300,9 +300,9 @@ struct ChunkOI {
   // side by side, 5.5-5.8 two and 4.8-5.1 one at a time in one chain (AMD EPYC, two
   // threads, from DRAM). Against one channel at a time in four chains (commit 1a2d918,
   // whose sums differed from more rows'), two streams took 3.8-4.3 ms against 4.1-4.5 on
-  // SmolLM2's head and 18.5-20.4 against 18.7-21.0 on Qwen2.5's (151936 x 896); five rows
-  // 5.2-5.7 against 5.0-5.1 and 22.3-23.8 against 22.1-25.5 (a `/tmp` harness, alternated,
-  // medians of 9-11, two runs).
+  // SmolLM2's head and 17.1-20.4 against 18.0-21.0 on Qwen2.5's (151936 x 896); five rows
+  // 5.2-5.7 against 5.0-5.1 and 22.3-23.8 against 21.7-25.5 (a `/tmp` harness, alternated,
+  // medians of 9-11, three runs).
   static constexpr int R = FitRegisters(MB, 4);
   static void Run(const float* x, const float* w, float* y, int64_t I, int64_t O,
                   int64_t o0, int64_t o1) {
