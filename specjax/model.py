@@ -187,7 +187,12 @@ class Attention(nnx.Module):
       return self._attend_kernel(q, positions, segments, kernel, weights)
     B, T, N, H = q.shape
     if all(cpu_kernels.attends_here(q, seg.k) for seg in segments):
-      out = _merge(self._kernel_partials(q, positions, segments))
+      # The tokens' own K/V (always last) go with the filled cache segment before them.
+      own = (segments[-1] if len(segments) > 1 and segments[-1].own
+             and segments[-2].filled is not None else None)
+      read = segments[:-1] if own is not None else segments
+      out = _merge([self._kernel_partial(q, positions, seg, own if seg is read[-1] else None)
+                    for seg in read])
       return self._project_out(out.astype(q.dtype).reshape(B, T, N * H), weights)
     rows, row_pos = _to_rows(q, positions, segments[0].k.shape[1])  # [B, K, R, H], [B, R]
     out = _merge([self._prefix(rows, row_pos, seg) if _prefix_readable(seg) else
@@ -195,23 +200,16 @@ class Attention(nnx.Module):
                   for seg in segments])
     return self._project_out(_from_rows(out.astype(q.dtype), T), weights)
 
-  def _kernel_partials(self, q, positions, segments: list[Segment]) -> list[tuple]:
-    """`_partial`s of q[B, T, N, H] over `segments` by `cpu_kernels.f32_attention`, in the
-    tokens' layout ([B, T, N] and [B, T, N, H]): it reads q and the cache as they are
-    stored, a segment with a `filled` bound only up to it, and the tokens' own segment
-    after it as its next slots, in the same call."""
-    parts, i = [], 0
-    while i < len(segments):
-      seg = segments[i]
-      own = (segments[i + 1] if seg.filled is not None and i + 1 < len(segments)
-             and segments[i + 1].own else None)
-      bound = seg.k.shape[2] if seg.filled is None else seg.filled
-      parts.append(cpu_kernels.f32_attention(
-          q, positions, seg.k, seg.v, seg.positions, seg.valid, bound, scale=self.config.scale,
-          window=self.window, xla=self._partial_tokens,
-          own=None if own is None else (own.k, own.v, own.positions, own.valid)))
-      i += 1 if own is None else 2
-    return parts
+  def _kernel_partial(self, q, positions, seg: Segment, own: Segment | None = None):
+    """`_partial` of q[B, T, N, H] over `seg` (and `own`, the tokens' K/V, read as the slots
+    after its filled part) by `cpu_kernels.f32_attention`, in the tokens' layout ([B, T, N]
+    and [B, T, N, H]): it reads q and the cache as they are stored, and a segment with a
+    `filled` bound only up to it."""
+    bound = seg.k.shape[2] if seg.filled is None else seg.filled
+    return cpu_kernels.f32_attention(
+        q, positions, seg.k, seg.v, seg.positions, seg.valid, bound, scale=self.config.scale,
+        window=self.window, xla=self._partial_tokens,
+        own=None if own is None else (own.k, own.v, own.positions, own.valid))
 
   def _partial_tokens(self, q, q_pos, k, v, key_pos, valid):
     """`_partial` in the kernel's layout (its XLA form: under vmap and for tangents)."""

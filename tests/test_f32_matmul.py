@@ -81,7 +81,7 @@ def test_rows_4_kib_apart_match_numpy(rows, outer):
 def test_a_row_has_the_same_bits_whatever_rows_share_its_call(inner, transposed):
   """Row t of a call with M rows equals a call with row t alone, bit for bit, for either
   layout (the tied head included): a verification's logits are the AR step's. Inner sizes
-  of SmolLM2 and Qwen2.5 and two with tails past the last vector pair."""
+  of SmolLM2 and Qwen2.5 and two with tails past the last whole vector."""
   rng = np.random.default_rng(inner)
   x = rng.normal(size=(9, inner)).astype(np.float32)
   w = rng.normal(size=(1000, inner) if transposed else (inner, 1000)).astype(np.float32)

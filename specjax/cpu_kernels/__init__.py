@@ -78,8 +78,8 @@ FEW_ROWS = 16
 # with it GCC links crtfastmath.o into the shared object, whose loading switches the
 # whole process to flush-to-zero (a test of subnormal floats caught it).
 _REASSOCIATE = ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
-# How every kernel is compiled (for this CPU); `experiments/bench_f32_tile.py` builds its
-# harness the same way.
+# How every kernel is compiled (for this CPU), but those `_IN_ORDER`; `compile_flags` gives
+# a source's, which `experiments/bench_f32_tile.py` builds its harness with too.
 COMPILE_FLAGS = ("-O3", "-march=native", *_REASSOCIATE, "-std=c++17")
 # Sources compiled without reassociation: their sums run in the order written, so a row
 # gets the same bits whatever rows share its call, and a verification's logits equal the

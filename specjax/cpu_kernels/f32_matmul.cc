@@ -74,7 +74,7 @@ typedef float VecU __attribute__((vector_size(kVecBytes), aligned(4)));  // unal
 inline Vec Load(const float* p) { return *reinterpret_cast<const VecU*>(p); }
 inline void Store(float* p, Vec v) { *reinterpret_cast<VecU*>(p) = v; }
 // a + x·w as one FMA, and x[0] in every lane, each an opaque instruction. Left to itself
-// (we build with -fassociative-math, which the [O, I] sums need to vectorise), GCC turned
+// (this file was built with -fassociative-math until `cpu_kernels._IN_ORDER`), GCC turned
 // a five-row [I, O] tile into trees of multiplies and adds and kept the 40 broadcasts of
 // a group on the stack: under AVX2 the tile ran at a third of the FMA units' rate (a
 // gate_up matrix of SmolLM2 took 611 µs at five rows from L3 against 372 µs this way; one
