@@ -157,6 +157,21 @@ def check_finite(x: jax.Array, what: str) -> None:
 
 # --- 4-bit weights -------------------------------------------------------------------------
 
+ACTIVATION_LEVELS = 32767  # int16 levels on each side of zero
+
+
+def activation_grid(x: jax.Array, group: int) -> jax.Array:
+  """x[..., I] (I a multiple of `group`) as a 4-bit matmul reads it: each group of `group`
+  inputs rounded, half to even, to a multiple of its step max|x_g| / 32767, in float32.
+  On a CPU the `int4_matmul` kernel multiplies those int16 levels with the codes as
+  integers; every other path rounds x here first, so all compute one product. The error
+  is at most 2^-16 of the group's largest input."""
+  g = _grouped(x.astype(jnp.float32), -1, group)
+  amax = jnp.max(jnp.abs(g), axis=-1, keepdims=True)
+  inverse = jnp.where(amax > 0, ACTIVATION_LEVELS / jnp.where(amax > 0, amax, 1.0), 0.0)
+  levels = jnp.round(g * inverse)
+  return (levels * (amax / ACTIVATION_LEVELS)).reshape(x.shape)
+
 
 @flax.struct.dataclass
 class Int4Matrix:
@@ -194,13 +209,15 @@ class Int4Matrix:
     return self.codes.nbytes + self.lo.nbytes + self.scale.nbytes
 
   def matmul(self, x: jax.Array) -> jax.Array:
-    """x[..., In] @ this matrix -> [..., Out] in x's dtype. On a CPU the `int4_matmul`
-    kernel reads the codes; elsewhere they are dequantised inside the jitted step (XLA
-    fuses that into the dot's input on a GPU; XLA:CPU would write a float32 copy)."""
-    if not cpu_kernels.runs_here("int4_matmul"):
-      return x @ self.dequantize(x.dtype)
+    """x[..., In] @ this matrix -> [..., Out] in x's dtype, x on its `activation_grid`.
+    On a CPU the `int4_matmul` kernel reads the codes; elsewhere they are dequantised
+    inside the jitted step (XLA fuses that into the dot's input on a GPU; XLA:CPU would
+    write a float32 copy)."""
     pad = 2 * self.codes.shape[1] - self.rows  # the padded rows meet zeros
     xp = jnp.pad(x.astype(jnp.float32), [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    if not cpu_kernels.runs_here("int4_matmul"):
+      on_grid = activation_grid(xp, self.group)[..., : self.rows].astype(x.dtype)
+      return on_grid @ self.dequantize(x.dtype)
     return cpu_kernels.int4_matmul(xp, self.codes, self.lo, self.scale).astype(x.dtype)
 
   @property

@@ -146,15 +146,41 @@ def test_4bit_weights_are_stored_as_the_cpu_kernel_reads_them():
 @example(rows=(2, 3), inner=40, outer=9, group=8, seed=1)  # the scalar loop
 @example(rows=(1,), inner=576, outer=130, group=128, seed=2)  # SmolLM2's D: 4.5 groups
 def test_int4_kernel_equals_the_dequantised_matmul(rows, inner, outer, group, seed):
-  """Any leading shape; inner sizes that leave a partial group (padded) and groups too
-  small for the vectors (the scalar loop); channel counts off the 64-channel chunk."""
+  """x on its activation grid times the dequantised matrix, whichever path runs. Any
+  leading shape; inner sizes that leave a partial group (padded) and groups too small for
+  the vectors (the scalar loop); channel counts off the 64-channel chunk."""
   rng = np.random.default_rng(seed)
   x = jnp.asarray(rng.normal(size=rows + (inner,)), jnp.float32)
   m = Int4Matrix.quantize(jnp.asarray(rng.normal(size=(inner, outer)), jnp.float32), group)
-  want = np.asarray(x, np.float64) @ np.asarray(m.dequantize(), np.float64)
+  padded = jnp.pad(x, [(0, 0)] * len(rows) + [(0, -inner % group)])
+  on_grid = np.asarray(quant.activation_grid(padded, group), np.float64)[..., :inner]
+  want = on_grid @ np.asarray(m.dequantize(), np.float64)
   got = jax.jit(m.matmul)(x)
   assert got.shape == rows + (outer,)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=2e-5 * np.sqrt(inner))
+
+
+@settings(max_examples=30, deadline=None)
+@given(groups=st.integers(1, 4), group=st.sampled_from([1, 8, 128]),
+       spread=st.floats(-30, 30), zeros=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_activation_grid_moves_an_input_at_most_half_a_step(groups, group, spread,
+                                                                 zeros, seed):
+  """Each group's step is its max|x| / 32767: a value moves at most half a step (2^-16 of
+  the group's largest), the largest is kept exactly, an all-zero group stays zero, and a
+  row's grid does not depend on the rows beside it."""
+  rng = np.random.default_rng(seed)
+  x = (rng.normal(size=(3, groups * group)) * 2.0**spread).astype(np.float32)
+  if zeros:
+    x[1, :group] = 0
+  on_grid = np.asarray(quant.activation_grid(jnp.asarray(x), group))
+  amax = np.repeat(np.abs(x.reshape(3, groups, group)).max(-1), group, axis=-1)
+  assert np.all(np.abs(on_grid - x) <= amax * (2.0**-16 + 2.0**-23))
+  largest = np.abs(x) == amax
+  np.testing.assert_allclose(on_grid[largest], x[largest], rtol=2.0**-22)
+  if zeros:
+    assert np.all(on_grid[1, :group] == 0)
+  alone = np.asarray(quant.activation_grid(jnp.asarray(x[2:]), group))
+  assert np.array_equal(alone, on_grid[2:])
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel needs a C++ compiler")

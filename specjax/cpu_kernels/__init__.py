@@ -8,7 +8,9 @@ Six kernels:
   8-bit draft costs more than the full model; with it, 0.7 ms.
 * `int4_matmul`, a matmul against QuantSpec's 4-bit weights (`quant.Int4Matrix`: a
   minimum and a scale per group of input rows). XLA:CPU widened those to float32 in
-  memory as well, so the paper's 4-bit MLP drafts cost more than 8-bit ones.
+  memory as well, so the paper's 4-bit MLP drafts cost more than 8-bit ones. The kernel
+  multiplies the codes, as integers, with x on a grid of int16 levels per group
+  (`quant.activation_grid`, which every other path applies too).
 * `f32_matmul`, a float32 matmul for one to a few rows (an AR or draft step, a
   verification forward of γ + 1 tokens) that reads each weight once for all of them.
   XLA:CPU's M ≥ 2 GEMM streams the weights more slowly than its M = 1 GEMV, which priced
@@ -209,13 +211,13 @@ def _int4_kernel(x, codes, lo, scale):
 
 
 def _int4_xla(x, codes, lo, scale):
-  """The kernel's product by XLA's ops, over the matrix `quant.Int4Matrix` dequantises (x
-  is already padded to whole groups)."""
-  from specjax.quant import Int4Matrix  # quant imports this module
+  """The kernel's product by XLA's ops: x on its activation grid, over the matrix
+  `quant.Int4Matrix` dequantises (x is already padded to whole groups)."""
+  from specjax.quant import Int4Matrix, activation_grid  # quant imports this module
 
   group = 2 * codes.shape[1] // lo.shape[1]
   w = Int4Matrix(codes, lo, scale, group, 2 * codes.shape[1]).dequantize()
-  return jnp.einsum("...i,io->...o", x, w)
+  return jnp.einsum("...i,io->...o", activation_grid(x, group), w)
 
 
 def _by_rows(kernel, xla):

@@ -6,19 +6,27 @@
 // Why a kernel: XLA:CPU widens the codes to a float32 matrix in memory before its dot,
 // so a 4-bit MLP read eight times the bytes of its codes, plus a write: QuantSpec with
 // the paper's 4-bit MLP ran at 0.41-0.68x the full-precision AR on SmolLM2, where its
-// 8-bit drafts (`int8_matmul.cc`) beat it. Here each group's codes (64 bytes for G = 128:
-// one cache line) are widened in registers, four channels side by side, and meet x there;
-// each channel's codes stay in L1 across the M rows of x.
+// 8-bit drafts (`int8_matmul.cc`) beat it.
 //
-// Per output channel and row, group by group:
-//     y = Σ_g scale[o, g] · (Σ_{i in g} x[i] · code[o, i]) + Σ_g lo[o, g] · xsum[g],
-// with xsum[g] = Σ_{i in g} x[i] computed once per call: the inner loop is a dot of x with
-// small integers, and the group statistics cost two multiplies per group, not per weight.
+// Why integer activations: widening every code to a float (vpmovzxbd, vcvtdq2ps and an
+// FMA per 8 codes) bounded the first form of this kernel at 6-8 GB/s of codes on an AMD
+// EPYC, below what a loop that only reads them reaches. So each group of G inputs of a row
+// is first put on a grid of int16 levels of its own unit, max|x_g| / 32767
+// (`quant.activation_grid`, which XLA's path applies too), and vpmaddwd multiplies and
+// pairs 16 codes with their levels per instruction. A group's sum Σ code · level is then
+// an exact int32 on every instruction set. The grid's step is 2^-16 of the group's
+// largest input: finer than the float16 activations the paper's W4A16 draft reads.
+//
+// Per output channel and row, with q the levels and unit[g] their step:
+//     y = Σ_g unit[g] · (scale[o, g] · Σ_{i in g} code[o, i] · q[i] + lo[o, g] · Σ_{i in g} q[i])
+// Four channels' codes are read side by side, each level vector loaded meeting all four,
+// and each channel's codes stay in L1 across the M rows of x.
 //
 // Work is split by output channels, two chunks per worker, claimed from an atomic counter
 // by the caller and XLA's intra-op threads (`workers.h`), as in the int8 kernel.
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <thread>
@@ -38,91 +46,78 @@ using Stats = ffi::Buffer<ffi::F32, 2>;
 constexpr int64_t kChunksPerWorker = 2;  // a helper that starts late costs at most one
 constexpr int64_t kMinChannels = 64;     // per chunk
 constexpr int kChannels = 4;             // output channels read side by side
+constexpr float kLevels = 32767.0f;      // int16 levels on each side of zero
 
 using specjax::PrefetchAhead;
-#if SPECJAX_QUANT_SIMD
-using specjax::Simd;
-#endif
 
-// Σ_g scale[g] · (x_g · code_g) over the groups of one output channel, without the lo
-// term; `half` = G/2 bytes per group. Plain C++: the portable path, and groups too small
-// for the vectors (a test's G).
-inline float ScaledDotsScalar(const float* x, const uint8_t* codes, const float* scale,
-                              int64_t groups, int64_t half) {
-  float total = 0;
-  for (int64_t g = 0; g < groups; ++g) {
-    const float* xg = x + g * 2 * half;
-    float dot = 0;
-    for (int64_t j = 0; j < half; ++j) {
-      const uint8_t b = codes[g * half + j];
-      dot += xg[j] * static_cast<float>(b & 0xF) + xg[half + j] * static_cast<float>(b >> 4);
-    }
-    total += scale[g] * dot;
-  }
-  return total;
+// Σ code · level over one group of one channel; `half` = G/2 bytes. Plain C++: the
+// portable path, and groups too small for the vectors (a test's G).
+inline int32_t GroupDotScalar(const int16_t* q, const uint8_t* codes, int64_t half) {
+  int32_t dot = 0;
+  for (int64_t j = 0; j < half; ++j)
+    dot += q[j] * (codes[j] & 0xF) + q[half + j] * (codes[j] >> 4);
+  return dot;
 }
 
-#if SPECJAX_QUANT_SIMD
-// The same for R output channels side by side (codes `stride` bytes apart): each x vector
-// loaded meets R channels' codes, and 2R independent sums hide the FMA latency. SmolLM2's
-// 30 gate/up matrices took 3.6 ms a step one channel at a time (7 GB/s of codes: the
-// widening, not DRAM, bounds this loop), 2.9 ms four at a time (Intel Xeon, 2 cores).
+#if defined(__AVX2__)
+constexpr int64_t kVectorBytes = 16;  // code bytes per step: 16 low and 16 high codes
+
+inline int32_t Sum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+// The group dots of R channels side by side (codes `stride` bytes apart). Each step widens
+// 16 bytes to 16-bit lanes (vpmovzxbw); a mask gives the low codes and a shift the high
+// ones, and vpmaddwd meets each with its 16 levels. Lanes stay far from overflow: a
+// group of 128 sums to at most 128 · 15 · 32767 < 2^26.
 template <int R>
-inline void ScaledDots(const float* x, const uint8_t* codes, int64_t stride,
-                       const float* scale, int64_t groups, int64_t half, float* out) {
-  constexpr int kLanes = Simd::kLanes;
-  if (half % kLanes) {
-    for (int r = 0; r < R; ++r)
-      out[r] = ScaledDotsScalar(x, codes + r * stride, scale + r * groups, groups, half);
-    return;
+inline void GroupDots(const int16_t* q, const uint8_t* codes, int64_t stride, int64_t half,
+                      int32_t* dot) {
+  const __m256i mask = _mm256_set1_epi16(0x0F);
+  __m256i acc[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    PrefetchAhead(codes + r * stride);
+    acc[r] = _mm256_setzero_si256();
   }
-  Simd::F total[R];
-  for (int r = 0; r < R; ++r) total[r] = Simd::Zero();
-  for (int64_t g = 0; g < groups; ++g) {
-    const float* xg = x + g * 2 * half;
-    const uint8_t* cg = codes + g * half;
-    Simd::F low_sum[R], high_sum[R];
+  for (int64_t j = 0; j < half; j += kVectorBytes) {
+    const __m256i low_q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j));
+    const __m256i high_q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + half + j));
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      PrefetchAhead(cg + r * stride);
-      low_sum[r] = high_sum[r] = Simd::Zero();
+      const __m256i bytes = _mm256_cvtepu8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + r * stride + j)));
+      const __m256i low = _mm256_madd_epi16(_mm256_and_si256(bytes, mask), low_q);
+      const __m256i high = _mm256_madd_epi16(_mm256_srli_epi16(bytes, 4), high_q);
+      acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(low, high));
     }
-    for (int64_t j = 0; j < half; j += kLanes) {
-      const Simd::F xl = Simd::Floats(xg + j), xh = Simd::Floats(xg + half + j);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        Simd::F low, high;
-        Simd::Nibbles(cg + r * stride + j, low, high);
-        low_sum[r] = Simd::Fma(xl, low, low_sum[r]);
-        high_sum[r] = Simd::Fma(xh, high, high_sum[r]);
-      }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-      total[r] = Simd::Fma(Simd::Add(low_sum[r], high_sum[r]),
-                           Simd::Broadcast(scale[r * groups + g]), total[r]);
   }
-  for (int r = 0; r < R; ++r) out[r] = Simd::Sum(total[r]);
-}
-#else
-template <int R>
-inline void ScaledDots(const float* x, const uint8_t* codes, int64_t stride,
-                       const float* scale, int64_t groups, int64_t half, float* out) {
-  for (int r = 0; r < R; ++r)
-    out[r] = ScaledDotsScalar(x, codes + r * stride, scale + r * groups, groups, half);
+  for (int r = 0; r < R; ++r) dot[r] = Sum(acc[r]);
 }
 #endif
+
+// Σ code · level over one group for R channels, by vectors where the group fills them.
+template <int R>
+inline void GroupDotsAny(const int16_t* q, const uint8_t* codes, int64_t stride,
+                         int64_t half, int32_t* dot) {
+#if defined(__AVX2__)
+  if (half % kVectorBytes == 0) return GroupDots<R>(q, codes, stride, half, dot);
+#endif
+  for (int r = 0; r < R; ++r) dot[r] = GroupDotScalar(q, codes + r * stride, half);
+}
 
 class Work : public specjax::Job {
  public:
   Work(const float* x, const uint8_t* codes, const float* lo, const float* scale, float* y,
        int64_t M, int64_t I, int64_t O, int64_t groups, int64_t chunk)
-      : Job((O + chunk - 1) / chunk), x(x), codes(codes), lo(lo), scale(scale), y(y), M(M),
-        I(I), O(O), groups(groups), chunk(chunk), xsum(M * groups, 0.0f) {
+      : Job((O + chunk - 1) / chunk), codes(codes), lo(lo), scale(scale), y(y), M(M), I(I),
+        O(O), groups(groups), chunk(chunk), q(M * I), unit(M * groups), q_sum(M * groups) {
     const int64_t G = I / groups;
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t g = 0; g < groups; ++g)
-        for (int64_t i = 0; i < G; ++i) xsum[m * groups + g] += x[m * I + g * G + i];
+    for (int64_t row_group = 0; row_group < M * groups; ++row_group)
+      Quantize(x + row_group * G, G, q.data() + row_group * G, unit[row_group],
+               q_sum[row_group]);
   }
 
  protected:
@@ -133,32 +128,51 @@ class Work : public specjax::Job {
     for (; o < end; ++o) Channels<1>(o);
   }
 
-  // Output channels [o, o + R) for every row of x: their codes stay in L1 across the rows.
-  template <int R>
-  void Channels(int64_t o) {
-    const int64_t half = I / groups / 2;
-    for (int64_t m = 0; m < M; ++m) {
-      float out[R];
-      ScaledDots<R>(x + m * I, codes + o * (I / 2), I / 2, scale + o * groups, groups, half,
-                    out);
-      for (int r = 0; r < R; ++r) {
-        float offset = 0;  // Σ_g lo · xsum
-        for (int64_t g = 0; g < groups; ++g)
-          offset += lo[(o + r) * groups + g] * xsum[m * groups + g];
-        y[m * O + o + r] = out[r] + offset;
-      }
+ private:
+  // One group of G inputs on its int16 grid: levels round(x / unit), half to even, as
+  // `quant.activation_grid` rounds them. An all-zero group has unit 0 and levels 0.
+  static void Quantize(const float* x, int64_t G, int16_t* q, float& unit, int32_t& q_sum) {
+    float amax = 0;
+    for (int64_t i = 0; i < G; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float inverse = amax > 0 ? kLevels / amax : 0.0f;
+    unit = amax / kLevels;
+    q_sum = 0;
+    for (int64_t i = 0; i < G; ++i) {
+      q[i] = static_cast<int16_t>(std::nearbyint(x[i] * inverse));
+      q_sum += q[i];
     }
   }
 
- private:
-  const float* x;
+  // Output channels [o, o + R) for every row of x: their codes stay in L1 across the rows.
+  template <int R>
+  void Channels(int64_t o) {
+    const int64_t G = I / groups, half = G / 2;
+    for (int64_t m = 0; m < M; ++m) {
+      float total[R] = {};
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t mg = m * groups + g;
+        int32_t dot[R];
+        GroupDotsAny<R>(q.data() + m * I + g * G, codes + o * (I / 2) + g * half, I / 2,
+                        half, dot);
+        for (int r = 0; r < R; ++r) {
+          const int64_t og = (o + r) * groups + g;
+          total[r] += unit[mg] * (scale[og] * static_cast<float>(dot[r]) +
+                                  lo[og] * static_cast<float>(q_sum[mg]));
+        }
+      }
+      for (int r = 0; r < R; ++r) y[m * O + o + r] = total[r];
+    }
+  }
+
   const uint8_t* codes;
   const float* lo;
   const float* scale;
   float* y;
   const int64_t M, I, O, groups;
-  const int64_t chunk;       // output channels per chunk
-  std::vector<float> xsum;  // [M, groups]: each group's sum of x, for the lo term
+  const int64_t chunk;          // output channels per chunk
+  std::vector<int16_t> q;       // [M, I]: x's levels
+  std::vector<float> unit;      // [M, groups]: each group's step
+  std::vector<int32_t> q_sum;   // [M, groups]: Σ levels, for the lo term
 };
 
 ffi::Error Int4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Codes codes,

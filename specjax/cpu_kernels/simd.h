@@ -1,8 +1,9 @@
-// The vector operations the quantised-weight matmuls share (`int8_matmul.cc`,
-// `int4_matmul.cc`): float vectors of the widest ISA the build targets, the widening of
-// their codes to floats in registers, and the prefetch along a stream of weight rows.
-// SPECJAX_QUANT_SIMD is 1 where `Simd` exists (AVX-512, or AVX2 with FMA); elsewhere the
-// kernels take their plain C++ loops.
+// The vector operations of the quantised-weight matmuls: float vectors of the widest ISA
+// the build targets and the widening of int8 codes to floats in registers
+// (`int8_matmul.cc`), and the prefetch along a stream of weight rows (`int4_matmul.cc`
+// too, whose integer dot products take AVX2's own intrinsics). SPECJAX_QUANT_SIMD is 1
+// where `Simd` exists (AVX-512, or AVX2 with FMA); elsewhere the kernel takes its plain
+// C++ loop.
 #ifndef SPECJAX_CPU_KERNELS_SIMD_H_
 #define SPECJAX_CPU_KERNELS_SIMD_H_
 
@@ -41,14 +42,6 @@ struct Simd {
     return _mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  // 16 bytes of 4-bit codes as floats: the low nibbles, and the high ones.
-  static void Nibbles(const uint8_t* p, F& low, F& high) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    low = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
-    high = _mm512_cvtepi32_ps(
-        _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
-  }
   static F Fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }  // a·b + c
   static F Add(F a, F b) { return _mm512_add_ps(a, b); }
   static float Sum(F v) { return _mm512_reduce_add_ps(v); }
@@ -67,13 +60,6 @@ struct Simd {
   static F Int8s(const int8_t* p) {  // 8 int8 weights as floats
     return _mm256_cvtepi32_ps(
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  }
-  static void Nibbles(const uint8_t* p, F& low, F& high) {  // 8 bytes, 16 codes
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    low = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
-    high = _mm256_cvtepi32_ps(
-        _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
   }
   static F Fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }  // a·b + c
   static F Add(F a, F b) { return _mm256_add_ps(a, b); }
