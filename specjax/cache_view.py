@@ -39,8 +39,8 @@ class Segment:
   v: jax.Array  # [B, K, S, H]
   positions: jax.Array  # int32[B, S]
   valid: jax.Array  # bool[B, S]
-  # A cache read from slot 0 whose slots [0, filled) are the valid ones (slot = position):
-  # attention may then read only a prefix that holds them.
+  # A segment whose slots [0, filled) are the valid ones (a cache read from slot 0, or a
+  # quantised cache's buffer): attention may then read only a prefix that holds them.
   filled: jax.Array | None = None
   # The tokens' own K/V (`LayerView.reading`): after a `filled` segment, the slots that
   # follow it, which `cpu_kernels.f32_attention` reads with it in one pass.

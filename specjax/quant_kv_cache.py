@@ -319,7 +319,7 @@ class QuantCacheView:
     B, F = self.positions.shape[0], 2 * c.residual
     rows = jnp.arange(F, dtype=jnp.int32)
     fp = Segment(c.buf_k[l], c.buf_v[l], jnp.broadcast_to(c.quantized + rows, (B, F)),
-                 jnp.broadcast_to(rows < c.buffered, (B, F)))
+                 jnp.broadcast_to(rows < c.buffered, (B, F)), filled=c.buffered)
     if c.kernel or c.cpu_reads:  # read from the codes (see `QuantRead`)
       read = QuantRead(c.quantized, c.k_codes[l], c.v_codes[l], self.bits, c.group,
                        c.value_group, cpu=c.cpu_reads)

@@ -370,7 +370,7 @@ def test_draft_and_target_read_one_cache_at_4_and_8_bits(monkeypatch, codes):
   """A forward with kv_bits=4 / 8 on the quantised cache equals the same forward on a
   full-precision cache holding the 4- / 8-bit dequantised tokens plus the fp buffer,
   whether it reads the codes (a CPU's C++ kernels) or dequantises them (jnp, a GPU's
-  default)."""
+  default). Reading the codes, the buffer and the token's own K/V take `f32_attention`."""
   from specjax import cpu_kernels
 
   assert cpu_kernels.reads_codes() or not codes, "the quant_attention kernel did not build"
@@ -389,6 +389,10 @@ def test_draft_and_target_read_one_cache_at_4_and_8_bits(monkeypatch, codes):
     plan = DraftPlan.full(L).replace(kv_bits=bits)
     out_q, _ = apply(state, qc, token, positions_for(qc, 1, 1), plan, graphdef=graphdef,
                      write_cache=False)
+    step = jax.jit(functools.partial(apply, graphdef=graphdef, write_cache=False))
+    hlo = step.lower(state, qc, token, positions_for(qc, 1, 1), plan).as_text()
+    if codes and cpu_kernels.runs_here("f32_attention"):
+      assert "specjax_f32_attention" in hlo and "specjax_quant_key_scores" in hlo
     dense = KVCache.create(config, 1, 256)
     fill = lambda deq, buf: deq.at[:, :, Q:Q + b].set(buf[:, :, :b])
     dense = dense.replace(

@@ -373,17 +373,19 @@ def f32_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
     own = (jnp.zeros((B, K, 0, H), k.dtype), jnp.zeros((B, K, 0, H), v.dtype),
            jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0), jnp.bool_))
 
-  def kernel(q, q_pos, k, v, key_pos, valid, own_k, own_v, own_pos, own_valid):
+  def kernel(q, q_pos, k, v, key_pos, valid, bound, own_k, own_v, own_pos, own_valid):
     B, T, N, H = q.shape
     out = (jax.ShapeDtypeStruct((B, T, N), jnp.float32),) * 2 + (
         jax.ShapeDtypeStruct((B, T, N, H), jnp.float32),)
     return jax.ffi.ffi_call("specjax_f32_attention", out)(
-        q, q_pos.astype(jnp.int32), k, v, key_pos.astype(jnp.int32), valid,
-        jnp.asarray(bound, jnp.int32), own_k, own_v, own_pos.astype(jnp.int32), own_valid,
-        scale=np.float32(scale), window=np.int64(window or 0))
+        q, q_pos.astype(jnp.int32), k, v, key_pos.astype(jnp.int32), valid, bound, own_k,
+        own_v, own_pos.astype(jnp.int32), own_valid, scale=np.float32(scale),
+        window=np.int64(window or 0))
 
-  def joined_xla(q, q_pos, k, v, key_pos, valid, own_k, own_v, own_pos, own_valid):
-    """Both segments' partials in XLA's ops, merged into one (m, l, acc)."""
+  def joined_xla(q, q_pos, k, v, key_pos, valid, bound, own_k, own_v, own_pos, own_valid):
+    """Both segments' partials in XLA's ops, merged into one (m, l, acc). `valid` masks
+    the slots past `bound` already: it is the kernel's shortcut, not a mask."""
+    del bound
     if own_k.shape[2] == 0:
       return xla(q, q_pos, k, v, key_pos, valid)
     (m1, l1, a1), (m2, l2, a2) = (xla(q, q_pos, k, v, key_pos, valid),
@@ -409,7 +411,9 @@ def f32_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
   def _jvp(primals, tangents):
     return call(*primals), jax.jvp(joined_xla, primals, tangents)[1]
 
-  return call(q, q_pos, k, v, key_pos, valid, *own)
+  # `bound` is an argument, not a constant the functions close over: under a vmap it may
+  # be batched (a quantised cache's buffer count in a batch of sampling rounds).
+  return call(q, q_pos, k, v, key_pos, valid, jnp.asarray(bound, jnp.int32), *own)
 
 
 def f32_argmax(logits: jax.Array, probability: bool = False) -> tuple[jax.Array, jax.Array]:
