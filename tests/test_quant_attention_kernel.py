@@ -103,6 +103,26 @@ def test_cpu_kernels_at_the_head_dims_they_fix_at_compile_time(bits, H, gv):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+def test_cpu_kernels_split_a_long_context_into_spans_and_threads(bits):
+  """Past 512 slots the C++ kernels split each kv head's slots into spans of whole key
+  groups, run on XLA's threads once a call has enough work, and add the value sums' parts
+  in span order: still attention over the dequantised cache, and the same bits twice."""
+  length, rq, H = 1100, 7, 64  # three spans of 512, the last partial, in 9 key groups
+  q, hk, hv, fp_k, fp_v = case(bits, K=2, S=1152, H=H, G=128, Gv=64, Rq=rq)
+  F = fp_k.shape[2]
+  fp_pos = jnp.asarray([length + np.arange(F)], jnp.int32)
+  fp_valid = jnp.asarray([np.arange(F) < 5])
+  q_pos = jnp.asarray([length + np.arange(rq) % 5], jnp.int32)
+  kw = dict(bits=bits, group=128, value_group=64, scale=0.125, window=None)
+  run = jax.jit(lambda *a: quant_attention(*a, cpu=True, **kw))
+  args = (q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid)
+  got = run(*args)
+  want = dense_attention(*args, bits, 128, 64, 0.125, None)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  assert np.array_equal(np.asarray(run(*args)), np.asarray(got))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows,gv,window", [(7, 64, None), (35, 64, None), (2, 32, 512)])
 def test_kernel_lowers_to_triton_for_cuda(bits, rows, gv, window):
   """No GPU in CI, but the Triton lowering is Python: lowering for the CUDA platform on a

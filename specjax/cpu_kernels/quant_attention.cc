@@ -14,14 +14,17 @@
 // A slot's value in channel h: lo + upper·scale (+ (lower − 7)·scale/15 at 8 bits), the
 // codes of channels h < H/2 in the low nibbles of bytes [0, H/2), the others in the high
 // ones (`quant.pack`). Keys: lo/scale per channel for each group of G slots. Values:
-// per slot for each group of Gv channels. Single-threaded: a SmolLM2 layer at 900 slots
-// is ~0.05 ms of work per kernel. At 2048 tokens (1920 quantised) SmolLM2's 30 layers took
-// 6.2 ms of key scores and 8.5 of value sums per AR step, and 16.1 and 36.0 per
-// verification of 5 tokens, with the statistics applied per channel and slot; with them
-// applied per group (and the value sums in registers), 5.0 and 4.5, and 15.6 and 13.8
-// (profiled, AMD EPYC).
+// per slot for each group of Gv channels.
+//
+// At 2048 tokens (1920 quantised) SmolLM2's 30 layers took 6.2 ms of key scores and 8.5 of
+// value sums per AR step, and 16.1 and 36.0 per verification of 5 tokens, with the
+// statistics applied per channel and slot, on one thread (profiled, AMD EPYC). With them
+// applied per group, the value sums held in registers and four key scores per pass: 4.5
+// and 4.4, and 10.0 and 13.8. Work is now split into (kv head, ~512 slots) items shared
+// with XLA's threads (`workers.h`) once a call has enough of it.
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -29,6 +32,7 @@
 #include <immintrin.h>
 #endif
 
+#include "workers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -96,11 +100,11 @@ struct Scores {
   static constexpr int64_t kBlock = 32;
 
   static void Run(const float* q, const uint8_t* up, const uint8_t* lw, const float* lo,
-                  const float* scale, int64_t R, int64_t S, int64_t H, int64_t G, int64_t Q,
-                  float* s) {
+                  const float* scale, int64_t R, int64_t S, int64_t H, int64_t G,
+                  int64_t begin, int64_t Q, float* s) {  // slots [begin, Q), begin % G == 0
     const int64_t n = kH > 0 ? kH : H;
     std::vector<float> scaled(R * n), base(R), codes(kBlock * n);
-    for (int64_t start = 0; start < Q; start += G) {
+    for (int64_t start = begin; start < Q; start += G) {
       const float* lo_g = lo + start / G * n;
       const float* scale_g = scale + start / G * n;
       for (int64_t r = 0; r < R; ++r) {
@@ -161,10 +165,10 @@ struct Values {
 
   static void Run(const float* p, const uint8_t* up, const uint8_t* lw, const float* lo,
                   const float* scale, int64_t R, int64_t S, int64_t H, int64_t groups,
-                  int64_t Q, float* o) {
+                  int64_t begin, int64_t Q, float* o) {  // slots [begin, Q), added to o
     const int64_t n = kH > 0 ? kH : H, per = n / groups;
     std::vector<float> codes(kBlock * n), lo_sums(R * groups, 0.0f);
-    for (int64_t t0 = 0; t0 < Q; t0 += kBlock) {
+    for (int64_t t0 = begin; t0 < Q; t0 += kBlock) {
       const int64_t count = std::min(kBlock, Q - t0);
       for (int64_t i = 0; i < count; ++i)
         Codes<kH, kEight>(up + (t0 + i) * n / 2, lw + (t0 + i) * n / 2, n,
@@ -204,8 +208,50 @@ struct Values {
   }
 };
 
-// scores[bk, r, t] = q[bk, r, :] · key(t) for t < length; 0 for the other slots.
-ffi::Error KeyScores(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> length,
+// Slots per work item: a whole number of key groups, ~512 slots (a SmolLM2 layer at 2048
+// tokens is 12 items over its 3 kv heads).
+int64_t SpanFor(int64_t G) { return G * std::max<int64_t>(1, 512 / G); }
+
+// The threads for a call: below ~256 Ki multiply-adds (Q · kv heads · rows · H) the caller
+// works alone, as a decode step's short context is.
+int64_t ThreadsFor(const Dims& d, int64_t Q, int64_t pool_threads) {
+  return specjax::ThreadsFor(Q * d.BK * d.R * d.H, pool_threads);
+}
+
+// scores[bk, r, t] = q[bk, r, :] · key(t) for t < length; 0 for the other slots. Items are
+// (kv head, span of slots), each writing its own scores.
+class ScoreWork : public specjax::Job {
+ public:
+  ScoreWork(const Dims& d, int64_t G, int64_t groups, int64_t Q, bool eight, const float* q,
+            const uint8_t* up, const uint8_t* lw, const float* lo, const float* scale,
+            float* s)
+      : Job(d.BK * std::max<int64_t>(1, (Q + SpanFor(G) - 1) / SpanFor(G))), d(d), G(G),
+        groups(groups), Q(Q), span(SpanFor(G)), eight(eight), q(q), up(up), lw(lw), lo(lo),
+        scale(scale), s(s) {}
+
+ protected:
+  void Chunk(int64_t c) override {
+    const int64_t spans = chunks() / d.BK, bk = c / spans, begin = c % spans * span;
+    const int64_t end = std::min(Q, begin + span);
+    float* out = s + bk * d.R * d.S;
+    ForShape<Scores>(d.H, eight, q + bk * d.R * d.H, up + bk * d.S * d.H / 2,
+                     lw + bk * d.S * d.H / 2, lo + bk * groups * d.H,
+                     scale + bk * groups * d.H, d.R, d.S, d.H, G, begin, end, out);
+    if (begin + span >= Q)  // the last span zeroes the slots past Q
+      for (int64_t r = 0; r < d.R; ++r) std::fill(out + r * d.S + Q, out + (r + 1) * d.S, 0.0f);
+  }
+
+ private:
+  const Dims d;
+  const int64_t G, groups, Q, span;
+  const bool eight;
+  const float* q;
+  const uint8_t *up, *lw;
+  const float *lo, *scale;
+  float* s;
+};
+
+ffi::Error KeyScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> length,
                      ffi::Buffer<ffi::U8> upper, ffi::Buffer<ffi::U8> lower,
                      ffi::Buffer<ffi::F32> lo, ffi::Buffer<ffi::F32> scale,
                      ffi::ResultBuffer<ffi::F32> out, int64_t bits) {
@@ -216,20 +262,53 @@ ffi::Error KeyScores(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> length,
                                        "lo/scale[B, K, S/G, H] expected");
   const Dims d{qd[0] * qd[1], qd[2], cd[2], qd[3]};
   const int64_t G = d.S / sd[2], Q = std::clamp<int64_t>(length.typed_data()[0], 0, d.S);
-  for (int64_t bk = 0; bk < d.BK; ++bk) {
-    float* s = out->typed_data() + bk * d.R * d.S;
-    ForShape<Scores>(d.H, bits == 8, q.typed_data() + bk * d.R * d.H,
-                     upper.typed_data() + bk * d.S * d.H / 2,
-                     lower.typed_data() + bk * d.S * d.H / 2,
-                     lo.typed_data() + bk * sd[2] * d.H, scale.typed_data() + bk * sd[2] * d.H,
-                     d.R, d.S, d.H, G, Q, s);
-    for (int64_t r = 0; r < d.R; ++r) std::fill(s + r * d.S + Q, s + (r + 1) * d.S, 0.0f);
-  }
+  auto work = std::make_shared<ScoreWork>(
+      d, G, sd[2], Q, bits == 8, q.typed_data(), upper.typed_data(), lower.typed_data(),
+      lo.typed_data(), scale.typed_data(), out->typed_data());
+  specjax::RunOnPool(pool, work, ThreadsFor(d, Q, pool.num_threads()));
   return ffi::Error::Success();
 }
 
-// out[bk, r, :] = Σ_{t < length} p[bk, r, t] · value(t).
-ffi::Error ValueSums(ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::S32> length,
+// out[bk, r, :] = Σ_{t < length} p[bk, r, t] · value(t). Items are (kv head, span of
+// slots); each sums into its own [R, H] part, and the parts of a head are added in span
+// order afterwards, so the result does not depend on which thread ran which item.
+class ValueWork : public specjax::Job {
+ public:
+  ValueWork(const Dims& d, int64_t groups, int64_t span, int64_t Q, bool eight,
+            const float* p, const uint8_t* up, const uint8_t* lw, const float* lo,
+            const float* scale)
+      : Job(d.BK * std::max<int64_t>(1, (Q + span - 1) / span)), d(d), groups(groups),
+        span(span), Q(Q), eight(eight), p(p), up(up), lw(lw), lo(lo), scale(scale),
+        parts(chunks() * d.R * d.H, 0.0f) {}
+
+  // out[bk] = Σ over its spans, in order.
+  void Sum(float* out) const {
+    const int64_t spans = chunks() / d.BK, size = d.R * d.H;
+    std::fill(out, out + d.BK * size, 0.0f);
+    for (int64_t c = 0; c < chunks(); ++c)
+      for (int64_t i = 0; i < size; ++i) out[c / spans * size + i] += parts[c * size + i];
+  }
+
+ protected:
+  void Chunk(int64_t c) override {
+    const int64_t spans = chunks() / d.BK, bk = c / spans, begin = c % spans * span;
+    ForShape<Values>(d.H, eight, p + bk * d.R * d.S, up + bk * d.S * d.H / 2,
+                     lw + bk * d.S * d.H / 2, lo + bk * d.S * groups,
+                     scale + bk * d.S * groups, d.R, d.S, d.H, groups, begin,
+                     std::min(Q, begin + span), parts.data() + c * d.R * d.H);
+  }
+
+ private:
+  const Dims d;
+  const int64_t groups, span, Q;
+  const bool eight;
+  const float* p;
+  const uint8_t *up, *lw;
+  const float *lo, *scale;
+  std::vector<float> parts;  // [items, R, H]
+};
+
+ffi::Error ValueSums(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::S32> length,
                      ffi::Buffer<ffi::U8> upper, ffi::Buffer<ffi::U8> lower,
                      ffi::Buffer<ffi::F32> lo, ffi::Buffer<ffi::F32> scale,
                      ffi::ResultBuffer<ffi::F32> out, int64_t bits) {
@@ -239,15 +318,12 @@ ffi::Error ValueSums(ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::S32> length,
     return ffi::Error::InvalidArgument("quant_value_sums: p[B, K, R, S], codes[B, K, S, H/2], "
                                        "lo/scale[B, K, S, H/Gv] expected");
   const Dims d{pd[0] * pd[1], pd[2], cd[2], cd[3] * 2};
-  const int64_t groups = sd[3], Q = std::clamp<int64_t>(length.typed_data()[0], 0, d.S);
-  float* op = out->typed_data();
-  std::fill(op, op + d.BK * d.R * d.H, 0.0f);
-  for (int64_t bk = 0; bk < d.BK; ++bk)
-    ForShape<Values>(d.H, bits == 8, p.typed_data() + bk * d.R * d.S,
-                     upper.typed_data() + bk * d.S * d.H / 2,
-                     lower.typed_data() + bk * d.S * d.H / 2,
-                     lo.typed_data() + bk * d.S * groups, scale.typed_data() + bk * d.S * groups,
-                     d.R, d.S, d.H, groups, Q, op + bk * d.R * d.H);
+  const int64_t Q = std::clamp<int64_t>(length.typed_data()[0], 0, d.S);
+  auto work = std::make_shared<ValueWork>(d, sd[3], SpanFor(1), Q, bits == 8, p.typed_data(),
+                                          upper.typed_data(), lower.typed_data(),
+                                          lo.typed_data(), scale.typed_data());
+  specjax::RunOnPool(pool, work, ThreadsFor(d, Q, pool.num_threads()));
+  work->Sum(out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -256,6 +332,7 @@ ffi::Error ValueSums(ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::S32> length,
 #define SPECJAX_QUANT_ATTENTION(name, impl)                  \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                  \
                                 ffi::Ffi::Bind()             \
+                                    .Ctx<ffi::ThreadPool>()  \
                                     .Arg<ffi::Buffer<ffi::F32>>() \
                                     .Arg<ffi::Buffer<ffi::S32>>() \
                                     .Arg<ffi::Buffer<ffi::U8>>()  \
