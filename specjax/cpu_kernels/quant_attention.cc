@@ -59,6 +59,14 @@ inline void Codes(const uint8_t* __restrict up, const uint8_t* __restrict lw, in
   }
 }
 
+// Slots [t0, t0 + count) as `Codes`, row after row in `codes` (a block that stays in L1).
+template <int kH, bool kEight>
+inline void Slots(const uint8_t* up, const uint8_t* lw, int64_t H, int64_t t0, int64_t count,
+                  float* codes) {
+  for (int64_t i = 0; i < count; ++i)
+    Codes<kH, kEight>(up + (t0 + i) * H / 2, lw + (t0 + i) * H / 2, H, codes + i * H);
+}
+
 template <int kH>
 inline float Dot(const float* __restrict a, const float* __restrict b, int64_t H) {
   float acc = 0.0f;
@@ -114,9 +122,7 @@ struct Scores {
       const int64_t end = std::min(Q, start + G);
       for (int64_t t0 = start; t0 < end; t0 += kBlock) {
         const int64_t count = std::min(kBlock, end - t0);
-        for (int64_t i = 0; i < count; ++i)
-          Codes<kH, kEight>(up + (t0 + i) * n / 2, lw + (t0 + i) * n / 2, n,
-                            codes.data() + i * n);
+        Slots<kH, kEight>(up, lw, n, t0, count, codes.data());
         for (int64_t r = 0; r < R; ++r) {
           const float* row = scaled.data() + r * n;
           float* out = s + r * S + t0;
@@ -170,9 +176,7 @@ struct Values {
     std::vector<float> codes(kBlock * n), lo_sums(R * groups, 0.0f);
     for (int64_t t0 = begin; t0 < Q; t0 += kBlock) {
       const int64_t count = std::min(kBlock, Q - t0);
-      for (int64_t i = 0; i < count; ++i)
-        Codes<kH, kEight>(up + (t0 + i) * n / 2, lw + (t0 + i) * n / 2, n,
-                          codes.data() + i * n);
+      Slots<kH, kEight>(up, lw, n, t0, count, codes.data());
       for (int64_t r = 0; r < R; ++r) {
         const float* pr = p + r * S + t0;
         if (kH > 0 && groups == 1) {
