@@ -383,8 +383,9 @@ def f32_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
         window=np.int64(window or 0))
 
   def joined_xla(q, q_pos, k, v, key_pos, valid, bound, own_k, own_v, own_pos, own_valid):
-    """Both segments' partials in XLA's ops, merged into one (m, l, acc). `valid` masks
-    the slots past `bound` already: it is the kernel's shortcut, not a mask."""
+    """Both segments' partials in XLA's ops, merged into one (m, l, acc). `bound` is the
+    kernel's shortcut, not a mask: a segment with a `filled` bound marks the slots past it
+    invalid too (`KVCacheView`, `QuantCacheView`)."""
     del bound
     if own_k.shape[2] == 0:
       return xla(q, q_pos, k, v, key_pos, valid)
