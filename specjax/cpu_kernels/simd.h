@@ -34,7 +34,6 @@ struct Simd {
   using F = __m512;
   static F Zero() { return _mm512_setzero_ps(); }
   static F Floats(const float* p) { return _mm512_loadu_ps(p); }
-  static F Broadcast(float v) { return _mm512_set1_ps(v); }
   // 16 int8 weights as floats, one vpmovsxbd: GCC's vectoriser widens int8 through int16
   // (two shuffles and an extract on the one shuffle port), which bound the int8 loop
   // before memory did.
@@ -56,7 +55,6 @@ struct Simd {
   using F = __m256;
   static F Zero() { return _mm256_setzero_ps(); }
   static F Floats(const float* p) { return _mm256_loadu_ps(p); }
-  static F Broadcast(float v) { return _mm256_set1_ps(v); }
   static F Int8s(const int8_t* p) {  // 8 int8 weights as floats
     return _mm256_cvtepi32_ps(
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
