@@ -216,6 +216,17 @@ struct Values {
 // tokens is 12 items over its 3 kv heads).
 int64_t SpanFor(int64_t G) { return G * std::max<int64_t>(1, 512 / G); }
 
+// Work items over (kv head, span of slots [0, Q)): how many, and what item c covers. A
+// head has at least one item, which for Q = 0 covers no slot.
+struct HeadSpans {
+  int64_t heads, span, Q;
+  int64_t per_head() const { return std::max<int64_t>(1, (Q + span - 1) / span); }
+  int64_t items() const { return heads * per_head(); }
+  int64_t head(int64_t c) const { return c / per_head(); }
+  int64_t begin(int64_t c) const { return c % per_head() * span; }
+  int64_t end(int64_t c) const { return std::min(Q, begin(c) + span); }
+};
+
 // The threads for a call: below ~256 Ki multiply-adds (Q · kv heads · rows · H) the caller
 // works alone, as a decode step's short context is.
 int64_t ThreadsFor(const Dims& d, int64_t Q, int64_t pool_threads) {
@@ -226,28 +237,28 @@ int64_t ThreadsFor(const Dims& d, int64_t Q, int64_t pool_threads) {
 // (kv head, span of slots), each writing its own scores.
 class ScoreWork : public specjax::Job {
  public:
-  ScoreWork(const Dims& d, int64_t G, int64_t groups, int64_t Q, bool eight, const float* q,
-            const uint8_t* up, const uint8_t* lw, const float* lo, const float* scale,
-            float* s)
-      : Job(d.BK * std::max<int64_t>(1, (Q + SpanFor(G) - 1) / SpanFor(G))), d(d), G(G),
-        groups(groups), Q(Q), span(SpanFor(G)), eight(eight), q(q), up(up), lw(lw), lo(lo),
-        scale(scale), s(s) {}
+  ScoreWork(const Dims& d, int64_t G, int64_t groups, const HeadSpans& spans, bool eight,
+            const float* q, const uint8_t* up, const uint8_t* lw, const float* lo,
+            const float* scale, float* s)
+      : Job(spans.items()), d(d), G(G), groups(groups), spans(spans), eight(eight), q(q),
+        up(up), lw(lw), lo(lo), scale(scale), s(s) {}
 
  protected:
   void Chunk(int64_t c) override {
-    const int64_t spans = chunks() / d.BK, bk = c / spans, begin = c % spans * span;
-    const int64_t end = std::min(Q, begin + span);
+    const int64_t bk = spans.head(c), Q = spans.Q;
     float* out = s + bk * d.R * d.S;
     ForShape<Scores>(d.H, eight, q + bk * d.R * d.H, up + bk * d.S * d.H / 2,
                      lw + bk * d.S * d.H / 2, lo + bk * groups * d.H,
-                     scale + bk * groups * d.H, d.R, d.S, d.H, G, begin, end, out);
-    if (begin + span >= Q)  // the last span zeroes the slots past Q
+                     scale + bk * groups * d.H, d.R, d.S, d.H, G, spans.begin(c),
+                     spans.end(c), out);
+    if (spans.end(c) == Q)  // the last span zeroes the slots past Q
       for (int64_t r = 0; r < d.R; ++r) std::fill(out + r * d.S + Q, out + (r + 1) * d.S, 0.0f);
   }
 
  private:
   const Dims d;
-  const int64_t G, groups, Q, span;
+  const int64_t G, groups;
+  const HeadSpans spans;
   const bool eight;
   const float* q;
   const uint8_t *up, *lw;
@@ -267,8 +278,9 @@ ffi::Error KeyScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   const Dims d{qd[0] * qd[1], qd[2], cd[2], qd[3]};
   const int64_t G = d.S / sd[2], Q = std::clamp<int64_t>(length.typed_data()[0], 0, d.S);
   auto work = std::make_shared<ScoreWork>(
-      d, G, sd[2], Q, bits == 8, q.typed_data(), upper.typed_data(), lower.typed_data(),
-      lo.typed_data(), scale.typed_data(), out->typed_data());
+      d, G, sd[2], HeadSpans{d.BK, SpanFor(G), Q}, bits == 8, q.typed_data(),
+      upper.typed_data(), lower.typed_data(), lo.typed_data(), scale.typed_data(),
+      out->typed_data());
   specjax::RunOnPool(pool, work, ThreadsFor(d, Q, pool.num_threads()));
   return ffi::Error::Success();
 }
@@ -278,33 +290,33 @@ ffi::Error KeyScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
 // order afterwards, so the result does not depend on which thread ran which item.
 class ValueWork : public specjax::Job {
  public:
-  ValueWork(const Dims& d, int64_t groups, int64_t span, int64_t Q, bool eight,
+  ValueWork(const Dims& d, int64_t groups, const HeadSpans& spans, bool eight,
             const float* p, const uint8_t* up, const uint8_t* lw, const float* lo,
             const float* scale)
-      : Job(d.BK * std::max<int64_t>(1, (Q + span - 1) / span)), d(d), groups(groups),
-        span(span), Q(Q), eight(eight), p(p), up(up), lw(lw), lo(lo), scale(scale),
-        parts(chunks() * d.R * d.H, 0.0f) {}
+      : Job(spans.items()), d(d), groups(groups), spans(spans), eight(eight), p(p), up(up),
+        lw(lw), lo(lo), scale(scale), parts(spans.items() * d.R * d.H, 0.0f) {}
 
   // out[bk] = Σ over its spans, in order.
   void Sum(float* out) const {
-    const int64_t spans = chunks() / d.BK, size = d.R * d.H;
+    const int64_t size = d.R * d.H;
     std::fill(out, out + d.BK * size, 0.0f);
-    for (int64_t c = 0; c < chunks(); ++c)
-      for (int64_t i = 0; i < size; ++i) out[c / spans * size + i] += parts[c * size + i];
+    for (int64_t c = 0; c < spans.items(); ++c)
+      for (int64_t i = 0; i < size; ++i) out[spans.head(c) * size + i] += parts[c * size + i];
   }
 
  protected:
   void Chunk(int64_t c) override {
-    const int64_t spans = chunks() / d.BK, bk = c / spans, begin = c % spans * span;
+    const int64_t bk = spans.head(c);
     ForShape<Values>(d.H, eight, p + bk * d.R * d.S, up + bk * d.S * d.H / 2,
                      lw + bk * d.S * d.H / 2, lo + bk * d.S * groups,
-                     scale + bk * d.S * groups, d.R, d.S, d.H, groups, begin,
-                     std::min(Q, begin + span), parts.data() + c * d.R * d.H);
+                     scale + bk * d.S * groups, d.R, d.S, d.H, groups, spans.begin(c),
+                     spans.end(c), parts.data() + c * d.R * d.H);
   }
 
  private:
   const Dims d;
-  const int64_t groups, span, Q;
+  const int64_t groups;
+  const HeadSpans spans;
   const bool eight;
   const float* p;
   const uint8_t *up, *lw;
@@ -323,9 +335,10 @@ ffi::Error ValueSums(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
                                        "lo/scale[B, K, S, H/Gv] expected");
   const Dims d{pd[0] * pd[1], pd[2], cd[2], cd[3] * 2};
   const int64_t Q = std::clamp<int64_t>(length.typed_data()[0], 0, d.S);
-  auto work = std::make_shared<ValueWork>(d, sd[3], SpanFor(1), Q, bits == 8, p.typed_data(),
-                                          upper.typed_data(), lower.typed_data(),
-                                          lo.typed_data(), scale.typed_data());
+  auto work = std::make_shared<ValueWork>(d, sd[3], HeadSpans{d.BK, SpanFor(1), Q}, bits == 8,
+                                          p.typed_data(), upper.typed_data(),
+                                          lower.typed_data(), lo.typed_data(),
+                                          scale.typed_data());
   specjax::RunOnPool(pool, work, ThreadsFor(d, Q, pool.num_threads()));
   work->Sum(out->typed_data());
   return ffi::Error::Success();
