@@ -265,21 +265,14 @@ def quant_attention(q, q_pos, length, k_codes, v_codes, fp_k, fp_v, fp_pos, fp_v
 def cpu_partials(q, q_pos, length, k_codes, v_codes, *, bits, group, value_group, scale,
                  window=None):
   """The kernel's result as one split, from the codes by `specjax.cpu_kernels`' C++
-  kernels (scores against the keys, then probability-weighted values): on a CPU, where
-  dequantising first made XLA write and read a float32 copy of every layer. The mask and
-  the softmax, over [B, K, Rq, S] only, stay in jnp."""
+  kernel (scores, softmax and probability-weighted values in one call): on a CPU, where
+  dequantising first made XLA write and read a float32 copy of every layer."""
   from specjax import cpu_kernels
 
-  del group, value_group  # the kernels read them from the statistics' shapes
-  s = cpu_kernels.quant_key_scores(q, length, k_codes, bits) * scale
-  S = s.shape[-1]
-  pos = jnp.arange(S, dtype=jnp.int32)
-  ok = jnp.broadcast_to(pos < length, (q.shape[0], q_pos.shape[1], S))  # [B, Rq, S]
-  if window is not None:
-    ok &= q_pos[:, :, None] - pos[None, None, :] < window
-  p, m = masked_softmax_terms(s, ok[:, None])
-  o = cpu_kernels.quant_value_sums(p, length, v_codes, bits)
-  return o[:, :, None], m[:, :, None], p.sum(-1)[:, :, None]
+  del group, value_group  # the kernel reads them from the statistics' shapes
+  o, m, l = cpu_kernels.quant_partials(q, q_pos, length, k_codes, v_codes, bits=bits,
+                                       scale=scale, window=window)
+  return o[:, :, None], m[:, :, None], l[:, :, None]
 
 
 def reference_partials(q, q_pos, length, k_codes, v_codes, *, bits, group, value_group,

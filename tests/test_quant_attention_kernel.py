@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from pallas_kernels import merge, merge_splits, quant_attention, quant_partials, reference_partials
-from pallas_kernels.quant_attention import default_splits, split_for
+from pallas_kernels.quant_attention import cpu_partials, default_splits, split_for
 from specjax import quant
 from specjax.config import tiny_config
 from specjax.decode.engine import speculative_generate
@@ -103,23 +103,43 @@ def test_cpu_kernels_at_the_head_dims_they_fix_at_compile_time(bits, H, gv):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_cpu_kernels_split_a_long_context_into_spans_and_threads(bits):
-  """Past 512 slots the C++ kernels split each kv head's slots into spans of whole key
-  groups, run on XLA's threads once a call has enough work, and add the value sums' parts
-  in span order: still attention over the dequantised cache, and the same bits twice."""
+@pytest.mark.parametrize("window", [None, 300])
+def test_cpu_kernels_split_a_long_context_into_spans_and_threads(bits, window):
+  """Past 512 slots the C++ kernel splits each kv head's slots into spans of whole key
+  groups, runs them on XLA's threads once a call has enough work, and merges the spans'
+  softmax partials in span order: still attention over the dequantised cache, and the same
+  bits twice. A window of 300 leaves the first span unseen by every row and cuts the
+  second inside a key group."""
   length, rq, H = 1100, 7, 64  # three spans of 512, the last partial, in 9 key groups
   q, hk, hv, fp_k, fp_v = case(bits, K=2, S=1152, H=H, G=128, Gv=64, Rq=rq)
   F = fp_k.shape[2]
   fp_pos = jnp.asarray([length + np.arange(F)], jnp.int32)
   fp_valid = jnp.asarray([np.arange(F) < 5])
   q_pos = jnp.asarray([length + np.arange(rq) % 5], jnp.int32)
-  kw = dict(bits=bits, group=128, value_group=64, scale=0.125, window=None)
+  kw = dict(bits=bits, group=128, value_group=64, scale=0.125, window=window)
   run = jax.jit(lambda *a: quant_attention(*a, cpu=True, **kw))
   args = (q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid)
   got = run(*args)
-  want = dense_attention(*args, bits, 128, 64, 0.125, None)
+  want = dense_attention(*args, bits, 128, 64, 0.125, window)
   np.testing.assert_allclose(got, want, atol=1e-5)
   assert np.array_equal(np.asarray(run(*args)), np.asarray(got))
+
+
+@pytest.mark.parametrize("length,window", [(0, None), (40, 3)])
+def test_cpu_kernel_rows_that_see_no_quantised_slot_weigh_it_nothing(length, window):
+  """No quantised slot at all, or none inside the window of any row: the codes' partial
+  (m masked, l = 0) leaves attention over the full-precision tokens alone."""
+  q, hk, hv, fp_k, fp_v = case(5, Rq=4)
+  F = fp_k.shape[2]
+  fp_pos = jnp.asarray([length + np.arange(F)], jnp.int32)
+  fp_valid = jnp.asarray([np.arange(F) < 6])
+  q_pos = jnp.asarray([length + 2 + np.arange(4)], jnp.int32)  # slot length − 1 outside 3
+  kw = dict(bits=8, group=8, value_group=8, scale=0.3, window=window)
+  args = (q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid)
+  o, m, l = cpu_partials(q, q_pos, length, hk, hv, **kw)
+  assert float(jnp.abs(l).max()) == 0.0 and float(jnp.abs(o).max()) == 0.0
+  np.testing.assert_allclose(quant_attention(*args, cpu=True, **kw),
+                             dense_attention(*args, 8, 8, 8, 0.3, window), atol=2e-6)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -178,9 +198,9 @@ def test_model_kernel_path_matches_jnp_path_and_stays_lossless():
 
 
 def test_cpu_kernels_fold_a_vmap_over_queries_into_rows():
-  """Rounds vmapped over sampling keys share one cache layer: a vmap over the queries alone
-  becomes more query rows of one call per kernel; with the lengths batched too, a call per
-  element. Both equal attention over the dequantised cache."""
+  """Rounds vmapped over sampling keys share one cache layer: a vmap over the queries (and
+  their positions) alone becomes more query rows of one kernel call; with the lengths
+  batched too, a call per element. All equal attention over the dequantised cache."""
   length, rq, A = 37, 3, 5
   q, hk, hv, fp_k, fp_v = case(11, Rq=rq)
   qs = jnp.stack([q * (1.0 + 0.2 * i) for i in range(A)])
@@ -196,7 +216,17 @@ def test_cpu_kernels_fold_a_vmap_over_queries_into_rows():
   folded = jax.jit(jax.vmap(lambda q: attend(q, length)))
   np.testing.assert_allclose(folded(qs), jnp.stack([want(q, length) for q in qs]), atol=2e-6)
   hlo = folded.lower(qs).compile().as_text()
-  assert hlo.count("specjax_quant_key_scores") == 1 and "while" not in hlo
+  assert hlo.count("specjax_quant_partials") == 1 and "while" not in hlo
+  moved = jnp.stack([q_pos + i for i in range(A)])  # rounds at different positions
+  windowed = dict(kw, window=30)
+  at = lambda q, p: quant_attention(q, p, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid,
+                                    cpu=True, **windowed)
+  folded = jax.jit(jax.vmap(at))
+  want_at = lambda q, p: dense_attention(q, p, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid,
+                                         4, 8, 8, 0.3, 30)
+  np.testing.assert_allclose(folded(qs, moved),
+                             jnp.stack([want_at(q, p) for q, p in zip(qs, moved)]), atol=2e-6)
+  assert folded.lower(qs, moved).compile().as_text().count("specjax_quant_partials") == 1
   lengths = jnp.asarray([37, 20, 5, 1, 30])
   each = jax.jit(jax.vmap(attend))(qs, lengths)
   np.testing.assert_allclose(each, jnp.stack([want(q, int(n)) for q, n in zip(qs, lengths)]),

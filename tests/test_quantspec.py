@@ -392,7 +392,7 @@ def test_draft_and_target_read_one_cache_at_4_and_8_bits(monkeypatch, codes):
     step = jax.jit(functools.partial(apply, graphdef=graphdef, write_cache=False))
     hlo = step.lower(state, qc, token, positions_for(qc, 1, 1), plan).as_text()
     if codes and cpu_kernels.runs_here("f32_attention"):
-      assert "specjax_f32_attention" in hlo and "specjax_quant_key_scores" in hlo
+      assert "specjax_f32_attention" in hlo and "specjax_quant_partials" in hlo
     dense = KVCache.create(config, 1, 256)
     fill = lambda deq, buf: deq.at[:, :, Q:Q + b].set(buf[:, :, :b])
     dense = dense.replace(

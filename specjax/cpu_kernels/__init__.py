@@ -69,8 +69,7 @@ _KERNELS = {
                                      "specjax_f32_matmul_oi": "F32MatmulOI"}),
     "f32_attention": ("f32_attention.cc", {"specjax_f32_attention": "F32Attention"}),
     "f32_argmax": ("f32_argmax.cc", {"specjax_f32_argmax": "F32Argmax"}),
-    "quant_attention": ("quant_attention.cc", {"specjax_quant_key_scores": "QuantKeyScores",
-                                               "specjax_quant_value_sums": "QuantValueSums"}),
+    "quant_attention": ("quant_attention.cc", {"specjax_quant_partials": "QuantPartials"}),
 }
 _SOURCE = Path(__file__).with_name(_KERNELS["int8_matmul"][0])
 # The most rows `f32_matmul` takes: verification forwards (γ ≤ 8, so T ≤ 9) and a little
@@ -259,54 +258,52 @@ def reads_codes() -> bool:
   return runs_here("quant_attention")
 
 
-def _codes_call(target: str, x: jax.Array, length: jax.Array, codes, bits: int, width: int):
+def quant_partials(q: jax.Array, q_pos: jax.Array, length: jax.Array, k_codes, v_codes, *,
+                   bits: int, scale: float, window: int | None
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Unnormalised attention of q[B, K, R, H] at q_pos[B, R] over slots [0, length) of a
+  quantised cache layer (`quant.Hier` codes [B, K, S, H/2]; keys grouped over slots,
+  values over channels), read at `bits` (4: the upper nibbles): the exp-weighted values
+  o [B, K, R, H], the row maxima m and the sums of exp l [B, K, R], for a log-sum-exp
+  merge. Slot t sits at position t; a row sees it within `window` of its position.
+
+  One call does the scores, the softmax and the value sums, over the filled slots only:
+  with the softmax between two kernels in XLA, a verification wrote and reread a
+  [B, K, R, S] score array over the allocated slots (5 of SmolLM2's 57 ms at 2048 tokens).
+  A vmap over q (and q_pos) alone, the sampling tests' rounds over one cache layer,
+  becomes more rows of one call, which reads the layer's codes once; with the length or
+  the codes batched too, one call per element (jax's `sequential`)."""
   _require("quant_attention")
-  call = _rows_of_one_layer(target, width, bits)
-  return call(x.astype(jnp.float32), jnp.asarray(length, jnp.int32), codes.upper, codes.lower,
-              codes.lo.astype(jnp.float32), codes.scale.astype(jnp.float32))
+  codes = (k_codes.upper, k_codes.lower, k_codes.lo.astype(jnp.float32),
+           k_codes.scale.astype(jnp.float32), v_codes.upper, v_codes.lower,
+           v_codes.lo.astype(jnp.float32), v_codes.scale.astype(jnp.float32))
+  attrs = dict(bits=np.int64(bits), scale=np.float32(scale), window=np.int64(window or 0))
 
-
-def _rows_of_one_layer(target: str, width: int, bits: int):
-  """The attention kernel `target` on x[B, K, R, ·] -> [B, K, R, width], with its own vmap
-  rule: a vmap over x alone (the sampling tests' rounds, one cache layer) becomes more query
-  rows R of one call, which reads the layer's codes once; with the length or the codes
-  batched too, one call per element (jax's `sequential`)."""
-
-  def kernel(x, length, *codes, vmap_method=None):
-    out = jax.ShapeDtypeStruct(x.shape[:-1] + (width,), jnp.float32)
-    return jax.ffi.ffi_call(target, out, vmap_method=vmap_method)(x, length, *codes,
-                                                                  bits=np.int64(bits))
+  def kernel(q, q_pos, length, *codes, vmap_method=None):
+    out = (jax.ShapeDtypeStruct(q.shape, jnp.float32),) + (
+        jax.ShapeDtypeStruct(q.shape[:-1], jnp.float32),) * 2
+    return jax.ffi.ffi_call("specjax_quant_partials", out, vmap_method=vmap_method)(
+        q, q_pos, length, *codes, **attrs)
 
   @jax.custom_batching.custom_vmap
-  def call(x, length, *codes):
-    return kernel(x, length, *codes)
+  def call(q, q_pos, length, *codes):
+    return kernel(q, q_pos, length, *codes)
 
   @call.def_vmap
-  def _batched(axis_size, in_batched, x, length, *codes):
-    if any(in_batched[1:]):
+  def _batched(axis_size, in_batched, q, q_pos, length, *codes):
+    if any(in_batched[2:]):
       axes = tuple(0 if b else None for b in in_batched)
       one = functools.partial(kernel, vmap_method="sequential")
-      return jax.vmap(one, in_axes=axes)(x, length, *codes), True
-    A, (B, K, R, X) = axis_size, x.shape[1:]
-    rows = x.transpose(1, 2, 0, 3, 4).reshape(B, K, A * R, X)
-    out = call(rows, length, *codes).reshape(B, K, A, R, width)
-    return out.transpose(2, 0, 1, 3, 4), True
+      return jax.vmap(one, in_axes=axes)(q, q_pos, length, *codes), (True,) * 3
+    A, (B, K, R, H) = axis_size, q.shape[-4:]
+    q = jnp.broadcast_to(q, (A, B, K, R, H)).transpose(1, 2, 0, 3, 4).reshape(B, K, A * R, H)
+    q_pos = jnp.broadcast_to(q_pos, (A, B, R)).transpose(1, 0, 2).reshape(B, A * R)
+    o, m, l = call(q, q_pos, length, *codes)
+    unfold = lambda a: jnp.moveaxis(a.reshape(B, K, A, R, *a.shape[3:]), 2, 0)
+    return (unfold(o), unfold(m), unfold(l)), (True,) * 3
 
-  return call
-
-
-def quant_key_scores(q: jax.Array, length: jax.Array, codes, bits: int) -> jax.Array:
-  """q[B, K, R, H] against the keys of slots [0, length) of a quantised cache layer
-  (`quant.Hier`, codes [B, K, S, H/2], grouped over slots): scores [B, K, R, S], 0 past
-  length. Read at `bits` (4: the upper nibbles)."""
-  return _codes_call("specjax_quant_key_scores", q, length, codes, bits, codes.upper.shape[2])
-
-
-def quant_value_sums(p: jax.Array, length: jax.Array, codes, bits: int) -> jax.Array:
-  """Σ over slots t < length of p[B, K, R, t] times the value of slot t (a quantised cache
-  layer's values, grouped over channels): [B, K, R, H]."""
-  return _codes_call("specjax_quant_value_sums", p, length, codes, bits,
-                     2 * codes.upper.shape[3])
+  return call(q.astype(jnp.float32), q_pos.astype(jnp.int32), jnp.asarray(length, jnp.int32),
+              *codes)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
@@ -432,4 +429,4 @@ def f32_argmax(logits: jax.Array, probability: bool = False) -> tuple[jax.Array,
 
 __all__ = ["FEW_ROWS", "KernelBuildError", "attends_here", "f32_argmax", "f32_attention",
            "f32_matmul", "few_rows", "int4_matmul", "int8_matmul", "kernel_status",
-           "quant_key_scores", "quant_value_sums", "reads_codes", "runs_here"]
+           "quant_partials", "reads_codes", "runs_here"]

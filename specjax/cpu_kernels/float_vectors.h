@@ -1,7 +1,7 @@
 // Float vectors of the widest ISA the build targets, through GCC's vector extensions, and
 // exp in them, for the kernels that compute a softmax's exponentials (`f32_attention.cc`,
-// `f32_argmax.cc`): libm's expf is scalar, and GCC vectorises it only under -ffast-math,
-// which the build avoids (see COMPILE_FLAGS in __init__.py).
+// `f32_argmax.cc`, `quant_attention.cc`): libm's expf is scalar, and GCC vectorises it
+// only under -ffast-math, which the build avoids (see COMPILE_FLAGS in __init__.py).
 #ifndef SPECJAX_CPU_KERNELS_FLOAT_VECTORS_H_
 #define SPECJAX_CPU_KERNELS_FLOAT_VECTORS_H_
 

@@ -1,6 +1,7 @@
-// Attention over the quantised slots of a QuantSpec KV cache, read from the codes:
-// the scores of query rows against the keys, and the probability-weighted sum of the
-// values, for slots [0, Q) of one layer (`quant_kv_cache`'s layout; `quant.py` the codes).
+// Attention over the quantised slots of a QuantSpec KV cache, read from the codes: for
+// query rows of each kv head, the softmax partial (row max m, l = Σ exp(s − m), the
+// exp-weighted values o) over slots [0, Q) of one layer, to merge with the full-precision
+// tokens' partial (`quant_kv_cache`'s layout; `quant.py` the codes).
 //
 // Why a kernel: XLA:CPU computes a quantised read as a float32 copy of the whole layer
 // (dequantise, then its dot reads the copy): an AR step of SmolLM2 over 1024 slots, 896
@@ -16,13 +17,14 @@
 // ones (`quant.pack`). Keys: lo/scale per channel for each group of G slots. Values:
 // per slot for each group of Gv channels.
 //
-// At 2048 tokens (1920 quantised) SmolLM2's 30 layers took 6.2 ms of key scores and 8.5 of
-// value sums per AR step, and 16.1 and 36.0 per verification of 5 tokens, with the
-// statistics applied per channel and slot, on one thread (profiled, AMD EPYC). With them
-// applied per group, the value sums held in registers and four key scores per pass: 4.5
-// and 4.4, and 10.0 and 13.8. Work is now split into (kv head, ~512 slots) items shared
-// with XLA's threads (`workers.h`) once a call has enough of it.
+// Work is split into (kv head, ~512 slots) items shared with XLA's threads (`workers.h`)
+// once a call has enough of it; an item's scores, softmax terms and value sums stay in
+// its own buffer. At 2048 tokens (1920 quantised), SmolLM2's verification of 5 tokens on
+// the 8-bit cache took 57 ms with the scores and the value sums as two kernels and the
+// softmax between them in XLA (which wrote and reread [B, K, R, S] over the allocated
+// slots), and 46 ms with all three here; an AR step 35 -> 32 ms (AMD EPYC, 2 cores).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <type_traits>
@@ -32,12 +34,18 @@
 #include <immintrin.h>
 #endif
 
+#include "float_vectors.h"
 #include "workers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using specjax::kLanes, specjax::Vec, specjax::Load, specjax::Store, specjax::Splat,
+    specjax::ExpNonPositive;
+
+constexpr float kMasked = -1e30f;  // a masked score, as the XLA path writes it
 
 // One slot's codes as H floats: u (4 bits), or u + (l − 7)/15 (8 bits), where the value
 // is lo + scale·code with lo and scale per channel (keys) or per channel group (values).
@@ -80,8 +88,10 @@ inline void Axpy(float w, const float* __restrict x, float* __restrict y, int64_
   for (int64_t h = 0; h < (kN > 0 ? kN : n); ++h) y[h] += w * x[h];
 }
 
+// B batch rows, K kv heads, R query rows of a kv head, S allocated slots, H head dim.
 struct Dims {
-  int64_t BK, R, S, H;
+  int64_t B, K, R, S, H;
+  int64_t BK() const { return B * K; }
 };
 
 // The variant for H and the precision: fixed H where most models are, else runtime H.
@@ -96,8 +106,15 @@ void ForShape(int64_t H, bool eight, Args... args) {
   else run(std::integral_constant<int, 0>());
 }
 
-// Scores of one kv head: s[r, t] = q[r, :] · key(t) for t < Q. Keys share lo and scale
-// per channel over a group of G slots, so per group and row
+// One layer's codes and statistics (`quant.Hier`), for keys or values.
+struct Codebook {
+  const uint8_t *up, *lw;
+  const float *lo, *scale;
+};
+
+// Scores of one kv head: s[r, t − begin] = q[r, :] · key(t) for slots t in [begin, Q), rows
+// `stride` apart. Keys share lo and scale per channel over a group of G slots, so per group
+// and row
 //     q · key(t) = Σ_h q[h]·lo[h] + Σ_h (q[h]·scale[h]) · code(t, h):
 // the first sum and the products q·scale once per group, and one dot with the codes per
 // slot (widening each slot to lo + code·scale, a division by 15 per channel at 8 bits
@@ -107,14 +124,13 @@ template <int kH, bool kEight>
 struct Scores {
   static constexpr int64_t kBlock = 32;
 
-  static void Run(const float* q, const uint8_t* up, const uint8_t* lw, const float* lo,
-                  const float* scale, int64_t R, int64_t S, int64_t H, int64_t G,
-                  int64_t begin, int64_t Q, float* s) {  // slots [begin, Q), begin % G == 0
+  static void Run(const float* q, const Codebook& keys, int64_t R, int64_t H, int64_t G,
+                  int64_t begin, int64_t Q, float* s, int64_t stride) {  // begin % G == 0
     const int64_t n = kH > 0 ? kH : H;
     std::vector<float> scaled(R * n), base(R), codes(kBlock * n);
     for (int64_t start = begin; start < Q; start += G) {
-      const float* lo_g = lo + start / G * n;
-      const float* scale_g = scale + start / G * n;
+      const float* lo_g = keys.lo + start / G * n;
+      const float* scale_g = keys.scale + start / G * n;
       for (int64_t r = 0; r < R; ++r) {
         base[r] = Dot<kH>(q + r * n, lo_g, n);
         for (int64_t h = 0; h < n; ++h) scaled[r * n + h] = q[r * n + h] * scale_g[h];
@@ -122,10 +138,10 @@ struct Scores {
       const int64_t end = std::min(Q, start + G);
       for (int64_t t0 = start; t0 < end; t0 += kBlock) {
         const int64_t count = std::min(kBlock, end - t0);
-        Slots<kH, kEight>(up, lw, n, t0, count, codes.data());
+        Slots<kH, kEight>(keys.up, keys.lw, n, t0, count, codes.data());
         for (int64_t r = 0; r < R; ++r) {
           const float* row = scaled.data() + r * n;
-          float* out = s + r * S + t0;
+          float* out = s + r * stride + (t0 - begin);
           int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
           if constexpr (kH > 0)
@@ -158,8 +174,9 @@ struct Scores {
 #endif
 };
 
-// Values of one kv head: o[r, :] = Σ_{t < Q} p[r, t] · value(t). A slot's values share lo
-// and scale per group of H/groups channels, so per row and group
+// Values of one kv head: o[r, :] += Σ_{t in [begin, Q)} p[r, t − begin] · value(t), rows of
+// p `stride` apart. A slot's values share lo and scale per group of H/groups channels, so
+// per row and group
 //     Σ_t p[t]·value(t, h) = Σ_t (p[t]·scale[t]) · code(t, h) + Σ_t p[t]·lo[t]:
 // one multiply-add per channel and slot, and the lo sums added once at the end. Slots are
 // widened kBlock at a time into L1; with one group per slot and a fixed H (SmolLM2,
@@ -169,26 +186,26 @@ template <int kH, bool kEight>
 struct Values {
   static constexpr int64_t kBlock = 32;  // slots: 32 · 128 floats = 16 KiB at most
 
-  static void Run(const float* p, const uint8_t* up, const uint8_t* lw, const float* lo,
-                  const float* scale, int64_t R, int64_t S, int64_t H, int64_t groups,
-                  int64_t begin, int64_t Q, float* o) {  // slots [begin, Q), added to o
+  static void Run(const float* p, int64_t stride, const Codebook& values, int64_t R,
+                  int64_t H, int64_t groups, int64_t begin, int64_t Q, float* o) {
     const int64_t n = kH > 0 ? kH : H, per = n / groups;
     std::vector<float> codes(kBlock * n), lo_sums(R * groups, 0.0f);
     for (int64_t t0 = begin; t0 < Q; t0 += kBlock) {
       const int64_t count = std::min(kBlock, Q - t0);
-      Slots<kH, kEight>(up, lw, n, t0, count, codes.data());
+      Slots<kH, kEight>(values.up, values.lw, n, t0, count, codes.data());
       for (int64_t r = 0; r < R; ++r) {
-        const float* pr = p + r * S + t0;
+        const float* pr = p + r * stride + (t0 - begin);
         if (kH > 0 && groups == 1) {
-          BlockSums(pr, lo + t0, scale + t0, codes.data(), count, lo_sums[r], o + r * n);
+          BlockSums(pr, values.lo + t0, values.scale + t0, codes.data(), count, lo_sums[r],
+                    o + r * n);
           continue;
         }
         for (int64_t i = 0; i < count; ++i)
           for (int64_t c = 0; c < groups; ++c) {
             const int64_t tc = (t0 + i) * groups + c;
-            lo_sums[r * groups + c] += pr[i] * lo[tc];
-            Axpy<0>(pr[i] * scale[tc], codes.data() + i * n + c * per, o + r * n + c * per,
-                    per);
+            lo_sums[r * groups + c] += pr[i] * values.lo[tc];
+            Axpy<0>(pr[i] * values.scale[tc], codes.data() + i * n + c * per,
+                    o + r * n + c * per, per);
           }
       }
     }
@@ -212,6 +229,35 @@ struct Values {
   }
 };
 
+// Rows of scores [R, stride] over `count` slots from slot `begin`, turned in place into
+// their softmax terms: each row's scores times `scale`, masked (−1e30) past the window of
+// its position at[r], its max m[r], p = exp(s − m) (0 where masked: `ExpNonPositive` takes
+// −1e30 − m to 0) and l[r] = Σ p. A row with no visible slot gets m = −1e30, p = l = 0, so
+// it weighs nothing in a merge. Columns [count, stride) must hold −1e30 already.
+inline void SoftmaxTerms(float* s, int64_t R, int64_t count, int64_t stride, int64_t begin,
+                         const int32_t* at, float scale, int64_t window, float* m, float* l) {
+  for (int64_t r = 0; r < R; ++r) {
+    float* row = s + r * stride;
+    const int64_t first = window > 0 ? std::clamp<int64_t>(at[r] - window + 1 - begin, 0, count)
+                                     : 0;  // slots before it are out of the window
+    float top = kMasked;
+    for (int64_t i = 0; i < count; ++i) {
+      row[i] = i < first ? kMasked : row[i] * scale;
+      top = std::max(top, row[i]);
+    }
+    m[r] = top;
+    Vec sum = Splat(0.0f);
+    for (int64_t i = 0; i < stride; i += kLanes) {
+      const Vec p = top == kMasked ? Splat(0.0f) : ExpNonPositive(Load(row + i) - Splat(top));
+      Store(row + i, p);
+      sum += p;
+    }
+    float total = 0.0f;
+    for (int j = 0; j < kLanes; ++j) total += sum[j];
+    l[r] = total;
+  }
+}
+
 // Slots per work item: a whole number of key groups, ~512 slots (a SmolLM2 layer at 2048
 // tokens is 12 items over its 3 kv heads).
 int64_t SpanFor(int64_t G) { return G * std::max<int64_t>(1, 512 / G); }
@@ -230,134 +276,141 @@ struct HeadSpans {
 // The threads for a call: below ~256 Ki multiply-adds (Q · kv heads · rows · H) the caller
 // works alone, as a decode step's short context is.
 int64_t ThreadsFor(const Dims& d, int64_t Q, int64_t pool_threads) {
-  return specjax::ThreadsFor(Q * d.BK * d.R * d.H, pool_threads);
+  return specjax::ThreadsFor(Q * d.BK() * d.R * d.H, pool_threads);
 }
 
-// scores[bk, r, t] = q[bk, r, :] · key(t) for t < length; 0 for the other slots. Items are
-// (kv head, span of slots), each writing its own scores.
-class ScoreWork : public specjax::Job {
- public:
-  ScoreWork(const Dims& d, int64_t G, int64_t groups, const HeadSpans& spans, bool eight,
-            const float* q, const uint8_t* up, const uint8_t* lw, const float* lo,
-            const float* scale, float* s)
-      : Job(spans.items()), d(d), G(G), groups(groups), spans(spans), eight(eight), q(q),
-        up(up), lw(lw), lo(lo), scale(scale), s(s) {}
-
- protected:
-  void Chunk(int64_t c) override {
-    const int64_t bk = spans.head(c), Q = spans.Q;
-    float* out = s + bk * d.R * d.S;
-    ForShape<Scores>(d.H, eight, q + bk * d.R * d.H, up + bk * d.S * d.H / 2,
-                     lw + bk * d.S * d.H / 2, lo + bk * groups * d.H,
-                     scale + bk * groups * d.H, d.R, d.S, d.H, G, spans.begin(c),
-                     spans.end(c), out);
-    if (spans.end(c) == Q)  // the last span zeroes the slots past Q
-      for (int64_t r = 0; r < d.R; ++r) std::fill(out + r * d.S + Q, out + (r + 1) * d.S, 0.0f);
+// What one item computes: scores over its span, softmax terms, value sums, into its own
+// partial (o [R, H], m and l [R]).
+template <int kH, bool kEight>
+struct SpanPartial {
+  static void Run(const float* q, const int32_t* at, const Codebook* keys,
+                  const Codebook* values, const Dims* d, int64_t G, int64_t value_groups,
+                  int64_t begin, int64_t end, float scale, int64_t window, float* o, float* m,
+                  float* l) {
+    const int64_t count = end - begin, stride = (count + kLanes - 1) / kLanes * kLanes;
+    std::vector<float> s(d->R * std::max<int64_t>(stride, 1), kMasked);
+    Scores<kH, kEight>::Run(q, *keys, d->R, d->H, G, begin, end, s.data(), stride);
+    SoftmaxTerms(s.data(), d->R, count, stride, begin, at, scale, window, m, l);
+    Values<kH, kEight>::Run(s.data(), stride, *values, d->R, d->H, value_groups, begin, end,
+                            o);
   }
-
- private:
-  const Dims d;
-  const int64_t G, groups;
-  const HeadSpans spans;
-  const bool eight;
-  const float* q;
-  const uint8_t *up, *lw;
-  const float *lo, *scale;
-  float* s;
 };
 
-ffi::Error KeyScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> length,
-                     ffi::Buffer<ffi::U8> upper, ffi::Buffer<ffi::U8> lower,
-                     ffi::Buffer<ffi::F32> lo, ffi::Buffer<ffi::F32> scale,
-                     ffi::ResultBuffer<ffi::F32> out, int64_t bits) {
-  auto qd = q.dimensions(), cd = upper.dimensions(), sd = lo.dimensions();
-  if (qd.size() != 4 || cd.size() != 4 || sd.size() != 4 || cd[3] * 2 != qd[3] ||
-      sd[3] != qd[3] || cd[2] % sd[2])
-    return ffi::Error::InvalidArgument("quant_key_scores: q[B, K, R, H], codes[B, K, S, H/2], "
-                                       "lo/scale[B, K, S/G, H] expected");
-  const Dims d{qd[0] * qd[1], qd[2], cd[2], qd[3]};
-  const int64_t G = d.S / sd[2], Q = std::clamp<int64_t>(length.typed_data()[0], 0, d.S);
-  auto work = std::make_shared<ScoreWork>(
-      d, G, sd[2], HeadSpans{d.BK, SpanFor(G), Q}, bits == 8, q.typed_data(),
-      upper.typed_data(), lower.typed_data(), lo.typed_data(), scale.typed_data(),
-      out->typed_data());
-  specjax::RunOnPool(pool, work, ThreadsFor(d, Q, pool.num_threads()));
-  return ffi::Error::Success();
-}
-
-// out[bk, r, :] = Σ_{t < length} p[bk, r, t] · value(t). Items are (kv head, span of
-// slots); each sums into its own [R, H] part, and the parts of a head are added in span
-// order afterwards, so the result does not depend on which thread ran which item.
-class ValueWork : public specjax::Job {
+// The softmax partial of every kv head over the slots [0, length) of a quantised layer.
+// Items are (kv head, span of slots), each with its own partial; a head's partials are
+// merged in span order afterwards, so the result does not depend on which thread ran which
+// item.
+class PartialWork : public specjax::Job {
  public:
-  ValueWork(const Dims& d, int64_t groups, const HeadSpans& spans, bool eight,
-            const float* p, const uint8_t* up, const uint8_t* lw, const float* lo,
-            const float* scale)
-      : Job(spans.items()), d(d), groups(groups), spans(spans), eight(eight), p(p), up(up),
-        lw(lw), lo(lo), scale(scale), parts(spans.items() * d.R * d.H, 0.0f) {}
+  struct Layer {
+    const float* q;
+    const int32_t* at;  // [B, R]: the rows' positions
+    Codebook keys, values;
+    int64_t G, value_groups;  // slots per key group; value groups per slot
+  };
 
-  // out[bk] = Σ over its spans, in order.
-  void Sum(float* out) const {
-    const int64_t size = d.R * d.H;
-    std::fill(out, out + d.BK * size, 0.0f);
-    for (int64_t c = 0; c < spans.items(); ++c)
-      for (int64_t i = 0; i < size; ++i) out[spans.head(c) * size + i] += parts[c * size + i];
+  PartialWork(const Dims& d, const HeadSpans& spans, bool eight, float scale, int64_t window,
+              const Layer& layer)
+      : Job(spans.items()), d(d), spans(spans), eight(eight), scale(scale), window(window),
+        layer(layer), o(spans.items() * d.R * d.H, 0.0f), m(spans.items() * d.R),
+        l(spans.items() * d.R) {}
+
+  // One partial per head: o [BK, R, H], m and l [BK, R], the spans' merged (log-sum-exp).
+  void Merge(float* out_o, float* out_m, float* out_l) const {
+    const int64_t per = spans.per_head(), R = d.R, H = d.H;
+    for (int64_t bk = 0; bk < d.BK(); ++bk)
+      for (int64_t r = 0; r < R; ++r) {
+        float top = kMasked;
+        for (int64_t c = bk * per; c < (bk + 1) * per; ++c) top = std::max(top, m[c * R + r]);
+        float total = 0.0f, *acc = out_o + (bk * R + r) * H;
+        std::fill(acc, acc + H, 0.0f);
+        for (int64_t c = bk * per; c < (bk + 1) * per; ++c) {
+          const float w = std::exp(m[c * R + r] - top);
+          total += w * l[c * R + r];
+          for (int64_t h = 0; h < H; ++h) acc[h] += w * o[(c * R + r) * H + h];
+        }
+        out_m[bk * R + r] = top;
+        out_l[bk * R + r] = total;
+      }
   }
 
  protected:
   void Chunk(int64_t c) override {
-    const int64_t bk = spans.head(c);
-    ForShape<Values>(d.H, eight, p + bk * d.R * d.S, up + bk * d.S * d.H / 2,
-                     lw + bk * d.S * d.H / 2, lo + bk * d.S * groups,
-                     scale + bk * d.S * groups, d.R, d.S, d.H, groups, spans.begin(c),
-                     spans.end(c), parts.data() + c * d.R * d.H);
+    const int64_t bk = spans.head(c), b = bk / d.K;
+    const Codebook keys = At(layer.keys, bk, d.S / layer.G * d.H);
+    const Codebook values = At(layer.values, bk, d.S * layer.value_groups);
+    ForShape<SpanPartial>(d.H, eight, layer.q + bk * d.R * d.H, layer.at + b * d.R, &keys,
+                          &values, &d, layer.G, layer.value_groups, spans.begin(c),
+                          spans.end(c), scale, window, o.data() + c * d.R * d.H,
+                          m.data() + c * d.R, l.data() + c * d.R);
   }
 
  private:
+  // Head bk's codes ([S, H/2] each) and its `stats` statistics.
+  Codebook At(const Codebook& all, int64_t bk, int64_t stats) const {
+    const int64_t codes = bk * d.S * d.H / 2;
+    return {all.up + codes, all.lw + codes, all.lo + bk * stats, all.scale + bk * stats};
+  }
+
   const Dims d;
-  const int64_t groups;
   const HeadSpans spans;
   const bool eight;
-  const float* p;
-  const uint8_t *up, *lw;
-  const float *lo, *scale;
-  std::vector<float> parts;  // [items, R, H]
+  const float scale;
+  const int64_t window;
+  const Layer layer;
+  std::vector<float> o, m, l;  // [items, R, H], [items, R], [items, R]
 };
 
-ffi::Error ValueSums(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::S32> length,
-                     ffi::Buffer<ffi::U8> upper, ffi::Buffer<ffi::U8> lower,
-                     ffi::Buffer<ffi::F32> lo, ffi::Buffer<ffi::F32> scale,
-                     ffi::ResultBuffer<ffi::F32> out, int64_t bits) {
-  auto pd = p.dimensions(), cd = upper.dimensions(), sd = lo.dimensions();
-  if (pd.size() != 4 || cd.size() != 4 || sd.size() != 4 || pd[3] != cd[2] ||
-      sd[2] != cd[2] || (cd[3] * 2) % sd[3])
-    return ffi::Error::InvalidArgument("quant_value_sums: p[B, K, R, S], codes[B, K, S, H/2], "
-                                       "lo/scale[B, K, S, H/Gv] expected");
-  const Dims d{pd[0] * pd[1], pd[2], cd[2], cd[3] * 2};
-  const int64_t Q = std::clamp<int64_t>(length.typed_data()[0], 0, d.S);
-  auto work = std::make_shared<ValueWork>(d, sd[3], HeadSpans{d.BK, SpanFor(1), Q}, bits == 8,
-                                          p.typed_data(), upper.typed_data(),
-                                          lower.typed_data(), lo.typed_data(),
-                                          scale.typed_data());
+ffi::Error Partials(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> q_pos,
+                    ffi::Buffer<ffi::S32> length, ffi::Buffer<ffi::U8> k_upper,
+                    ffi::Buffer<ffi::U8> k_lower, ffi::Buffer<ffi::F32> k_lo,
+                    ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::U8> v_upper,
+                    ffi::Buffer<ffi::U8> v_lower, ffi::Buffer<ffi::F32> v_lo,
+                    ffi::Buffer<ffi::F32> v_scale, ffi::ResultBuffer<ffi::F32> o,
+                    ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l, int64_t bits,
+                    float scale, int64_t window) {
+  auto qd = q.dimensions(), cd = k_upper.dimensions(), kd = k_lo.dimensions(),
+       vd = v_lo.dimensions();
+  if (qd.size() != 4 || cd.size() != 4 || kd.size() != 4 || vd.size() != 4 ||
+      cd[3] * 2 != qd[3] || kd[3] != qd[3] || kd[2] == 0 || cd[2] % kd[2] ||
+      vd[2] != cd[2] || vd[3] == 0 || qd[3] % vd[3] ||
+      static_cast<int64_t>(q_pos.element_count()) != qd[0] * qd[2])
+    return ffi::Error::InvalidArgument(
+        "quant_attention: q[B, K, R, H], q_pos[B, R], codes[B, K, S, H/2], key lo/scale "
+        "[B, K, S/G, H], value lo/scale [B, K, S, H/Gv] expected");
+  const Dims d{qd[0], qd[1], qd[2], cd[2], qd[3]};
+  const int64_t G = d.S / kd[2], Q = std::clamp<int64_t>(length.typed_data()[0], 0, d.S);
+  const PartialWork::Layer layer{
+      q.typed_data(), q_pos.typed_data(),
+      {k_upper.typed_data(), k_lower.typed_data(), k_lo.typed_data(), k_scale.typed_data()},
+      {v_upper.typed_data(), v_lower.typed_data(), v_lo.typed_data(), v_scale.typed_data()},
+      G, vd[3]};
+  auto work = std::make_shared<PartialWork>(d, HeadSpans{d.BK(), SpanFor(G), Q}, bits == 8,
+                                            scale, window, layer);
   specjax::RunOnPool(pool, work, ThreadsFor(d, Q, pool.num_threads()));
-  work->Sum(out->typed_data());
+  work->Merge(o->typed_data(), m->typed_data(), l->typed_data());
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-#define SPECJAX_QUANT_ATTENTION(name, impl)                  \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                  \
-                                ffi::Ffi::Bind()             \
-                                    .Ctx<ffi::ThreadPool>()  \
-                                    .Arg<ffi::Buffer<ffi::F32>>() \
-                                    .Arg<ffi::Buffer<ffi::S32>>() \
-                                    .Arg<ffi::Buffer<ffi::U8>>()  \
-                                    .Arg<ffi::Buffer<ffi::U8>>()  \
-                                    .Arg<ffi::Buffer<ffi::F32>>() \
-                                    .Arg<ffi::Buffer<ffi::F32>>() \
-                                    .Ret<ffi::Buffer<ffi::F32>>() \
-                                    .Attr<int64_t>("bits"));
-
-SPECJAX_QUANT_ATTENTION(QuantKeyScores, KeyScores)
-SPECJAX_QUANT_ATTENTION(QuantValueSums, ValueSums)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantPartials, Partials,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // length
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // keys: upper codes
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // lower codes
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // lo
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // values: upper codes
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // lower codes
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // lo
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // o
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // m
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // l
+                                  .Attr<int64_t>("bits")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window"));
