@@ -47,23 +47,28 @@ using specjax::kLanes, specjax::Vec, specjax::Load, specjax::Store, specjax::Spl
 
 constexpr float kMasked = -1e30f;  // a masked score, as the XLA path writes it
 
-// One slot's codes as H floats: u (4 bits), or u + (l − 7)/15 (8 bits), where the value
-// is lo + scale·code with lo and scale per channel (keys) or per channel group (values).
-// Channels h < H/2 sit in the low nibbles of bytes [0, H/2), the others in the high ones.
-// kH > 0 fixes H at compile time (64, 128: most models), which lets the compiler keep a
-// row in registers and drop the aliasing checks; 0 reads `H`.
+// One slot's codes as H floats in steps of kUnit: u (4 bits), or 15u + l − 7 (8 bits), so
+// that the value is lo + (scale·kUnit)·code, with lo and scale per channel (keys) or per
+// channel group (values). Channels h < H/2 sit in the low nibbles of bytes [0, H/2), the
+// others in the high ones. At 8 bits the two nibbles meet as integers, one conversion a
+// channel (u + (l − 7)/15 in floats took two and a multiply-add). kH > 0 fixes H at compile
+// time (64, 128: most models), which lets the compiler keep a row in registers and drop
+// the aliasing checks; 0 reads `H`.
+template <bool kEight>
+constexpr float kUnit = kEight ? 1.0f / 15.0f : 1.0f;
+
 template <int kH, bool kEight>
 inline void Codes(const uint8_t* __restrict up, const uint8_t* __restrict lw, int64_t H,
                   float* __restrict row) {
   const int64_t half = (kH > 0 ? kH : H) / 2;
   for (int64_t j = 0; j < half; ++j) {
-    float c0 = static_cast<float>(up[j] & 15), c1 = static_cast<float>(up[j] >> 4);
+    int32_t c0 = up[j] & 15, c1 = up[j] >> 4;
     if (kEight) {
-      c0 += (static_cast<float>(lw[j] & 15) - 7.0f) * (1.0f / 15.0f);
-      c1 += (static_cast<float>(lw[j] >> 4) - 7.0f) * (1.0f / 15.0f);
+      c0 = 15 * c0 + (lw[j] & 15) - 7;
+      c1 = 15 * c1 + (lw[j] >> 4) - 7;
     }
-    row[j] = c0;
-    row[j + half] = c1;
+    row[j] = static_cast<float>(c0);
+    row[j + half] = static_cast<float>(c1);
   }
 }
 
@@ -133,7 +138,8 @@ struct Scores {
       const float* scale_g = keys.scale + start / G * n;
       for (int64_t r = 0; r < R; ++r) {
         base[r] = Dot<kH>(q + r * n, lo_g, n);
-        for (int64_t h = 0; h < n; ++h) scaled[r * n + h] = q[r * n + h] * scale_g[h];
+        for (int64_t h = 0; h < n; ++h)
+          scaled[r * n + h] = q[r * n + h] * (scale_g[h] * kUnit<kEight>);
       }
       const int64_t end = std::min(Q, start + G);
       for (int64_t t0 = start; t0 < end; t0 += kBlock) {
@@ -204,7 +210,7 @@ struct Values {
           for (int64_t c = 0; c < groups; ++c) {
             const int64_t tc = (t0 + i) * groups + c;
             lo_sums[r * groups + c] += pr[i] * values.lo[tc];
-            Axpy<0>(pr[i] * values.scale[tc], codes.data() + i * n + c * per,
+            Axpy<0>(pr[i] * (values.scale[tc] * kUnit<kEight>), codes.data() + i * n + c * per,
                     o + r * n + c * per, per);
           }
       }
@@ -222,7 +228,7 @@ struct Values {
     float acc[n] = {};
     for (int64_t i = 0; i < count; ++i) {
       lo_sum += p[i] * lo[i];
-      const float w = p[i] * scale[i];
+      const float w = p[i] * (scale[i] * kUnit<kEight>);
       for (int64_t h = 0; h < n; ++h) acc[h] += w * codes[i * n + h];
     }
     for (int64_t h = 0; h < n; ++h) out[h] += acc[h];
