@@ -231,3 +231,25 @@ def test_cpu_kernels_fold_a_vmap_over_queries_into_rows():
   each = jax.jit(jax.vmap(attend))(qs, lengths)
   np.testing.assert_allclose(each, jnp.stack([want(q, int(n)) for q, n in zip(qs, lengths)]),
                              atol=2e-6)
+
+
+def test_bench_quant_steps_times_steps_and_kernels(monkeypatch, capsys):
+  """experiments/bench_quant_steps.py on a tiny model past its quantised buffer: every
+  step on both caches, QuantSpec's two drafts and the kernels alone, timed; one JSON line
+  at the end."""
+  import json
+  import sys
+  from pathlib import Path
+
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+  import bench_quant_steps
+
+  monkeypatch.setattr(sys, "argv", ["bench_quant_steps.py", "--model", "tiny-llama",
+                                    "--contexts", "300", "--repeats", "2"])
+  bench_quant_steps.main()
+  figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  row = figures["contexts"]["300"]
+  assert row["quantized"] > 0
+  assert len(row["steps_ms"]) == 6 and all(t > 0 for t in row["steps_ms"].values())
+  assert row["over_fp_ar"]["AR, float32 cache"] == 1.0
+  assert len(row["kernels_ms"]) == 6 and all(t > 0 for t in row["kernels_ms"].values())
