@@ -286,13 +286,19 @@ int64_t ThreadsFor(const Dims& d, int64_t Q, int64_t pool_threads) {
 }
 
 // What one item computes: scores over its span, softmax terms, value sums, into its own
-// partial (o [R, H], m and l [R]).
+// partial (o [R, H], m and l [R]); a span that no row's sliding window reaches, nothing.
 template <int kH, bool kEight>
 struct SpanPartial {
   static void Run(const float* q, const int32_t* at, const Codebook* keys,
                   const Codebook* values, const Dims* d, int64_t G, int64_t value_groups,
                   int64_t begin, int64_t end, float scale, int64_t window, float* o, float* m,
                   float* l) {
+    const auto unseen = [&](int32_t p) { return p - window >= end - 1; };
+    if (window > 0 && std::all_of(at, at + d->R, unseen)) {  // outside every row's window
+      std::fill(m, m + d->R, kMasked);
+      std::fill(l, l + d->R, 0.0f);
+      return;
+    }
     const int64_t count = end - begin, stride = (count + kLanes - 1) / kLanes * kLanes;
     std::vector<float> s(d->R * std::max<int64_t>(stride, 1), kMasked);
     Scores<kH, kEight>::Run(q, *keys, d->R, d->H, G, begin, end, s.data(), stride);
