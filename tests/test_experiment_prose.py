@@ -25,6 +25,17 @@ def test_quantspec_prose_quotes_the_measured_int8_ar_speed():
   assert bench_quantspec.int8_vs_fp({"1024": {"int8kv_ar_vs_fp_ar": 0.5}}) == "0.50×"
 
 
+def test_quantspec_keeps_each_methods_pass_of_median_speed():
+  """Passes are lists of one record per method, in the same order; each method keeps its
+  own median pass, whichever passes the other methods' medians came from."""
+  rec = lambda method, s: {"method": method, "decode_tokens": 60, "decode_s": s}
+  passes = [[rec("ar", 1.0), rec("quantspec", 3.0)],
+            [rec("ar", 2.0), rec("quantspec", 1.0)],
+            [rec("ar", 3.0), rec("quantspec", 2.0)]]
+  assert bench_quantspec.median_pass(passes) == [rec("ar", 2.0), rec("quantspec", 2.0)]
+  assert bench_quantspec.median_pass(passes[:1]) == passes[0]
+
+
 def test_quantspec_memory_prices_a_separate_draft_cache():
   from specjax.config import tiny_config
 
