@@ -22,7 +22,6 @@ import contextlib
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -91,14 +90,7 @@ def steps(m, cache: KVCache, gamma: int) -> dict:
 
 def timed(calls: dict, repeats: int) -> dict:
   """Median ms of each call, round-robin, after one untimed pass."""
-  times = {name: [] for name in calls}
-  for i in range(repeats + 1):
-    for name, call in calls.items():
-      t = time.perf_counter()
-      call()
-      if i:
-        times[name].append((time.perf_counter() - t) * 1e3)
-  return {name: statistics.median(v) for name, v in times.items()}
+  return {name: statistics.median(v) for name, v in report.round_robin(calls, repeats).items()}
 
 
 def main() -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -133,18 +132,6 @@ def kernel_calls(m, fp_cache, q_cache, gamma: int) -> dict:
   return calls
 
 
-def timed(calls: dict, repeats: int) -> dict[str, list[float]]:
-  """ms of each call, round-robin, after one untimed pass."""
-  times = {name: [] for name in calls}
-  for i in range(repeats + 1):
-    for name, call in calls.items():
-      t = time.perf_counter()
-      call()
-      if i:
-        times[name].append((time.perf_counter() - t) * 1e3)
-  return times
-
-
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--gamma", type=int, default=4)
@@ -168,10 +155,10 @@ def main() -> None:
     fp_cache, q_cache = prefill(None), prefill(QuantKV())
     Q, buffered = int(q_cache.quantized), int(q_cache.buffered)
     # The kernels first: the steps donate the caches they are given.
-    kernels = {name: statistics.median(v) for name, v in timed(
+    kernels = {name: statistics.median(v) for name, v in report.round_robin(
         kernel_calls(m, fp_cache, q_cache, args.gamma), args.repeats).items()}
-    steps = timed(step_calls(m, {"float32 cache": fp_cache, "8-bit cache": q_cache},
-                             args.gamma), args.repeats)
+    caches = {"float32 cache": fp_cache, "8-bit cache": q_cache}
+    steps = report.round_robin(step_calls(m, caches, args.gamma), args.repeats)
     base = steps["AR, float32 cache"]
     step_rows = [[name, statistics.median(v), statistics.median(
         [x / b for x, b in zip(v, base)])] for name, v in steps.items()]

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from specjax.bench import docs
 from specjax.bench.docs import DOCS, copy_image, machine  # noqa: F401  (re-exported for the scripts)
@@ -49,6 +50,19 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
   lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
   lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
   return "\n".join(lines)
+
+
+def round_robin(calls: dict, repeats: int) -> dict[str, list[float]]:
+  """ms of each call (which blocks until its work is done) over `repeats` passes, the calls
+  in turn within a pass, so the machine's drift hits them alike; one untimed pass first."""
+  times: dict[str, list[float]] = {name: [] for name in calls}
+  for i in range(repeats + 1):
+    for name, call in calls.items():
+      t = time.perf_counter()
+      call()
+      if i:
+        times[name].append((time.perf_counter() - t) * 1e3)
+  return times
 
 
 def print_json(figures: dict) -> None:

@@ -265,7 +265,8 @@ def quant_partials(q: jax.Array, q_pos: jax.Array, length: jax.Array, k_codes, v
   quantised cache layer (`quant.Hier` codes [B, K, S, H/2]; keys grouped over slots,
   values over channels), read at `bits` (4: the upper nibbles): the exp-weighted values
   o [B, K, R, H], the row maxima m and the sums of exp l [B, K, R], for a log-sum-exp
-  merge. Slot t sits at position t; a row sees it within `window` of its position.
+  merge. Slot t sits at position t, before every row (no causal mask: the quantised tokens
+  precede a step's); a row sees it within `window` of its position.
 
   One call does the scores, the softmax and the value sums, over the filled slots only:
   with the softmax between two kernels in XLA, a verification wrote and reread a
