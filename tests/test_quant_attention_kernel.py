@@ -125,6 +125,17 @@ def test_cpu_kernels_split_a_long_context_into_spans_and_threads(bits, window):
   assert np.array_equal(np.asarray(run(*args)), np.asarray(got))
 
 
+def test_cpu_kernel_refuses_codes_of_other_heads():
+  """A layer's codes with other kv heads than q's (or a batch of another size) would be
+  read at the wrong heads, or past their end: the kernel refuses the call and names the
+  shapes it expects."""
+  q, hk, hv, *_ = case(7, K=2)
+  q_pos = jnp.zeros((1, 6), jnp.int32)
+  with pytest.raises(Exception, match=r"quant_attention: q\[B, K, R, H\]"):
+    jax.block_until_ready(cpu_partials(q[:, :1], q_pos, 10, hk, hv, bits=8, group=8,
+                                       value_group=8, scale=0.3))
+
+
 @pytest.mark.parametrize("length,window", [(0, None), (40, 3)])
 def test_cpu_kernel_rows_that_see_no_quantised_slot_weigh_it_nothing(length, window):
   """No quantised slot at all, or none inside the window of any row: the codes' partial
