@@ -16,20 +16,32 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "BENCHMARKS.md"
 
 
 def machine() -> str:
-  """Device, CPU model, core count and jax version, for the record."""
+  """Device, CPU model and its widest vector extension, core count and jax version, for
+  the record. The extension tells apart CPUs sold under one name (an "AMD EPYC" with
+  AVX2 only, another with AVX-512) whose C++ kernels take different register tiles."""
   import jax
 
-  cpu = platform.processor() or platform.machine()
+  fields: dict[str, str] = {}  # the first processor's lines
   try:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("model name"):
-        cpu = line.split(":", 1)[1].strip()
-        break
+      key, _, value = line.partition(":")
+      fields.setdefault(key.strip(), value.strip())
   except OSError:
     pass
+  cpu = fields.get("model name") or platform.processor() or platform.machine()
+  isa = vector_extension(fields.get("flags", ""))
   dev = jax.devices()[0]
-  return (f"{dev.platform.upper()} ({getattr(dev, 'device_kind', '')}), {cpu}, "
-          f"{os.cpu_count()} cores, jax {jax.__version__}")
+  return (f"{dev.platform.upper()} ({getattr(dev, 'device_kind', '')}), {cpu}"
+          f"{f' ({isa})' if isa else ''}, {os.cpu_count()} cores, jax {jax.__version__}")
+
+
+def vector_extension(flags: str) -> str:
+  """The widest x86 vector extension in a /proc/cpuinfo `flags` line ('' if none known)."""
+  words = set(flags.split())
+  for name, flag in (("AVX-512", "avx512f"), ("AVX2", "avx2"), ("AVX", "avx")):
+    if flag in words:
+      return name
+  return ""
 
 
 def write_section(name: str, body: str, command: str) -> None:
