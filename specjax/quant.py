@@ -37,6 +37,7 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import cpu_kernels
 from specjax.errors import SpecjaxError
@@ -158,6 +159,12 @@ def check_finite(x: jax.Array, what: str) -> None:
 # --- 4-bit weights -------------------------------------------------------------------------
 
 ACTIVATION_LEVELS = 32767  # int16 levels on each side of zero
+# A group's unit is max|x_g| times this float32 reciprocal, never max|x_g| divided by the
+# constant: XLA rewrites a division by a constant into a multiply by its reciprocal in some
+# programs and not in others (one row alone and the same row among three got units an ulp
+# apart on an AMD EPYC), which would tie a row's grid to its neighbours. The C++ kernel
+# (`int4_matmul.cc`, kUnitPerAmax) multiplies by the same constant.
+UNIT_PER_AMAX = np.float32(1) / np.float32(ACTIVATION_LEVELS)
 
 
 def activation_grid(x: jax.Array, group: int) -> jax.Array:
@@ -170,7 +177,7 @@ def activation_grid(x: jax.Array, group: int) -> jax.Array:
   amax = jnp.max(jnp.abs(g), axis=-1, keepdims=True)
   inverse = jnp.where(amax > 0, ACTIVATION_LEVELS / jnp.where(amax > 0, amax, 1.0), 0.0)
   levels = jnp.round(g * inverse)
-  return (levels * (amax / ACTIVATION_LEVELS)).reshape(x.shape)
+  return (levels * (amax * UNIT_PER_AMAX)).reshape(x.shape)
 
 
 @flax.struct.dataclass

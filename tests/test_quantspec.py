@@ -163,6 +163,9 @@ def test_int4_kernel_equals_the_dequantised_matmul(rows, inner, outer, group, se
 @settings(max_examples=30, deadline=None)
 @given(groups=st.integers(1, 4), group=st.sampled_from([1, 8, 128]),
        spread=st.floats(-30, 30), zeros=st.booleans(), seed=st.integers(0, 2**16))
+# A unit computed as max|x| / 32767: XLA multiplied three rows by the reciprocal and
+# divided the row alone, an ulp apart (AMD EPYC, AVX-512).
+@example(groups=1, group=1, spread=1.5954461787033978, zeros=False, seed=294)
 def test_the_activation_grid_moves_an_input_at_most_half_a_step(groups, group, spread,
                                                                  zeros, seed):
   """Each group's step is its max|x| / 32767: a value moves at most half a step (2^-16 of

@@ -47,6 +47,7 @@ constexpr int64_t kChunksPerWorker = 2;  // a helper that starts late costs at m
 constexpr int64_t kMinChannels = 64;     // per chunk
 constexpr int kChannels = 4;             // output channels read side by side
 constexpr float kLevels = 32767.0f;      // int16 levels on each side of zero
+constexpr float kUnitPerAmax = 1.0f / kLevels;  // a unit per max|x|: `quant.UNIT_PER_AMAX`
 
 using specjax::PrefetchAhead;
 
@@ -135,7 +136,7 @@ class Work : public specjax::Job {
     float amax = 0;
     for (int64_t i = 0; i < G; ++i) amax = std::max(amax, std::fabs(x[i]));
     const float inverse = amax > 0 ? kLevels / amax : 0.0f;
-    unit = amax / kLevels;
+    unit = amax * kUnitPerAmax;  // as `quant.activation_grid`: a product, not a quotient
     q_sum = 0;
     for (int64_t i = 0; i < G; ++i) {
       q[i] = static_cast<int16_t>(std::nearbyint(x[i] * inverse));
