@@ -522,45 +522,69 @@ def speculative_generate(
   return gen
 
 
+@dataclasses.dataclass
+class _HostPrograms:
+  """The host loop's executables, compiled on first use (booked on the session's clock):
+  a draft executable per plan structure (a shortlist adds a field) and a verify executable
+  per draft length. Kept here, since `compiled`'s own lookup hashes the graphdef and walks
+  every parameter."""
+
+  run: _Run
+  proto: Draft  # the Draft's shapes: a verifier compiles before the first draft exists
+  drafts: dict = dataclasses.field(default_factory=dict)
+  verifiers: dict = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def of(cls, run: _Run) -> _HostPrograms:
+    proto = jax.eval_shape(functools.partial(draft_fn, **run.draft_static), run.state,
+                           run.cache, jnp.int32(run.first),
+                           DraftPlan.full(run.config.num_layers), run.key,
+                           jnp.int32(run.gamma))
+    return cls(run, proto)
+
+  def draft(self, plan: DraftPlan, cache):
+    run = self.run
+    sig = (jax.tree.structure(plan), tuple(x.shape for x in jax.tree.leaves(plan)))
+    if sig not in self.drafts:
+      self.drafts[sig] = compiled(draft_step, run.state, cache, jnp.int32(run.first), plan,
+                                  run.key, jnp.int32(run.gamma), clock=run.session.clock,
+                                  **run.draft_static)
+    return self.drafts[sig]
+
+  def verify(self, length: int, cache):
+    run = self.run
+    if length not in self.verifiers:
+      self.verifiers[length] = compiled(
+          verify_step, run.state, cache, jnp.int32(run.first), self.proto,
+          DraftPlan.full(run.config.num_layers), run.key,
+          length=None if length >= run.gamma else length, clock=run.session.clock,
+          graphdef=run.graphdef, sampling=run.sampling,
+          residuals=run.drafter.wants_residuals)
+    return self.verifiers[length]
+
+
+def _commit(tokens: list[int], new: list[int], run: _Run) -> tuple[int, bool]:
+  """Append a round's committed tokens up to the first EOS or the token budget, streaming
+  each to `run.on_token`: (how many were kept, whether the generation ends with them)."""
+  for i, t in enumerate(new):
+    tokens.append(t)
+    if run.on_token:
+      run.on_token(t)
+    if t in run.eos or len(tokens) >= run.max_new_tokens:
+      return i + 1, True
+  return len(new), False
+
+
 def _host_rounds(run: _Run, record_rounds: bool) -> SSDGeneration:
   """A draft call and a verify call per round, the drafter consulted between them: exact
   draft / verify times, and plans that change every round (SWIFT, CLaSp, KnapSpec)."""
-  graphdef, state, config, drafter, gamma = (run.graphdef, run.state, run.config, run.drafter,
-                                             run.gamma)
+  state, drafter, gamma = run.state, run.drafter, run.gamma
   cache, key, dstate, session = run.cache, run.key, run.dstate, run.session
   clock = session.clock
-  full = DraftPlan.full(config.num_layers)
-  d_static = run.draft_static
-  v_static = dict(graphdef=graphdef, sampling=run.sampling, residuals=drafter.wants_residuals)
-
+  full = DraftPlan.full(run.config.num_layers)
   t_compile = time.perf_counter()
-  last0 = jnp.int32(run.first)
-  draft_exes = {}
-
-  def drafter_exe(plan: DraftPlan):
-    """The draft executable for this plan's structure (a shortlist adds a field)."""
-    sig = (jax.tree.structure(plan), tuple(x.shape for x in jax.tree.leaves(plan)))
-    if sig not in draft_exes:
-      draft_exes[sig] = compiled(draft_step, state, cache, last0, plan, key, jnp.int32(gamma),
-                                 clock=clock, **d_static)
-    return draft_exes[sig]
-
-  # The Draft's shapes, for compiling the verifier before the first draft exists.
-  proto = jax.eval_shape(functools.partial(draft_fn, **d_static), state, cache, last0, full, key,
-                         jnp.int32(gamma))
-
-  verifiers = {}
-
-  def verifier(length: int):
-    """The verify executable for a draft length (compiled on first use, timed apart; kept
-    here, since `compiled`'s lookup hashes the graphdef and walks every parameter)."""
-    if length not in verifiers:
-      verifiers[length] = compiled(verify_step, state, cache, last0, proto, full, key,
-                                   length=None if length >= gamma else length, clock=clock,
-                                   **v_static)
-    return verifiers[length]
-
-  verifier(gamma)
+  programs = _HostPrograms.of(run)
+  programs.verify(gamma, cache)
   compile_s = time.perf_counter() - t_compile
   tokens = [run.first]
   t1 = time.perf_counter()
@@ -578,8 +602,8 @@ def _host_rounds(run: _Run, record_rounds: bool) -> SSDGeneration:
     key, k_draft, k_accept = jax.random.split(key, 3)
     last = jnp.asarray(tokens[-1], jnp.int32)
     t_b, c1 = time.perf_counter(), clock.seconds
-    draft_exe = drafter_exe(plan)  # compiled here (timed apart) when a structure first shows
-    verify = verifier(length)  # a dict lookup, or a compile the first time (not timed)
+    draft_exe = programs.draft(plan, cache)  # compiled here (timed apart) at a new structure
+    verify = programs.verify(length, cache)  # a dict lookup, or a compile (timed apart)
     t_c = time.perf_counter()
     draft = draft_exe(state, cache, last, plan, k_draft, jnp.int32(length))
     draft.n.block_until_ready()
@@ -599,14 +623,8 @@ def _host_rounds(run: _Run, record_rounds: bool) -> SSDGeneration:
     stats["rounds"] += 1
     stats["drafted"] += n_drafted
     stats["accepted"] += n_commit - 1
-    for t in committed:
-      tokens.append(t)
-      stats["committed"] += 1
-      if run.on_token:
-        run.on_token(t)
-      if t in run.eos or len(tokens) >= run.max_new_tokens:
-        done = True
-        break
+    kept, done = _commit(tokens, committed, run)
+    stats["committed"] += kept
     session.cache, session.context = cache, run.prompt_tokens + tokens
     t_e, c3 = time.perf_counter(), clock.seconds
     if not done:
