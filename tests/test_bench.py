@@ -154,13 +154,15 @@ def test_the_docs_command_reproduces_the_options_and_the_section():
 def test_the_machine_line_names_the_cpus_widest_vector_extension():
   """Two CPUs sold as "AMD EPYC" (AVX2 only; AVX-512) take different kernel tiles: the
   record tells them apart."""
+  import jax
+
   from specjax.bench.docs import machine, vector_extension
 
   assert vector_extension("fpu sse4_2 avx avx2 fma") == "AVX2"
   assert vector_extension("fpu avx avx2 avx512f avx512bw") == "AVX-512"
   assert vector_extension("fp asimd") == ""  # an aarch64 line: none named
   line = machine()
-  assert line.endswith(f"cores, jax {__import__('jax').__version__}")
+  assert line.endswith(f"cores, jax {jax.__version__}")
   info = Path("/proc/cpuinfo")
   lines = info.read_text().splitlines() if info.exists() else []
   flags = next((ln for ln in lines if ln.startswith("flags")), "")

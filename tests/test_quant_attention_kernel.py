@@ -130,10 +130,11 @@ def test_cpu_kernel_refuses_codes_of_other_heads():
   read at the wrong heads, or past their end: the kernel refuses the call and names the
   shapes it expects."""
   q, hk, hv, *_ = case(7, K=2)
-  q_pos = jnp.zeros((1, 6), jnp.int32)
-  with pytest.raises(Exception, match=r"quant_attention: q\[B, K, R, H\]"):
-    jax.block_until_ready(cpu_partials(q[:, :1], q_pos, 10, hk, hv, bits=8, group=8,
-                                       value_group=8, scale=0.3))
+  two = jnp.concatenate([q, q])  # a batch of two against one sequence's codes
+  for q_, rows in ((q[:, :1], 1), (two, 2)):
+    with pytest.raises(Exception, match=r"quant_attention: q\[B, K, R, H\]"):
+      jax.block_until_ready(cpu_partials(q_, jnp.zeros((rows, 6), jnp.int32), 10, hk, hv,
+                                         bits=8, group=8, value_group=8, scale=0.3))
 
 
 @pytest.mark.parametrize("length,window", [(0, None), (40, 3)])

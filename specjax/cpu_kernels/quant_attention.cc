@@ -384,8 +384,8 @@ ffi::Error Partials(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   auto qd = q.dimensions(), cd = k_upper.dimensions(), kd = k_lo.dimensions(),
        vd = v_lo.dimensions();
   if (qd.size() != 4 || cd.size() != 4 || kd.size() != 4 || vd.size() != 4 ||
-      cd[0] != qd[0] || cd[1] != qd[1] || cd[3] * 2 != qd[3] || kd[3] != qd[3] || kd[2] == 0 || cd[2] % kd[2] ||
-      vd[2] != cd[2] || vd[3] == 0 || qd[3] % vd[3] ||
+      cd[0] != qd[0] || cd[1] != qd[1] || cd[3] * 2 != qd[3] || kd[3] != qd[3] ||
+      kd[2] == 0 || cd[2] % kd[2] || vd[2] != cd[2] || vd[3] == 0 || qd[3] % vd[3] ||
       static_cast<int64_t>(q_pos.element_count()) != qd[0] * qd[2])
     return ffi::Error::InvalidArgument(
         "quant_attention: q[B, K, R, H], q_pos[B, R], codes[B, K, S, H/2], key lo/scale "
