@@ -170,7 +170,12 @@ def test_kernel_lowers_to_triton_for_cuda(bits, rows, gv, window):
   fn = jax.jit(lambda q, q_pos, hk, hv: quant_partials(
       q, q_pos, 1000, hk, hv, bits=bits, group=128, value_group=gv, scale=0.125,
       window=window))
-  text = fn.trace(q, q_pos, hk, hv).lower(lowering_platforms=("cuda",)).as_text()
+  # From jax 0.11 the Triton lowering asks the device for its compute capability; on a
+  # CPU host an abstract mesh names the GPU it lowers for (jax 0.10 ignores it).
+  h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                     platform="gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=h100)):
+    text = fn.trace(q, q_pos, hk, hv).lower(lowering_platforms=("cuda",)).as_text()
   assert "xla.gpu.triton" in text and f"quant_decode_attention_int{bits}" in text
 
 
