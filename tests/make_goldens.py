@@ -7,7 +7,7 @@ transformers (de-quantising every tensor in Python) took 50-120 s a model, most 
 suite's reference time, while transformers' answer on a given file never changes. Each
 golden names the GGUF's SHA-256, so a test against another file fails and says to rerun
 this script. The live comparisons stay in `test_parity_hf.py` and `test_weights.py`
-(`SPECJAX_LIVE_HF=1`). Needs torch and transformers (`pip install -e ".[test]"`).
+(`SPECJAX_LIVE_HF=1`). Needs torch and transformers (`pip install -e ".[bench]"`).
 
 Per model, `<name>.npz` holds, for the prompt `PROMPT` (T tokens):
   - the full-vocabulary argmax, log-sum-exp and max |logit| of every position;
