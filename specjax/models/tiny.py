@@ -13,8 +13,8 @@ are trained instead, for a few hundred optax steps on a synthetic *word language
 * the favourites form one cycle through every word, so greedy output walks through many
   words and tokens instead of repeating one.
 
-Training is deterministic (fixed seeds) and cached on disk under `cache_root()/tiny`
-(written atomically), so a test session trains each (family, layers, vocab) once.
+Training is deterministic (fixed seeds) and cached on disk under `cache_root()/tiny`, per
+jax version (written atomically), so a test session trains each (family, layers, vocab) once.
 """
 
 from __future__ import annotations
@@ -164,8 +164,11 @@ def _train(config: ModelConfig, recipe: Recipe, verbose: bool) -> nnx.State:
 
 
 def _key(config: ModelConfig, recipe: Recipe) -> str:
-  blob = json.dumps([TRAINER_VERSION, dataclasses.asdict(config), dataclasses.asdict(recipe)],
-                    sort_keys=True, default=str)
+  """The cache key of a trained model. The jax version is part of it: XLA's arithmetic
+  differs between releases (two trained the same llama 3e-6 apart), and a test's drafts may
+  agree or not on such a difference, so each jax trains and tests its own."""
+  blob = json.dumps([TRAINER_VERSION, jax.__version__, dataclasses.asdict(config),
+                     dataclasses.asdict(recipe)], sort_keys=True, default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
