@@ -90,17 +90,45 @@ def test_corrupt_param_cache_is_rebuilt(tmp_path, monkeypatch, capsys):
   np.testing.assert_array_equal(third.state["embedding"][...], first.state["embedding"][...])
 
 
-def test_a_damaged_checkpoint_is_one_line_of_error(tmp_path):
-  """restore_tree's error names the checkpoint in one line: tensorstore's message carries
-  its whole spec (some 60 lines of JSON), kept as the chained cause, not in the message."""
-  from specjax.models.checkpoint import CheckpointError, restore_tree, save_tree
+def _saved_with_large_files(folder):
+  """A checkpoint of four incompressible 2 MB arrays, and its data files over 1 MB."""
+  from specjax.models.checkpoint import save_tree
 
-  rng = np.random.default_rng(0)  # incompressible: the data file stays over 1 MB
+  rng = np.random.default_rng(0)
   tree = {f"w{i}": jnp.asarray(rng.random((512, 1024), np.float32)) for i in range(4)}
-  save_tree(tmp_path / "ckpt", tree)
-  for p in (tmp_path / "ckpt").rglob("*"):
-    if p.is_file() and p.stat().st_size > 1 << 20:
-      p.write_bytes(b"\0garbage" * 64)
+  save_tree(folder, tree)
+  return tree, [p for p in folder.rglob("*") if p.is_file() and p.stat().st_size > 1 << 20]
+
+
+def test_a_truncated_checkpoint_is_refused_by_name_before_any_read(tmp_path, monkeypatch):
+  """A file whose size differs from what the save listed is named in the error, and orbax
+  is never asked to read the tree (it would fail one read and strand the others)."""
+  import orbax.checkpoint as ocp
+
+  from specjax.models.checkpoint import CheckpointError, restore_tree
+
+  tree, large = _saved_with_large_files(tmp_path / "ckpt")
+  large[0].write_bytes(b"\0garbage" * 64)
+  monkeypatch.setattr(ocp, "StandardCheckpointer", None)  # any read would fail loudly
+  name = large[0].relative_to(tmp_path / "ckpt")
+  with pytest.raises(CheckpointError, match=f"is damaged: {name} is 512 bytes, [0-9]+ bytes "
+                                            f"when saved"):
+    restore_tree(tmp_path / "ckpt", tree)
+  large[0].unlink()
+  with pytest.raises(CheckpointError, match=f"{name} is missing"):
+    restore_tree(tmp_path / "ckpt", tree)
+
+
+def test_a_damaged_checkpoint_is_one_line_of_error(tmp_path):
+  """Damage the sizes do not show (every data file overwritten in place) reaches orbax,
+  and restore_tree's error names the checkpoint in one line: tensorstore's message carries
+  its whole spec (some 60 lines of JSON), kept as the chained cause, not in the message."""
+  from specjax.models.checkpoint import CheckpointError, restore_tree
+
+  tree, large = _saved_with_large_files(tmp_path / "ckpt")
+  for p in large:
+    size = p.stat().st_size
+    p.write_bytes((b"\0garbage" * (size // 8 + 1))[:size])
   with pytest.raises(CheckpointError, match="is unreadable") as info:
     restore_tree(tmp_path / "ckpt", tree)
   message = str(info.value)
