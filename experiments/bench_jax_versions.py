@@ -139,7 +139,10 @@ def main() -> None:
     ap.error(f"no interpreter at {', '.join(missing)} (`make setup` and `make setup-latest` "
              f"make .venv and .venv-latest)")
   names = [f for f in args.figures.split(",") if f]
-  labels = [f"jax {jax_version(p)}" for p in pythons]
+  try:
+    labels = [f"jax {jax_version(p)}" for p in pythons]
+  except RunFailedError as err:
+    ap.error(str(err))
   if len(set(labels)) < len(labels):
     labels = [f"{lb} ({p})" for lb, p in zip(labels, named)]
 
@@ -165,12 +168,13 @@ def main() -> None:
   runs = {lb: sum(r["label"] == lb for r in store.records()) for lb in labels}
   text = table(labels, meds, names, runs)
   print(text)
-  first = next((r["figures"] for r in store.records()), {})
   if args.write_docs:
+    first = next((r["figures"] for r in store.records()), {})
     model = first.get("model", "")
     machine = first.get("machine", report.machine()).rsplit(", jax", 1)[0]
     body = "\n".join([
-        f"## One experiment on two jax installs ({name}{', ' + model if model else ''})",
+        f"## One experiment on {len(labels)} jax installs ({name}"
+        f"{', ' + model if model else ''})",
         "",
         f"Machine: {machine}. Commit {report.git_revision()}.",
         "",

@@ -75,6 +75,15 @@ def test_an_interpreter_that_is_not_there_is_named(tmp_path):
                          "x.py"], capture_output=True, text=True, cwd=ROOT)
   assert proc.returncode == 2 and "no interpreter at no/such/python" in proc.stderr
   assert "make setup-latest" in proc.stderr
+  no_jax = tmp_path / "python-without-jax"
+  no_jax.write_text('#!/bin/sh\nexec /usr/bin/env python3 -I -c "import sys; sys.exit(1)"\n')
+  no_jax.chmod(0o755)
+  proc = subprocess.run([sys.executable, str(SCRIPT), "--pythons", str(no_jax), "--",
+                         "x.py"], capture_output=True, text=True, cwd=ROOT)
+  assert proc.returncode == 2 and "cannot import jax" in proc.stderr
+  proc = subprocess.run([sys.executable, str(SCRIPT), "--pythons", sys.executable],
+                        capture_output=True, text=True, cwd=ROOT)
+  assert proc.returncode == 2 and "name the experiment after `--`" in proc.stderr
 
 
 @pytest.mark.parametrize("figures,flat", [
