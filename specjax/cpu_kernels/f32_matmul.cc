@@ -68,6 +68,18 @@ constexpr int FitRegisters(int MB, int most) {
 // fill buffers from the loads in flight (measured a little faster than prefetcht0).
 constexpr int kPrefetchL2 = 2;
 
+// The line 4 KiB further along a stream of weights, to L2: at one row the hardware
+// prefetchers keep up with two streams by themselves, at five they fell behind. SmolLM2's
+// head (49152 x 576) at five rows took 3.66 ms without it against 3.10-3.12 with it 4 or 8
+// KiB ahead (3.39 16 KiB ahead), Qwen2.5-0.5B's (151936 x 896) 15.9 against 14.3; at one,
+// eight and nine rows the times did not move (AMD EPYC with AVX-512, alternated). Past the
+// end of the matrix the address is formed as an integer: a prefetch never faults, and no
+// out-of-bounds pointer is made.
+inline void PrefetchAhead(const float* p) {
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(p) + 4096),
+                     0, kPrefetchL2);
+}
+
 // One vector register of floats, through GCC's vector extensions.
 typedef float Vec __attribute__((vector_size(kVecBytes)));
 typedef float VecU __attribute__((vector_size(kVecBytes), aligned(4)));  // unaligned access
@@ -218,63 +230,43 @@ struct RowsIO {
   }
 };
 
-// [O, I]: output channels [o, o + R) for rows x[0..MB): R·MB dot products over R
-// contiguous weight rows, each read once; each x vector loaded meets R weight vectors.
-// Each dot product is one chain of FMAs over I in order, summed across lanes at the end:
-// the operations `TwoStreamsOI` gives a channel too. This file is compiled without
-// reassociation (`cpu_kernels._IN_ORDER`), so a row's outputs have the same bits whatever
-// rows share its call: a verification's logits equal the AR step's. (Before, one row took
-// four chains, and GCC reordered one-row and five-row sums differently: the tied head's
-// logits differed in their last bits.) The next R rows are prefetched as these are read:
-// at MB ≥ 2 the loop issues its loads too slowly for the hardware prefetchers to keep
-// DRAM busy.
-template <int MB, int R>
-inline void RowsOI(const float* x, const float* w, float* y, int64_t I, int64_t O,
-                   int64_t o) {
-  Vec acc[R][MB] = {};
-  const float* next = w + std::min(o + R, O - R) * I;  // the last rows prefetch themselves
+// [O, I]: output channels o + s·stride (s < S) for rows x[0..MB): S·MB dot products over
+// S weight rows far apart, each read once, every x vector loaded meeting the S weight
+// vectors. Channels far apart are S long sequential streams across a chunk, which the
+// hardware prefetchers keep up with, where channels side by side are short streams that
+// they keep losing (as `int8_matmul.cc` found). Each dot product is one chain of FMAs over
+// I in order, summed across lanes at the end, whatever MB and S. This file is compiled
+// without reassociation (`cpu_kernels._IN_ORDER`), so a row's outputs have the same bits
+// whatever rows share its call: a verification's logits equal the AR step's. (Before, one
+// row took four chains, and GCC reordered one-row and five-row sums differently: the tied
+// head's logits differed in their last bits.)
+template <int MB, int S>
+inline void StreamsOI(const float* x, const float* w, float* y, int64_t I, int64_t O,
+                      int64_t o, int64_t stride) {
+  Vec acc[S][MB] = {};
   int64_t i = 0;
   for (; i + kLanes <= I; i += kLanes) {
-    Vec wv[R];
+    Vec wv[S];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      __builtin_prefetch(next + r * I + i, 0, kPrefetchL2);
-      wv[r] = Load(w + (o + r) * I + i);
+    for (int s = 0; s < S; ++s) {
+      const float* ws = w + (o + s * stride) * I + i;
+      PrefetchAhead(ws);
+      wv[s] = Load(ws);
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 9
     for (int m = 0; m < MB; ++m) {
       const Vec xv = Load(x + m * I + i);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) acc[r][m] = Fma(xv, wv[r], acc[r][m]);
+      for (int s = 0; s < S; ++s) acc[s][m] = Fma(xv, wv[s], acc[s][m]);
     }
   }
-  for (int r = 0; r < R; ++r)
+  for (int s = 0; s < S; ++s)
     for (int m = 0; m < MB; ++m) {
-      float s = Sum(acc[r][m]);
-      for (int64_t k = i; k < I; ++k) s += x[m * I + k] * w[(o + r) * I + k];
-      y[m * O + o + r] = s;
+      const int64_t c = o + s * stride;
+      float sum = Sum(acc[s][m]);
+      for (int64_t k = i; k < I; ++k) sum += x[m * I + k] * w[c * I + k];
+      y[m * O + c] = sum;
     }
-}
-
-// [O, I] at one row of x: channels a and b, far apart, each in the one chain `RowsOI`
-// gives it. Two chains side by side wait on the FMA latency half as often as one, and two
-// channels far apart are two long sequential streams, where channels side by side are
-// short streams that the hardware prefetchers keep losing (as `int8_matmul.cc` found).
-inline void TwoStreamsOI(const float* x, const float* w, float* y, int64_t I, int64_t a,
-                         int64_t b) {
-  const float *wa = w + a * I, *wb = w + b * I;
-  Vec sa = {}, sb = {};
-  int64_t i = 0;
-  for (; i + kLanes <= I; i += kLanes) {
-    const Vec xv = Load(x + i);
-    sa = Fma(xv, Load(wa + i), sa);
-    sb = Fma(xv, Load(wb + i), sb);
-  }
-  float ya = Sum(sa), yb = Sum(sb);
-  for (int64_t k = i; k < I; ++k) ya += x[k] * wa[k];
-  for (int64_t k = i; k < I; ++k) yb += x[k] * wb[k];
-  y[a] = ya;
-  y[b] = yb;
 }
 
 template <template <int> class Fn, typename... Args>
@@ -294,26 +286,18 @@ inline void Dispatch(int64_t rows, Args... args) {
 
 template <int MB>
 struct ChunkOI {
-  // Up to four channels side by side while their R·MB sums fit the vector registers; at one
-  // row, which has no x vector to reuse, the two halves of the chunk side by side
-  // (`TwoStreamsOI`). SmolLM2's head (49152 x 576) at one row took 5.6-6.0 ms four channels
-  // side by side, 5.5-5.8 two and 4.8-5.1 one at a time in one chain (AMD EPYC, two
-  // threads, from DRAM). Against one channel at a time in four chains (commit 1a2d918,
-  // whose sums differed from more rows'), two streams took 3.8-4.3 ms against 4.1-4.5 on
-  // SmolLM2's head and 17.1-20.4 against 18.0-21.0 on Qwen2.5's (151936 x 896); five rows
-  // 5.2-5.7 against 5.0-5.1 and 22.3-23.8 against 21.7-25.5 (a `/tmp` harness, alternated,
-  // medians of 9-11, three runs).
-  static constexpr int R = FitRegisters(MB, 4);
+  // The two halves of the chunk side by side (`StreamsOI`). SmolLM2's head (49152 x 576)
+  // at one row took 5.6-6.0 ms four channels side by side, 5.5-5.8 two and 4.8-5.1 one at a
+  // time in one chain, and two streams 3.8-4.3 ms (AMD EPYC, two threads, from DRAM). At
+  // five rows, four channels side by side with the next four prefetched (until 2026-12-01)
+  // took 3.84-4.21 ms against 3.45-3.80 as two streams, and four streams 3.64-4.06 (AMD
+  // EPYC with AVX-512, the variants alternated in one process; `PrefetchAhead` then took
+  // the two streams' 3.66 to 3.10).
   static void Run(const float* x, const float* w, float* y, int64_t I, int64_t O,
                   int64_t o0, int64_t o1) {
-    int64_t o = o0;
-    if constexpr (MB == 1) {
-      const int64_t half = (o1 - o0) / 2;
-      for (int64_t k = 0; k < half; ++k) TwoStreamsOI(x, w, y, I, o0 + k, o0 + half + k);
-      o = o0 + 2 * half;
-    }
-    for (; o + R <= o1; o += R) RowsOI<MB, R>(x, w, y, I, O, o);
-    for (; o < o1; ++o) RowsOI<MB, 1>(x, w, y, I, O, o);
+    const int64_t half = (o1 - o0) / 2;
+    for (int64_t k = 0; k < half; ++k) StreamsOI<MB, 2>(x, w, y, I, O, o0 + k, half);
+    if (o0 + 2 * half < o1) StreamsOI<MB, 1>(x, w, y, I, O, o1 - 1, 0);
   }
 };
 
