@@ -6,8 +6,10 @@
 `profile_round.py` says what a verification of γ + 1 tokens costs in AR steps; this says
 which operations the excess sits in. It runs the AR step and the verification forward of
 `profile_round.py` under `jax.profiler.trace`, and sums the durations of XLA's thunks by
-kind: the fusion or call name without its number (`ffi_call`: the C++ kernels;
-`ynn_fusion`: YNNPACK's dots, e.g. attention over the cache; `copy_*`: layout shuffles).
+kind: the fusion or call name without its number (`ynn_fusion`: YNNPACK's dots, e.g.
+attention over the cache; `copy_*`: layout shuffles), and each C++ kernel call by its
+target and operand shapes (`f32_matmul_io f32[1,5,576] f32[576,960]`: the q/k/v matmul),
+read from the executable's HLO.
 Thunks run on several threads, so the sums are CPU time and the steps run slower under
 the profiler. Compare the two columns, not either with a wall-clock step. The last line
 is JSON.
@@ -19,6 +21,7 @@ import argparse
 import collections
 import gzip
 import json
+import math
 import re
 import sys
 import tempfile
@@ -48,25 +51,51 @@ def op_kind(name: str) -> str:
   return re.sub(r"\.\d+$", "", name)
 
 
-def thunk_ms(trace_dir: Path, steps: int) -> dict[str, float]:
-  """ms per step of each kind of thunk in the perfetto trace under `trace_dir`."""
+# `%ffi_call.244 = f32[1,5,960]{2,1,0} custom-call(...), custom_call_target="specjax_f32_matmul_io",
+# operand_layout_constraints={f32[1,5,576]{2,1,0}, f32[576,960]{1,0}}, api_version=...`
+_CUSTOM_CALL = re.compile(r"%([\w.-]+) = .*custom_call_target=\"(?:specjax_)?(\w+)\""
+                          r"(?:, operand_layout_constraints=\{(.*?)\}, api_version)?")
+_SHAPE = re.compile(r"\w+\[[\d,]*\]")
+
+
+def _elements(shape: str) -> int:
+  return math.prod(int(d) for d in re.findall(r"\d+", shape.split("[", 1)[1]))
+
+
+def kernel_calls(hlo: str) -> dict[str, str]:
+  """Each custom call's instruction name -> its target and, where it has several operands,
+  the shape of its largest (a matmul's weights, attention's cache layer), which both steps
+  share: which kernel, on which matrix (`f32_matmul_io f32[576,960]`: q/k/v), a thunk of
+  the trace was."""
+  calls = {}
+  for name, target, operands in _CUSTOM_CALL.findall(hlo):
+    shapes = _SHAPE.findall(operands)
+    calls[name] = f"{target} {max(shapes, key=_elements)}" if len(shapes) > 1 else target
+  return calls
+
+
+def thunk_ms(trace_dir: Path, steps: int, calls: dict[str, str]) -> dict[str, float]:
+  """ms per step of each kind of thunk in the perfetto trace under `trace_dir`; a custom
+  call counts under its entry in `calls` (`kernel_calls`)."""
   (path,) = trace_dir.glob("**/*.trace.json.gz")
   totals: collections.Counter = collections.Counter()
   for event in json.load(gzip.open(path))["traceEvents"]:
-    if event.get("ph") == "X" and _OP_NAME.fullmatch(event["name"]):
-      totals[op_kind(event["name"])] += event.get("dur", 0) / 1e3 / steps
+    name = event.get("name", "")
+    if event.get("ph") == "X" and _OP_NAME.fullmatch(name):
+      totals[calls.get(name) or op_kind(name)] += event.get("dur", 0) / 1e3 / steps
   return dict(totals)
 
 
-def traced(run, steps: int) -> dict[str, float]:
-  """Thunk ms per step of `run()` (which blocks until its step is done), after warm-up."""
+def traced(run, steps: int, calls: dict[str, str]) -> dict[str, float]:
+  """Thunk ms per step of `run()` (which blocks until its step is done), after warm-up;
+  `calls` names its executable's custom calls (`kernel_calls`)."""
   for _ in range(3):
     run()
   with tempfile.TemporaryDirectory() as tmp:
     with jax.profiler.trace(tmp, create_perfetto_trace=True):
       for _ in range(steps):
         run()
-    return thunk_ms(Path(tmp), steps)
+    return thunk_ms(Path(tmp), steps, calls)
 
 
 def main() -> None:
@@ -95,8 +124,9 @@ def main() -> None:
       out.block_until_ready()
     return run
 
-  ms = {"ar": traced(step(ar, tok, full, key), args.steps),
-        "verify": traced(step(verify, seq, full), args.steps)}
+  ms = {"ar": traced(step(ar, tok, full, key), args.steps, kernel_calls(ar.as_text())),
+        "verify": traced(step(verify, seq, full), args.steps,
+                         kernel_calls(verify.as_text()))}
   kinds = sorted(set(ms["ar"]) | set(ms["verify"]),
                  key=lambda k: ms["ar"].get(k, 0.0) - ms["verify"].get(k, 0.0))
   total = {side: sum(v.values()) for side, v in ms.items()}
