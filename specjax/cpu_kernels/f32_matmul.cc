@@ -68,13 +68,14 @@ constexpr int FitRegisters(int MB, int most) {
 // fill buffers from the loads in flight (measured a little faster than prefetcht0).
 constexpr int kPrefetchL2 = 2;
 
-// The line 4 KiB further along a stream of weights, to L2: at one row the hardware
-// prefetchers keep up with two streams by themselves, at five they fell behind. SmolLM2's
+// The line 4 KiB further along a stream of weights, to L2, for two rows or more: there the
+// loop issues its loads more slowly and the hardware prefetchers fell behind. SmolLM2's
 // head (49152 x 576) at five rows took 3.66 ms without it against 3.10-3.12 with it 4 or 8
-// KiB ahead (3.39 16 KiB ahead), Qwen2.5-0.5B's (151936 x 896) 15.9 against 14.3; at one,
-// eight and nine rows the times did not move (AMD EPYC with AVX-512, alternated). Past the
-// end of the matrix the address is formed as an integer: a prefetch never faults, and no
-// out-of-bounds pointer is made.
+// KiB ahead (3.39 16 KiB ahead), Qwen2.5-0.5B's (151936 x 896) 15.9 against 14.3; at eight
+// and nine rows the times did not move (AMD EPYC with AVX-512, alternated). At one row it
+// did not help alone, and within a step the head's one-row time was no better with it.
+// Past the end of the matrix the address is formed as an integer: a prefetch never
+// faults, and no out-of-bounds pointer is made.
 inline void PrefetchAhead(const float* p) {
   __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(p) + 4096),
                      0, kPrefetchL2);
@@ -250,7 +251,7 @@ inline void StreamsOI(const float* x, const float* w, float* y, int64_t I, int64
 #pragma GCC unroll 4
     for (int s = 0; s < S; ++s) {
       const float* ws = w + (o + s * stride) * I + i;
-      PrefetchAhead(ws);
+      if constexpr (MB > 1) PrefetchAhead(ws);
       wv[s] = Load(ws);
     }
 #pragma GCC unroll 9
