@@ -8,8 +8,8 @@ which operations the excess sits in. It runs the AR step and the verification fo
 `profile_round.py` under `jax.profiler.trace`, and sums the durations of XLA's thunks by
 kind: the fusion or call name without its number (`ynn_fusion`: YNNPACK's dots, e.g.
 attention over the cache; `copy_*`: layout shuffles), and each C++ kernel call by its
-target and operand shapes (`f32_matmul_io f32[1,5,576] f32[576,960]`: the q/k/v matmul),
-read from the executable's HLO.
+target and its largest operand (`f32_matmul_io f32[576,960]`: the q/k/v matmul), read
+from the executable's HLO.
 Thunks run on several threads, so the sums are CPU time and the steps run slower under
 the profiler. Compare the two columns, not either with a wall-clock step. The last line
 is JSON.
