@@ -67,8 +67,8 @@ def params_from_hf(hf_model, config: ModelConfig):
       if config.qk_norm:
         yield b + "attn/q_norm/scale", norm(sd[p + "self_attn.q_norm.weight"])
         yield b + "attn/k_norm/scale", norm(sd[p + "self_attn.k_norm.weight"])
-      yield b + "mlp/gate", sd[p + "mlp.gate_proj.weight"].T
-      yield b + "mlp/up", sd[p + "mlp.up_proj.weight"].T
+      yield b + "mlp/gate", sd[p + "mlp.gate_proj.weight"]  # [out, in], as `model.MLP` keeps it
+      yield b + "mlp/up", sd[p + "mlp.up_proj.weight"]
       yield b + "mlp/down", sd[p + "mlp.down_proj.weight"].T
       yield b + "attn_norm/scale", norm(sd[p + "input_layernorm.weight"])
       if config.post_norms:

@@ -51,7 +51,7 @@ def reference_forward(
       x = x + (blk.post_attn_norm(out) if cfg.post_norms else out)
     residuals.append(x)
     if run_mlp[l]:
-      gate, up = jnp.split(blk.mlp_norm(x) @ blk.mlp.gate_up[...], 2, axis=-1)
+      gate, up = jnp.split(blk.mlp_norm(x) @ blk.mlp.gate_up[...].T, 2, axis=-1)
       act = jax.nn.gelu(gate, approximate=True) if cfg.activation == "gelu_tanh" else jax.nn.silu(gate)
       out = (act * up) @ blk.mlp.down[...]
       x = x + (blk.post_mlp_norm(out) if cfg.post_norms else out)

@@ -42,7 +42,10 @@ from specjax.quant import Int8Matrix
 from specjax.quant_kv_cache import QuantKV
 from specjax.sampling import SamplingParams
 
-SKIP = DraftPlan.from_skips(4, [1, 2], [2])  # [2], [2] alone: qwen2 drafts with α = 1
+# Drafts weak enough that every tiny target rejects some of their tokens on jax 0.10 and
+# 0.12 alike (the trained weights differ between them): skipping attention [1, 2] and MLP
+# [2] only, or exiting after three layers, drafted qwen2's or gemma3's every token on one.
+SKIP = DraftPlan.from_skips(4, [1, 2], [1, 2])
 
 
 def as_model(arch: str, **kw):
@@ -149,7 +152,7 @@ def test_draft_weights_cover_every_matmul_and_the_head():
 @pytest.mark.parametrize("base", ["none", "static", "early_exit"])
 def test_8bit_drafts_are_lossless_on_both_loops(arch, base):
   model = as_model(arch)
-  layer = {"none": None, "static": StaticDrafter(SKIP), "early_exit": EarlyExitDrafter(k=3)}
+  layer = {"none": None, "static": StaticDrafter(SKIP), "early_exit": EarlyExitDrafter(k=2)}
   drafter = Int8WeightsDrafter.for_model(model, base=layer[base])
   outs = [speculative_generate(model.graphdef, model.state, model.config, PROMPT, drafter,
                                max_new_tokens=48, gamma=4, threshold=0.0, eos_ids=(),

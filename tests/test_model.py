@@ -277,6 +277,31 @@ def test_decode_step_writes_the_cache_in_place():
   assert aliases.count("may-alias") + aliases.count("must-alias") >= 2 * config.num_layers
 
 
+def test_a_decode_step_reads_every_weight_where_it_lies():
+  """On a CPU each layer's matmuls are kernel calls on the weights as stored: gate_up
+  output-major ([2F, D], the layout the few-row kernel streams fastest), and no weight is
+  copied or transposed into another layout first."""
+  from specjax import cpu_kernels
+  from specjax.decode.generate import decode_step
+  from specjax.sampling import SamplingParams
+
+  if cpu_kernels.kernel_status("f32_matmul") != "ready":
+    pytest.skip(f"f32_matmul: {cpu_kernels.kernel_status('f32_matmul')}")
+  config = tiny_config("llama")
+  graphdef, state = _tiny_split("llama")
+  L, D, F = config.num_layers, config.embed_dim, config.hidden_dim
+  assert state["blocks"][0]["mlp"]["gate_up"].shape == (2 * F, D)
+  hlo = decode_step.lower(
+      state, KVCache.create(config, 1, 32), jnp.ones((1,), jnp.int32),
+      DraftPlan.full(L), jax.random.key(0), graphdef=graphdef, sampling=SamplingParams(),
+  ).compile().as_text()
+  gate_up = [line for line in hlo.splitlines()
+             if 'custom_call_target="specjax_f32_matmul_oi"' in line and f"f32[{2 * F},{D}]" in line]
+  assert len(gate_up) == L, gate_up
+  weights = {("f32", tuple(w.shape)) for w in jax.tree.leaves(state["blocks"]) if w.ndim >= 2}
+  assert copies_of(hlo, weights) == []
+
+
 def _layer_copies(hlo: str, config, size: int) -> list[str]:
   """Instructions producing a whole float32 layer of a `KVCache` of `size` slots by copy or
   transpose, in any layout (`copies_of`)."""

@@ -109,8 +109,8 @@ def _layer_map(config: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray
       "attn_k.bias": ("attn/k_bias", lambda b: b.reshape(K, H)),
       "attn_v.bias": ("attn/v_bias", lambda b: b.reshape(K, H)),
       "attn_output.weight": ("attn/o", lambda w: w.reshape(D, N, H).transpose(1, 2, 0)),
-      "ffn_gate.weight": ("mlp/gate", lambda w: w.T),
-      "ffn_up.weight": ("mlp/up", lambda w: w.T),
+      "ffn_gate.weight": ("mlp/gate", same),  # kept [out, in]: `model.MLP`
+      "ffn_up.weight": ("mlp/up", same),
       "ffn_down.weight": ("mlp/down", lambda w: w.T),
   }
 

@@ -81,7 +81,7 @@ def flat_from_state(state: nnx.State) -> dict[str, jax.Array]:
 _FUSED = {
     "attn/qkv": (("attn/q", "attn/k", "attn/v"), 1),
     "attn/qkv_bias": (("attn/q_bias", "attn/k_bias", "attn/v_bias"), 0),
-    "mlp/gate_up": (("mlp/gate", "mlp/up"), 1),
+    "mlp/gate_up": (("mlp/gate", "mlp/up"), 0),  # [F, D] each: output-major
 }
 _PART_OF = {part: (fused, i) for fused, (parts, _) in _FUSED.items() for i, part in enumerate(parts)}
 
