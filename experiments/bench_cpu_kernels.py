@@ -38,20 +38,21 @@ KERNELS = ("f32_matmul", "int8_matmul", "int4_matmul")
 
 
 def matrices(m) -> dict:
-  """{class: ([I, O] or, for a tied head, [O, I] float32 matrices], int8 copies, int4
-  copies, tied)}."""
+  """{class: (float32 matrices as the model stores them, int8 copies, int4 copies,
+  output_major)}: [I, O], or [O, I] for gate_up and a tied head (`output_major`)."""
   L = m.config.num_layers
   f32 = {c: [] for c in CLASSES}
   for _, name, w in model_matrices(m.state, L):
     f32[name].append(w)
+  f32["gate_up"] = [m.state["blocks"][l]["mlp"]["gate_up"][...] for l in range(L)]
   tied = "lm_head" not in m.state
   f32["head"] = [m.state["embedding"][...] if tied else m.state["lm_head"][...]]
+  major = {c: c == "gate_up" or (tied and c == "head") for c in CLASSES}
   q = quantize_weights_int8(m.state, L)
   int8 = {c: [getattr(layer, c) for layer in q.layers] for c in CLASSES[:-1]} | {
       "head": [q.head]}
-  int4 = {c: [Int4Matrix.quantize(w.T if tied and c == "head" else w) for w in f32[c]]
-          for c in CLASSES}
-  return {c: (f32[c], int8[c], int4[c], tied and c == "head") for c in CLASSES}
+  int4 = {c: [Int4Matrix.quantize(w.T if major[c] else w) for w in f32[c]] for c in CLASSES}
+  return {c: (f32[c], int8[c], int4[c], major[c]) for c in CLASSES}
 
 
 def chain(matmul):
@@ -66,10 +67,10 @@ def chain(matmul):
   return jax.jit(run)
 
 
-def variants(f32: list, int8: list, int4: list, tied: bool, rows: int, inner: int) -> dict:
-  """{name: (callable, operands)} for one matrix class."""
-  xla = (lambda x, w: jnp.einsum("ti,oi->to", x, w)) if tied else (lambda x, w: x @ w)
-  kernel = lambda x, w: cpu_kernels.f32_matmul(x, w, tied)
+def variants(f32: list, int8: list, int4: list, major: bool, rows: int, inner: int) -> dict:
+  """{name: (callable, operands)} for one matrix class (stored [O, I] when `major`)."""
+  xla = (lambda x, w: jnp.einsum("ti,oi->to", x, w)) if major else (lambda x, w: x @ w)
+  kernel = lambda x, w: cpu_kernels.f32_matmul(x, w, major)
   x1 = jnp.asarray(np.random.default_rng(0).normal(size=(1, inner)), jnp.float32)
   xr = jnp.asarray(np.random.default_rng(1).normal(size=(rows, inner)), jnp.float32)
   out = {"xla T=1": (chain(xla), (x1, f32)), f"xla T={rows}": (chain(xla), (xr, f32))}
@@ -122,9 +123,9 @@ def main() -> None:
              "kernels": {k: cpu_kernels.kernel_status(k) for k in KERNELS},
              "ms": {}, "f32_mb": {}}
   for c in CLASSES:
-    f32, int8, int4, tied = mats[c]
-    inner = f32[0].shape[1] if tied else f32[0].shape[0]
-    t = time_class(variants(f32, int8, int4, tied, args.rows, inner), args.runs, flush)
+    f32, int8, int4, major = mats[c]
+    inner = f32[0].shape[1] if major else f32[0].shape[0]
+    t = time_class(variants(f32, int8, int4, major, args.rows, inner), args.runs, flush)
     names = list(t)
     figures["ms"][c] = {k: round(v * 1e3, 3) for k, v in t.items()}
     figures["f32_mb"][c] = round(sum(w.nbytes for w in f32) / 1e6, 1)
