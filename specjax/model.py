@@ -359,7 +359,7 @@ class MLP(nnx.Module):
     # [gate | up]: one matmul, stored output-major ([2F, D]): the few-row CPU kernel reads
     # it as two far-apart streams of whole rows, where [D, 2F] costs eight short row
     # segments at a time. SmolLM2's 30, from DRAM: 7.8-8.1 -> 6.7-7.8 ms at one row,
-    # 10.0-10.6 -> 8.5-8.8 at five (docs/BENCHMARKS.md, "gate_up output-major").
+    # 10.0-10.6 -> 8.5-8.8 at five (docs/BENCHMARKS.md, "gate_up stored output-major").
     # Drawn [D, 2F] and transposed, so a tiny model's random init is the one it had before.
     self.gate_up = nnx.Param(_param(rngs, (D, 2 * F), D, dtype)[...].T)
     self.down = _param(rngs, (F, D), F, dtype)
