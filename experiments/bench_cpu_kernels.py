@@ -39,15 +39,16 @@ KERNELS = ("f32_matmul", "int8_matmul", "int4_matmul")
 
 def matrices(m) -> dict:
   """{class: (float32 matrices as the model stores them, int8 copies, int4 copies,
-  output_major)}: [I, O], or [O, I] for gate_up and a tied head (`output_major`)."""
+  output_major)}: [I, O], or [O, I] for qkv, gate_up and a tied head (`output_major`)."""
   L = m.config.num_layers
   f32 = {c: [] for c in CLASSES}
   for _, name, w in model_matrices(m.state, L):
     f32[name].append(w)
   f32["gate_up"] = [m.state["blocks"][l]["mlp"]["gate_up"][...] for l in range(L)]
+  f32["qkv"] = [m.state["blocks"][l]["attn"]["qkv"][...] for l in range(L)]
   tied = "lm_head" not in m.state
   f32["head"] = [m.state["embedding"][...] if tied else m.state["lm_head"][...]]
-  major = {c: c == "gate_up" or (tied and c == "head") for c in CLASSES}
+  major = {c: c in ("qkv", "gate_up") or (tied and c == "head") for c in CLASSES}
   q = quantize_weights_int8(m.state, L)
   int8 = {c: [getattr(layer, c) for layer in q.layers] for c in CLASSES[:-1]} | {
       "head": [q.head]}

@@ -140,8 +140,12 @@ class Attention(nnx.Module):
   def __init__(self, config: ModelConfig, layer: int, rngs: nnx.Rngs, dtype=jnp.float32):
     D, N, K, H = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim
     # q, k and v heads in one matrix: one matmul instead of three (~17 % faster decode
-    # on CPU, measured); split after the projection.
-    self.qkv = _param(rngs, (D, N + 2 * K, H), D, dtype)
+    # on CPU, measured); split after the projection. Stored output-major and flat
+    # ([(N + 2K)·H, D]), as gate_up is: the few-row CPU kernel streams whole rows, and a
+    # prefill's dot reads it in place (a three-axis einsum over [N + 2K, H, D] had XLA:CPU
+    # copy it to [D, N + 2K, H] first). Drawn [D, N + 2K, H] and transposed, so a tiny
+    # model's random init is the one it had before.
+    self.qkv = nnx.Param(_param(rngs, (D, (N + 2 * K) * H), D, dtype)[...].T)
     self.o = _param(rngs, (N, H, D), N * H, dtype)
     if config.qkv_bias:
       self.qkv_bias = _param(rngs, (N + 2 * K, H), 1, dtype)
@@ -157,14 +161,12 @@ class Attention(nnx.Module):
     """x[B, T, D] -> q[B, T, N, H], k[B, T, K, H], v[B, T, K, H] (normed and rotated by
     `rot`, the tokens' angles at this layer's base), with the layer's own projection or a
     draft's quantised one (`weights.qkv`)."""
-    N, K = self.config.num_heads, self.config.num_kv_heads
+    N, K, H = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
     if weights is not None and weights.qkv is not None:
-      qkv = weights.qkv.matmul(x).reshape(x.shape[:2] + self.qkv.shape[1:])
+      flat = weights.qkv.matmul(x)
     else:
-      w = self.qkv[...]
-      flat = w.reshape(w.shape[0], -1)  # [D, (N + 2K)·H], a bitcast
-      qkv = (cpu_kernels.f32_matmul(x, flat).reshape(x.shape[:2] + w.shape[1:])
-             if cpu_kernels.few_rows(x, flat) else jnp.einsum("btd,dnh->btnh", x, w))
+      flat = _dense(x, self.qkv[...], output_major=True)
+    qkv = flat.reshape(x.shape[:2] + (N + 2 * K, H))
     if self.config.qkv_bias:
       qkv = qkv + self.qkv_bias[...]
     q, k, v = qkv[:, :, :N], qkv[:, :, N : N + K], qkv[:, :, N + K :]
@@ -637,9 +639,9 @@ def float32_dots(dtype) -> contextlib.AbstractContextManager:
 def _shape_of(own: nnx.Param, name: str) -> tuple[int, int]:
   """A parameter's shape as the [In, Out] matrix a draft's quantised copy holds."""
   shape = own.shape
-  if name == "gate_up":  # stored output-major: [2F, D]
+  if name in ("qkv", "gate_up"):  # stored output-major: [(N + 2K)·H, D], [2F, D]
     return shape[1], shape[0]
-  return (shape[0], math.prod(shape[1:])) if name == "qkv" else (math.prod(shape[:-1]), shape[-1])
+  return math.prod(shape[:-1]), shape[-1]
 
 
 def init_model(config: ModelConfig, seed: int = 0, dtype=jnp.float32) -> Transformer:

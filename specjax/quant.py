@@ -312,7 +312,7 @@ def model_matrices(state, num_layers: int):
     block = state["blocks"][l]
     qkv = block["attn"]["qkv"][...]
     o = block["attn"]["o"][...]
-    yield l, "qkv", qkv.reshape(qkv.shape[0], -1)
+    yield l, "qkv", qkv.T  # stored [(N + 2K)·H, D]
     yield l, "o", o.reshape(-1, o.shape[-1])
     yield l, "gate_up", block["mlp"]["gate_up"][...].T  # stored [2F, D]
     yield l, "down", block["mlp"]["down"][...]

@@ -60,7 +60,7 @@ def params_from_hf(hf_model, config: ModelConfig):
       p, b = f"model.layers.{l}.", f"blocks/{l}/"
       for name, heads in (("q", N), ("k", K), ("v", K)):
         w = sd[p + f"self_attn.{name}_proj.weight"]
-        yield b + f"attn/{name}", w.reshape(heads, H, D).transpose(2, 0, 1)
+        yield b + f"attn/{name}", w  # [out, in], as `model.Attention` keeps it
         if config.qkv_bias:
           yield b + f"attn/{name}_bias", sd[p + f"self_attn.{name}_proj.bias"].reshape(heads, H)
       yield b + "attn/o", sd[p + "self_attn.o_proj.weight"].reshape(D, N, H).transpose(1, 2, 0)

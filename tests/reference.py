@@ -29,7 +29,7 @@ def reference_forward(
   for l, blk in enumerate(model.blocks):
     if run_attn[l]:
       h = blk.attn_norm(x)
-      qkv = jnp.einsum("btd,dnh->btnh", h, blk.attn.qkv[...])
+      qkv = (h @ blk.attn.qkv[...].T).reshape(B, T, N + 2 * K, cfg.head_dim)
       if cfg.qkv_bias:
         qkv = qkv + blk.attn.qkv_bias[...]
       q, k, v = qkv[:, :, :N], qkv[:, :, N : N + K], qkv[:, :, N + K :]

@@ -278,9 +278,9 @@ def test_decode_step_writes_the_cache_in_place():
 
 
 def test_a_decode_step_reads_every_weight_where_it_lies():
-  """On a CPU each layer's matmuls are kernel calls on the weights as stored: gate_up
-  output-major ([2F, D], the layout the few-row kernel streams fastest), and no weight is
-  copied or transposed into another layout first."""
+  """On a CPU each layer's matmuls are kernel calls on the weights as stored: qkv and
+  gate_up output-major ([(N + 2K)·H, D] and [2F, D], the layout the few-row kernel streams
+  fastest), and no weight is copied or transposed into another layout first."""
   from specjax import cpu_kernels
   from specjax.decode.generate import decode_step
   from specjax.sampling import SamplingParams
@@ -290,16 +290,52 @@ def test_a_decode_step_reads_every_weight_where_it_lies():
   config = tiny_config("llama")
   graphdef, state = _tiny_split("llama")
   L, D, F = config.num_layers, config.embed_dim, config.hidden_dim
+  QKV = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
   assert state["blocks"][0]["mlp"]["gate_up"].shape == (2 * F, D)
+  assert state["blocks"][0]["attn"]["qkv"].shape == (QKV, D)
   hlo = decode_step.lower(
       state, KVCache.create(config, 1, 32), jnp.ones((1,), jnp.int32),
       DraftPlan.full(L), jax.random.key(0), graphdef=graphdef, sampling=SamplingParams(),
   ).compile().as_text()
-  gate_up = [line for line in hlo.splitlines()
-             if 'custom_call_target="specjax_f32_matmul_oi"' in line and f"f32[{2 * F},{D}]" in line]
-  assert len(gate_up) == L, gate_up
-  weights = {("f32", tuple(w.shape)) for w in jax.tree.leaves(state["blocks"]) if w.ndim >= 2}
-  assert copies_of(hlo, weights) == []
+  output_major = [line for line in hlo.splitlines()
+                  if 'custom_call_target="specjax_f32_matmul_oi"' in line]
+  for rows in (2 * F, QKV):
+    calls = [line for line in output_major if f"f32[{rows},{D}]" in line]
+    assert len(calls) == L, (rows, calls)
+  assert copies_of(hlo, _weight_layouts(state)) == []
+
+
+def test_a_prefill_at_real_shapes_reads_every_weight_where_it_lies():
+  """XLA's dots of a prompt's rows read the weights as stored too, output-major ones
+  included, at the shapes of SmolLM2 and Qwen2.5-0.5B (one layer each, a small vocabulary;
+  lowered from abstract shapes, nothing allocated). A tiny model's would not: XLA:CPU's
+  small-matrix emitter, which single-threaded Eigen leaves it, copies a [128, 64] qkv to
+  [64, 128] first."""
+  import dataclasses
+
+  from specjax.decode.generate import prefill_step
+  from specjax.models.params import abstract_model
+  from specjax.sampling import SamplingParams
+
+  for family, shape in (("llama", dict(embed_dim=576, num_heads=9, num_kv_heads=3,
+                                        head_dim=64, hidden_dim=1536)),
+                        ("qwen2", dict(embed_dim=896, num_heads=14, num_kv_heads=2,
+                                       head_dim=64, hidden_dim=4864))):
+    config = dataclasses.replace(tiny_config(family, num_layers=1), **shape)
+    graphdef, state = abstract_model(config)
+    hlo = prefill_step.lower(
+        state, KVCache.create(config, 1, 64), jnp.ones((1, 32), jnp.int32), jnp.int32(9),
+        DraftPlan.full(1), jax.random.key(0), graphdef=graphdef, sampling=SamplingParams(),
+    ).compile().as_text()
+    assert copies_of(hlo, _weight_layouts(state)) == [], family
+
+
+def _weight_layouts(state) -> set[tuple[str, tuple[int, ...]]]:
+  """Every block matrix's shape in any order of its axes: a copy into another layout."""
+  import itertools
+
+  return {("f32", dims) for w in jax.tree.leaves(state["blocks"]) if len(w.shape) >= 2
+          for dims in itertools.permutations(w.shape)}
 
 
 def _layer_copies(hlo: str, config, size: int) -> list[str]:

@@ -579,6 +579,6 @@ def test_nan_keys_and_values_raise_instead_of_garbage():
   with pytest.raises(QuantError, match="NaN/inf keys or values"):
     cache.check_finite()
   graphdef, state = tiny("llama")[1:]
-  bad = jax.tree.map(lambda x: x * jnp.inf if x.ndim == 3 else x, state)  # qkv weights
+  bad = jax.tree.map(lambda x: x * jnp.inf if x.ndim == 3 else x, state)  # o weights
   with pytest.raises(QuantError, match="NaN/inf"):
     generate(graphdef, bad, tiny("llama")[0], PROMPT, max_new_tokens=3, kv_cache=KV)

@@ -1,7 +1,9 @@
 """GGUF file -> `ModelConfig` + params pytree (dequantised to float32).
 
-GGUF stores every matrix as [out, in]; specjax keeps einsum-friendly layouts
-([D, N, H] for q, [N, H, D] for o, [D, F] for the MLP). llama.cpp leaves the llama Q/K
+GGUF stores every matrix as [out, in]. specjax keeps q/k/v and gate/up so (the few-row
+CPU kernel streams their rows fastest: `model.Attention`, `model.MLP`) and transposes o to
+[N, H, D] and down to [F, D] (as [out, in] neither was faster at a verification's five
+rows: docs/BENCHMARKS.md, "gate_up stored output-major"). llama.cpp leaves the llama Q/K
 rows in Meta's interleaved-RoPE order, so the llama config uses interleaved RoPE instead
 of un-permuting; gemma3 norms are already stored as (1 + w).
 """
@@ -102,9 +104,9 @@ def _layer_map(config: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray
       "post_ffw_norm.weight": ("post_mlp_norm/scale", same),
       "attn_q_norm.weight": ("attn/q_norm/scale", same),
       "attn_k_norm.weight": ("attn/k_norm/scale", same),
-      "attn_q.weight": ("attn/q", lambda w: w.reshape(N, H, D).transpose(2, 0, 1)),
-      "attn_k.weight": ("attn/k", lambda w: w.reshape(K, H, D).transpose(2, 0, 1)),
-      "attn_v.weight": ("attn/v", lambda w: w.reshape(K, H, D).transpose(2, 0, 1)),
+      "attn_q.weight": ("attn/q", same),  # kept [out, in]: `model.Attention`
+      "attn_k.weight": ("attn/k", same),  # kept [out, in]: `model.Attention`
+      "attn_v.weight": ("attn/v", same),  # kept [out, in]: `model.Attention`
       "attn_q.bias": ("attn/q_bias", lambda b: b.reshape(N, H)),
       "attn_k.bias": ("attn/k_bias", lambda b: b.reshape(K, H)),
       "attn_v.bias": ("attn/v_bias", lambda b: b.reshape(K, H)),

@@ -22,7 +22,7 @@ from specjax.models.registry import cache_root, get_spec
 from specjax.models.tiny import tiny_model
 from specjax.models.tokenizer import ByteTokenizer, TextTokenizer, tokenizer_from_gguf
 
-CONVERTER_VERSION = 3  # bump when the GGUF -> params conversion changes (3: gate_up [O, I])
+CONVERTER_VERSION = 4  # bump when the GGUF -> params conversion changes (3: gate_up [O, I]; 4: qkv [O, I])
 
 
 @dataclasses.dataclass

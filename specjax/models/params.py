@@ -79,7 +79,7 @@ def flat_from_state(state: nnx.State) -> dict[str, jax.Array]:
 # Separate projections as checkpoints store them -> the fused parameter that holds them,
 # in concatenation order and along which axis.
 _FUSED = {
-    "attn/qkv": (("attn/q", "attn/k", "attn/v"), 1),
+    "attn/qkv": (("attn/q", "attn/k", "attn/v"), 0),  # [heads·H, D] each: output-major
     "attn/qkv_bias": (("attn/q_bias", "attn/k_bias", "attn/v_bias"), 0),
     "mlp/gate_up": (("mlp/gate", "mlp/up"), 0),  # [F, D] each: output-major
 }

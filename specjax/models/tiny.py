@@ -42,7 +42,7 @@ from specjax.models.params import abstract_model
 from specjax.models.registry import cache_root
 from specjax.plan import DraftPlan
 
-TRAINER_VERSION = 3  # bump when the language, the recipe or a layout changes (2: always optimised; 3: gate_up [O, I])
+TRAINER_VERSION = 4  # bump when the language, the recipe or a layout changes (2: always optimised; 3: gate_up [O, I]; 4: qkv [O, I])
 
 # The byte-level tiny models (registry `tiny-*`, ByteTokenizer: id = byte + 3) speak a
 # language of English words, so `specjax generate --model tiny-llama` prints words.
