@@ -308,9 +308,9 @@ def test_a_decode_step_reads_every_weight_where_it_lies():
 def test_a_prefill_at_real_shapes_reads_every_weight_where_it_lies():
   """XLA's dots of a prompt's rows read the weights as stored too, output-major ones
   included, at the shapes of SmolLM2 and Qwen2.5-0.5B (one layer each, a small vocabulary;
-  lowered from abstract shapes, nothing allocated). A tiny model's would not: XLA:CPU's
-  small-matrix emitter, which single-threaded Eigen leaves it, copies a [128, 64] qkv to
-  [64, 128] first."""
+  lowered from abstract shapes, nothing allocated). A tiny model's would not: under the
+  suite's single-threaded Eigen, XLA:CPU copies a [128, 64] qkv to [64, 128] first (a
+  [256, 64] gate_up it reads in place; with multi-threaded Eigen it reads both in place)."""
   import dataclasses
 
   from specjax.decode.generate import prefill_step
