@@ -3,6 +3,7 @@ as the plan says, and the step costs come back with them (a tiny model)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -70,3 +71,58 @@ def test_step_ratios_time_every_step_beside_its_floor(model):
   assert floor[(1.0, 8)] < 0.3 and floor[(0.5, "shortlist")] < floor[0.5]
   assert floor[(1.0, 8)] < floor[(1.0, 4)] < 1.0 and r["int4_mlp_draft_over_ar"] > 0
   assert 0 < r["head_share"] < floor[0.25]
+
+
+class _Clock:
+  """A stand-in for `time` whose clock moves only when the fake engine works."""
+
+  def __init__(self):
+    self.now = 0.0
+
+  def perf_counter(self) -> float:
+    return self.now
+
+
+def test_llama_cpp_baseline_uses_every_core_and_times_its_prefill_apart(monkeypatch):
+  """The llama.cpp row: all cores (the binding's default is half), each run from an empty
+  KV cache, a warm-up dropped, decode-only rate from the first token's arrival."""
+  import types
+
+  clock, made = _Clock(), {"resets": 0}
+
+  class Llama:
+    def __init__(self, **kw):
+      made.update(kw)
+
+    def reset(self):
+      made["resets"] += 1
+
+    def generate(self, ids, temp):
+      assert temp == 0.0 and ids == [5, 6, 7]
+      clock.now += 0.5  # the prompt, then the first token
+      for i in range(1000):
+        yield 10 + i
+        clock.now += 0.1  # each further token
+
+  monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama))
+  monkeypatch.setattr(bench_forward, "time", clock)
+  monkeypatch.setattr(bench_forward, "get_spec",
+                      lambda name: types.SimpleNamespace(locate=lambda: Path("m.gguf")))
+  r = bench_forward.llama_cpp_ar("smollm2-135m-instruct", [5, 6, 7], tokens=11, runs=3)
+  assert made["n_threads"] == made["n_threads_batch"] == r["threads"] == (os.cpu_count() or 1)
+  assert made["resets"] == 4  # the warm-up and three timed runs
+  assert r["tokens"] == list(range(10, 21))
+  assert r["end_to_end_tok_s"] == pytest.approx(11 / 1.5)
+  assert r["decode_tok_s"] == pytest.approx(10 / 1.0)
+
+
+def test_llama_cpp_baseline_is_skipped_when_the_binding_is_absent(monkeypatch, capsys):
+  monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails
+  assert bench_forward.llama_cpp_ar("smollm2-135m-instruct", [1], tokens=4, runs=1) is None
+  assert "pip install llama-cpp-python" in capsys.readouterr().out
+
+
+def test_common_prefix():
+  assert bench_forward.common_prefix([1, 2, 3], [1, 2, 4]) == 2
+  assert bench_forward.common_prefix([1, 2], [1, 2, 3]) == 2
+  assert bench_forward.common_prefix([], [1]) == 0
