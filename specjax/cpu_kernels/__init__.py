@@ -112,14 +112,16 @@ def _cpu_flags() -> str:
   return platform.processor() or platform.machine()
 
 
-def _build(source: Path, compiler: str) -> Path:
-  """The shared library of `source` for this machine, compiled now unless cached."""
+def _build(source: Path, compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
+  """The shared library of `source` for this machine, compiled now unless cached.
+  `extra_flags` follow the usual ones (`-mno-avx512f`: a test builds each vector path)."""
   from specjax.models.registry import cache_root
 
+  flags = (*compile_flags(source.name), *extra_flags)
   headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # e.g. workers.h
   key = hashlib.sha256(b"\0".join(
       [source.read_bytes(), *headers, jax.__version__.encode(), _cpu_flags().encode(),
-       compiler.encode(), " ".join(compile_flags(source.name)).encode()])).hexdigest()[:16]
+       compiler.encode(), " ".join(flags).encode()])).hexdigest()[:16]
   out = cache_root() / "kernels" / f"{source.stem}-{key}.so"
   if out.exists():
     return out
@@ -131,7 +133,7 @@ def _build(source: Path, compiler: str) -> Path:
       return out
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
       built = Path(tmp) / out.name
-      cmd = [compiler, *compile_flags(source.name), "-shared", "-fPIC", "-w",
+      cmd = [compiler, *flags, "-shared", "-fPIC", "-w",
              f"-I{jax.ffi.include_dir()}", str(source), "-o", str(built)]
       proc = subprocess.run(cmd, capture_output=True, text=True)
       if proc.returncode != 0:
