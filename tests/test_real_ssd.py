@@ -39,8 +39,34 @@ def _skips(L: int) -> DraftPlan:
   return DraftPlan.from_skips(L, skip_attn=range(10, 26, 2), skip_mlp=range(12, 28, 3))
 
 
-def test_smollm2_ssd_equals_ar_for_every_drafter():
-  m = real_model("smollm2-135m-instruct")
+# One load of the model and one AR reference per prompt for the whole module: the tests
+# below compare drafters against the same greedy tokens.
+@pytest.fixture(scope="module")
+def smollm2():
+  return real_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def references(smollm2) -> list[tuple[list[int], list[int]]]:
+  """(prompt ids, greedy AR tokens) of each prompt of `_prompts`."""
+  m = smollm2
+  out = []
+  for text in _prompts():
+    ids = m.tokenizer.encode_prompt(text)
+    out.append((ids, generate(m.graphdef, m.state, m.config, ids, max_new_tokens=40,
+                              eos_ids=()).tokens))
+  return out
+
+
+def _mismatches(m, references, drafters) -> list[tuple[str, int]]:
+  """(drafter, prompt length) of every run whose greedy SSD tokens leave AR's."""
+  return [(d.name, len(ids)) for ids, ar in references for d in drafters
+          if speculative_generate(m.graphdef, m.state, m.config, ids, d, max_new_tokens=40,
+                                  eos_ids=(), gamma=4).tokens != ar]
+
+
+def test_smollm2_ssd_equals_ar_for_every_drafter(smollm2, references):
+  m = smollm2
   L = m.config.num_layers
   self_sd = SelfSDDrafter(_skips(L))
   drafters = [
@@ -50,50 +76,32 @@ def test_smollm2_ssd_equals_ar_for_every_drafter():
       Int8WeightsDrafter.for_model(m),  # the int8 kernel on a real model's shapes
       Int8WeightsDrafter.for_model(m, base=self_sd),
   ]
-  mismatches = []
-  for text in _prompts():
-    ids = m.tokenizer.encode_prompt(text)
-    ar = generate(m.graphdef, m.state, m.config, ids, max_new_tokens=40, eos_ids=()).tokens
-    for d in drafters:
-      out = speculative_generate(m.graphdef, m.state, m.config, ids, d, max_new_tokens=40,
-                                 eos_ids=(), gamma=4)
-      if out.tokens != ar:
-        mismatches.append((d.name, text[:40]))
-  assert mismatches == []
+  assert _mismatches(m, references, drafters) == []
 
 
-def test_smollm2_per_round_and_shortlist_drafters_equal_ar():
+def test_smollm2_per_round_and_shortlist_drafters_equal_ar(smollm2, references):
   """CLaSp (re-selecting every 4 rounds), KnapSpec (every 8: 3-4 selections a prompt, each a
   DP of about 2 s on this model) and FR-Spec's 8192-token shortlist on a static skip plan:
-  greedy SSD == greedy AR on the real model. KnapSpec reads a synthetic latency profile:
-  which plans it picks does not bear on losslessness, and the profiler has its own test.
-  FR-Spec on KnapSpec, which would pay KnapSpec's DPs again, is in the tiny composition
-  matrix (`test_drafter_factory`)."""
+  greedy SSD == greedy AR on the real model, on the first two prompts. KnapSpec reads a
+  synthetic latency profile: which plans it picks does not bear on losslessness, and the
+  profiler has its own test. FR-Spec on KnapSpec, which would pay KnapSpec's DPs again, is
+  in the tiny composition matrix (`test_drafter_factory`)."""
   import numpy as np
   from test_knapspec import synthetic_profile
 
   from specjax.drafters import ClaspDrafter, FRSpecDrafter, KnapSpecDrafter, StaticDrafter
   from specjax.offline.token_counts import frequent_shortlist
 
-  m = real_model("smollm2-135m-instruct")
+  m = smollm2
   prof = synthetic_profile(m.config.num_layers, m.name)
-  prompts = [m.tokenizer.encode_prompt(t) for t in _prompts()[:2]]
-  ars = [generate(m.graphdef, m.state, m.config, ids, max_new_tokens=40, eos_ids=()).tokens
-         for ids in prompts]
-  counts = np.bincount(np.concatenate([np.asarray(p) for p in prompts]),
+  refs = references[:2]
+  counts = np.bincount(np.concatenate([np.asarray(ids) for ids, _ in refs]),
                        minlength=m.config.vocab_size)
   short = frequent_shortlist(counts, 8192, m.config.eos_ids)
   knap = KnapSpecDrafter(profile=prof, interval=8, selection_budget=None)
   drafters = [ClaspDrafter(interval=4), knap,
               FRSpecDrafter(short, StaticDrafter(_skips(m.config.num_layers)))]
-  mismatches = []
-  for ids, ar in zip(prompts, ars):
-    for d in drafters:
-      out = speculative_generate(m.graphdef, m.state, m.config, ids, d, max_new_tokens=40,
-                                 eos_ids=(), gamma=4)
-      if out.tokens != ar:
-        mismatches.append((d.name, len(ids)))
-  assert mismatches == []
+  assert _mismatches(m, refs, drafters) == []
 
 
 def _rows_against_steps(config, graphdef, state, ids: list[int], n: int) -> float:
@@ -128,7 +136,7 @@ def _rows_against_steps(config, graphdef, state, ids: list[int], n: int) -> floa
   return float(np.abs(np.asarray(rows) - np.stack(steps)).max())
 
 
-def test_smollm2_verification_rows_equal_ar_steps_bit_for_bit():
+def test_smollm2_verification_rows_equal_ar_steps_bit_for_bit(smollm2):
   """In float32 on a CPU, where the C++ kernels take every matmul and attention of a step,
   a verification's rows are the AR steps' logits bit for bit: each kernel computes a row
   the same way whatever rows share its call, attention reads the cache and the tokens as
@@ -141,12 +149,12 @@ def test_smollm2_verification_rows_equal_ar_steps_bit_for_bit():
   if jax.default_backend() != "cpu" or not all(
       cpu_kernels.runs_here(k) for k in ("f32_matmul", "f32_attention")):
     pytest.skip("the bit-exact rows are the CPU kernels' property")
-  m = real_model("smollm2-135m-instruct")
+  m = smollm2
   ids = m.tokenizer.encode_prompt("Why is the sky blue?")
   assert _rows_against_steps(m.config, m.graphdef, m.state, ids, 6) == 0.0
 
 
-def test_smollm2_verification_rows_match_ar_steps_in_mixed_precision():
+def test_smollm2_verification_rows_match_ar_steps_in_mixed_precision(smollm2):
   """Why `--dtype mixed` exists: a verification forward computes γ + 1 rows in one set of
   dots, whose rounding differs from the AR step's single row. With bfloat16 activations
   each layer rounds that difference up to bfloat16's resolution: logits differ by up to
@@ -156,6 +164,6 @@ def test_smollm2_verification_rows_match_ar_steps_in_mixed_precision():
   by more than 1e-2 on this prompt: a mixed model that did not take effect fails)."""
   from specjax.models.loader import at_precision
 
-  m = real_model("smollm2-135m-instruct")
+  m = smollm2
   ids = m.tokenizer.encode_prompt("Why is the sky blue?")
   assert _rows_against_steps(*at_precision(m.config, m.state, "mixed"), ids, 6) < 1e-3
