@@ -147,7 +147,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
       max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, gamma=args.gamma,
       threshold=args.threshold, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
       search_iterations=args.search_iterations, plan_file=args.plan, dtype=args.dtype,
-      auto_gamma=args.auto_gamma, options=_options(args.option),
+      auto_gamma=args.auto_gamma, options=_options(args.option), llama_cpp=args.llama_cpp,
   )
   out = Path(args.out or f"runs/bench-{args.model}")
   figures = bench.run(cfg, out, data_dir=args.data_dir, resume=args.resume,
@@ -311,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
                  + ", ".join(OVERLAYS) + " (e.g. knapspec+8bit+dynaspec)")
   _option_arg(p)
   p.add_argument("--plan", help="plan file for the static drafter")
+  p.add_argument("--llama-cpp", action="store_true",
+                 help="also decode every prompt with llama.cpp on the same GGUF file, greedy, "
+                 "in the same process: a baseline row (pip install llama-cpp-python)")
   p.add_argument("--categories", default="", help="comma-separated; default all 13")
   p.add_argument("--per-category", type=int, default=1,
                  help="prompts per category (13 categories); 1 takes ~10 min on 2 CPU cores")

@@ -167,3 +167,94 @@ def test_the_machine_line_names_the_cpus_widest_vector_extension():
   lines = info.read_text().splitlines() if info.exists() else []
   flags = next((ln for ln in lines if ln.startswith("flags")), "")
   assert (f"({vector_extension(flags)})" in line) == bool(vector_extension(flags))
+
+
+class _FakeLlama:
+  """llama_cpp.Llama's few calls the baseline makes: it answers every prompt with the
+  tokens 5, 6, 7, ... and notes how it was made."""
+
+  made: dict = {}
+
+  def __init__(self, **kw):
+    _FakeLlama.made = kw
+
+  def reset(self):
+    pass
+
+  def generate(self, ids, temp):
+    assert temp == 0.0
+    t = 5
+    while True:
+      yield t
+      t += 1
+
+
+def test_bench_llama_cpp_baseline_row(tmp_path, capsys, monkeypatch):
+  """`--llama-cpp` adds a reference row decoded by llama.cpp on every prompt, beside AR
+  (a fake binding over a tiny model given a GGUF path: the row's plumbing, not its speed)."""
+  import dataclasses
+  import os
+  import sys
+  import types
+
+  from specjax.bench import llama_cpp
+  from specjax.models.registry import get_spec
+
+  monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=_FakeLlama))
+  gguf = dataclasses.replace(get_spec("tiny-qwen3"), locate=lambda: tmp_path / "m.gguf")
+  monkeypatch.setattr(llama_cpp, "get_spec", lambda name: gguf)
+  root = write_spec_bench(tmp_path / "data")
+  out = tmp_path / "run"
+  assert main(["bench", *ARGS, "--drafters", "early_exit", "--llama-cpp", "--data-dir",
+               str(root), "--out", str(out)]) == 0
+  figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  row = figures["methods"]["llama.cpp"]
+  assert row["mismatches"] is None and "M" not in row and row["speedup"] > 0
+  assert figures["over_llama_cpp"]["ar"] == pytest.approx(1 / row["speedup"], abs=1e-4)  # rounded
+  assert _FakeLlama.made["model_path"] == str(tmp_path / "m.gguf")
+  assert _FakeLlama.made["n_threads"] == _FakeLlama.made["n_threads_batch"] == os.cpu_count()
+  records = [r for line in (out / "results.jsonl").read_text().splitlines()
+             for r in json.loads(line)["records"] if r["method"] == "llama.cpp"]
+  assert len(records) == 3
+  assert all(r["tokens"][0] == list(range(5, 17)) and r["decode_tokens"] == 11
+             for r in records)
+  summary = (out / "summary.md").read_text()
+  assert "| llama.cpp |" in summary and "decoded greedily by llama.cpp" in summary
+
+
+def test_llama_cpp_record_counts_the_tokens_it_shares_with_ar():
+  from specjax.bench import llama_cpp
+
+  fake = _namespace(threads=2, generate=lambda ids, n: {
+      "tokens": [4, 5, 6, 9], "prefill_s": 0.5, "decode_s": 1.5})
+  rec = llama_cpp.record(fake, [1, 2], 4, [4, 5, 7, 9], {"prompt_id": "p"})
+  assert rec["agreeing_tokens"] == 2 and rec["decode_tokens"] == 3 and rec["is_reference"]
+  assert rec["prompt_id"] == "p" and rec["tokens"] == [[4, 5, 6, 9]]
+  assert llama_cpp.record(fake, [1], 4, [4, 5, 6, 9], {})["agreeing_tokens"] == 4
+
+
+def _namespace(**kw):
+  import types
+
+  return types.SimpleNamespace(**kw)
+
+
+def test_llama_cpp_baseline_bad_input(tmp_path, capsys, monkeypatch):
+  """No binding: the exact pip install; a tiny model: no GGUF; sampling or several turns:
+  refused before anything is loaded."""
+  import sys
+
+  root = str(write_spec_bench(tmp_path / "d"))
+  out = str(tmp_path / "run")
+  monkeypatch.setitem(sys.modules, "llama_cpp", None)  # not installed
+  assert main(["bench", *ARGS, "--llama-cpp", "--data-dir", root, "--out", out]) == 2
+  assert "pip install llama-cpp-python" in capsys.readouterr().err
+  monkeypatch.setitem(sys.modules, "llama_cpp", _namespace())
+  assert main(["bench", *ARGS, "--llama-cpp", "--data-dir", root, "--out", out]) == 2
+  assert "tiny-qwen3 has none" in capsys.readouterr().err
+  base = ["bench", "--model", "smollm2-135m-instruct", "--llama-cpp", "--data-dir", root,
+          "--out", out]
+  assert main([*base, "--temperature", "0.7"]) == 2
+  assert "decodes greedily" in capsys.readouterr().err
+  assert main([*base, "--max-turns", "2"]) == 2
+  assert "first turn only" in capsys.readouterr().err

@@ -17,7 +17,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from specjax.bench import claims, data, docs, drafter_factory, harness, metrics, plots
+from specjax.bench import claims, data, docs, drafter_factory, harness, llama_cpp, metrics, plots
 from specjax.bench.harness import RunSettings
 from specjax.bench.results_store import ResultsStore
 
@@ -45,6 +45,17 @@ class BenchConfig:
   auto_gamma: bool = False
   # Drafter options by part (`drafter_factory`): {"knapspec": {"tau": 0.3}}.
   options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+  # Also decode every prompt with llama.cpp on the same GGUF file (`bench.llama_cpp`).
+  llama_cpp: bool = False
+
+
+def settings_of(cfg: BenchConfig) -> dict:
+  """What fingerprints a run's results: every field, but `llama_cpp` only when on, so
+  results recorded before it existed still resume."""
+  out = dataclasses.asdict(cfg)
+  if not cfg.llama_cpp:
+    del out["llama_cpp"]
+  return out
 
 
 def validate(cfg: BenchConfig) -> None:
@@ -53,6 +64,8 @@ def validate(cfg: BenchConfig) -> None:
     drafter_factory.parse(name)
   drafter_factory.check_options(cfg.options)
   run_settings(cfg)  # raises on bad values
+  if cfg.llama_cpp:
+    llama_cpp.check(cfg.model, cfg.temperature, cfg.max_turns)
 
 
 def run_settings(cfg: BenchConfig) -> RunSettings:
@@ -89,7 +102,7 @@ def run(cfg: BenchConfig, out_dir: Path, *, data_dir=None, resume: bool = False,
   from specjax.models.loader import load_model
 
   validate(cfg)
-  store = ResultsStore(out_dir, dataclasses.asdict(cfg), resume=resume)
+  store = ResultsStore(out_dir, settings_of(cfg), resume=resume)
   evaluation, search_prompts, pilots = split_prompts(cfg, data_dir)
   model = load_model(cfg.model, dtype=cfg.dtype, verbose=verbose)
   todo = [(p.id, p.category, p.turns) for p in evaluation if not store.done(p.id)]
@@ -124,15 +137,27 @@ def run_units(cfg: BenchConfig, model, units, store: ResultsStore, *, work_dir: 
     gammas |= {n: f["gamma"] for n, f in fitted.items()}
     thresholds = {n: f["threshold"] for n, f in fitted.items() if "threshold" in f}
   harness.warm_up(model, drafters, settings, gammas, thresholds)
+  baseline = _llama_cpp_baseline(cfg, model) if cfg.llama_cpp else None
   # Drafter states handed from prompt to prompt, kept with the results (resume goes on).
   carried = store.load_carried(settings_key)
   for unit, category, prompt in units:
-    store.add(unit, harness.run_prompt(model, prompt, drafters, settings, gammas=gammas,
-                                       thresholds=thresholds, carried=carried,
-                                       tags=dict(prompt_id=unit, category=category)),
-              settings_key=settings_key)
+    tags = dict(prompt_id=unit, category=category)
+    recs = harness.run_prompt(model, prompt, drafters, settings, gammas=gammas,
+                              thresholds=thresholds, carried=carried, tags=tags)
+    if baseline is not None:
+      ar = next(r for r in recs if r["method"] == metrics.AR)
+      recs.append(llama_cpp.record(baseline, harness.first_ids(model.tokenizer, prompt),
+                                   cfg.max_new_tokens, ar["tokens"][0], tags))
+    store.add(unit, recs, settings_key=settings_key)
     store.save_carried(carried, settings_key)
     progress()
+
+
+def _llama_cpp_baseline(cfg: BenchConfig, model) -> llama_cpp.LlamaCppBaseline:
+  """The llama.cpp baseline over the model's GGUF file, warmed up on a short prompt."""
+  baseline = llama_cpp.LlamaCppBaseline(cfg.model, min(model.config.max_context, 16384))
+  baseline.generate(model.tokenizer.encode_prompt("Warm up."), 4)
+  return baseline
 
 
 # Prompts whose pilot texts the (γ, τ) fit replays: one prompt of 64 tokens gives an 8-bit
@@ -191,18 +216,20 @@ def finish(cfg: BenchConfig, out_dir: Path, records: list[dict], verbose: bool,
   overall = metrics.summarize(records)
   cats = metrics.by_category(records)
   table = _overall_table(overall)
-  cat_table = _category_table(cats, [metrics.AR] + list(cfg.drafters))
+  shown = list(cfg.drafters) + ([llama_cpp.METHOD] if cfg.llama_cpp else [])
+  cat_table = _category_table(cats, [metrics.AR] + shown)
+  baseline = _baseline_note(records, overall) if cfg.llama_cpp else ""
   text = (f"# specjax bench: {cfg.model}\n\n{table}\n\nSpeedup vs AR by category:\n\n"
-          f"{cat_table}\n")
+          f"{cat_table}\n" + (f"\n{baseline}\n" if baseline else ""))
   (out_dir / "summary.md").write_text(text)
   lengths_path = out_dir / "draft_lengths.json"
   lengths = _lengths_table(json.loads(lengths_path.read_text())) \
       if cfg.auto_gamma and lengths_path.exists() else ""
   if write_docs:
-    _write_docs(cfg, table, cat_table, overall, lengths, docs_section)
-  _plot(cats, list(cfg.drafters), out_dir / "speedup.png")
+    _write_docs(cfg, table, cat_table, overall, lengths, docs_section, baseline)
+  _plot(cats, shown, out_dir / "speedup.png")
   if verbose:
-    print(f"\n{table}\n\nspeedup vs AR by category\n{cat_table}\n")
+    print(f"\n{table}\n\nspeedup vs AR by category\n{cat_table}\n" + baseline)
     print(f"results: {out_dir / 'results.jsonl'}  table: {out_dir / 'summary.md'}  "
           f"plot: {out_dir / 'speedup.png'}")
   figures = {
@@ -212,7 +239,36 @@ def finish(cfg: BenchConfig, out_dir: Path, records: list[dict], verbose: bool,
                   for m, r in overall.items()},
       "verdicts": [v.to_json() for v in claims.for_run(overall)],
   }
+  if llama_cpp.METHOD in overall:
+    figures["over_llama_cpp"] = _over_llama_cpp(overall)
   return figures
+
+
+def _over_llama_cpp(overall: dict) -> dict[str, float]:
+  """Each method's tokens/s over llama.cpp's, both measured in this run."""
+  base = overall[llama_cpp.METHOD]["tokens_per_s"]
+  return {m: round(r["tokens_per_s"] / base, 4) for m, r in overall.items()
+          if m != llama_cpp.METHOD and base}
+
+
+def _baseline_note(records: list[dict], overall: dict) -> str:
+  """What the llama.cpp row is, how far its greedy tokens follow specjax's AR, and each
+  method's speed over it."""
+  import statistics
+
+  rows = [r for r in records if r["method"] == llama_cpp.METHOD]
+  if not rows:
+    return ""
+  agree = [r["agreeing_tokens"] for r in rows]
+  same = sum(r["agreeing_tokens"] == len(r["tokens"][0]) for r in rows)
+  ratios = ", ".join(f"{'AR' if m == metrics.AR else m} {x:.2f}×"
+                     for m, x in _over_llama_cpp(overall).items())
+  return (f"`{llama_cpp.METHOD}`: the same GGUF file decoded greedily by llama.cpp "
+          f"({rows[0]['threads']} threads) on the same prompts in the same process, from its "
+          f"own quantised weights, with its activations quantised for its dots: not "
+          f"specjax's float32 numbers, so its tokens are not AR's. They agree with AR's for "
+          f"the first {statistics.median(agree):g} tokens (median over {len(rows)} prompts; "
+          f"all of them on {same}). Speed over llama.cpp's: {ratios}.")
 
 
 def _overall_table(overall: dict) -> str:
@@ -284,7 +340,7 @@ def _lengths_table(saved: dict) -> str:
 
 
 def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict,
-                lengths: str = "", section: str | None = None) -> None:
+                lengths: str = "", section: str | None = None, baseline: str = "") -> None:
   """Regenerate this model's section of docs/BENCHMARKS.md (or `section`: another
   drafter list on the same model keeps its own table)."""
   n = overall.get(metrics.AR, {}).get("prompts", 0)
@@ -308,7 +364,8 @@ def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict,
       f"prompts, outside their decode time: what the warm-up did not foresee (a drafter that "
       f"changes shapes mid-run; the shared prefills apart). Machine: {docs.machine()}.",
       "",
-      table, "", "Speedup vs AR by category:", "", cat_table,
+      table, "", *([baseline, ""] if baseline else []), "Speedup vs AR by category:", "",
+      cat_table,
   ] + (["", "Draft lengths (`--auto-gamma`):", "", lengths, "", PILOT_ALPHA] if lengths else [])
     + ["", claims.section(claims.for_run(overall))])
   docs.write_section(section or f"bench-{cfg.model}", body, _command(cfg, section))
@@ -327,6 +384,8 @@ def _command(cfg: BenchConfig, section: str | None = None) -> str:
     parts.append(f"--categories {','.join(cfg.categories)}")
   if cfg.temperature:
     parts.append(f"--temperature {cfg.temperature} --top-p {cfg.top_p} --seed {cfg.seed}")
+  if cfg.llama_cpp:
+    parts.append("--llama-cpp")
   for part, opts in sorted(cfg.options.items()):
     parts += [f"--option {part}.{k}={v if isinstance(v, str) else json.dumps(v)}"
               for k, v in sorted(opts.items())]

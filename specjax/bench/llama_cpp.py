@@ -1,0 +1,92 @@
+"""llama.cpp as a baseline row of `specjax bench`: greedy decoding of the same GGUF file
+on the same prompts, in the same process, timed as specjax's AR is timed.
+
+llama.cpp reads the file's own quantised weights and quantises activations for its dots,
+so its tokens are not specjax's float32 ones (how many agree is recorded): the row says
+how fast a mature low-bit CPU engine decodes these prompts, beside which SSD's lossless
+speedups can be read. It runs on every core (the binding's default is half of them), as
+specjax's kernels do.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from specjax.errors import ConfigError, SpecjaxError
+from specjax.models.registry import get_spec
+
+METHOD = "llama.cpp"
+INSTALL = "pip install llama-cpp-python  # builds llama.cpp from source: minutes, needs a C++ compiler"
+
+
+class MissingBaselineError(SpecjaxError, ImportError):
+  """The llama.cpp Python binding is not installed."""
+
+
+class LlamaCppBaseline:
+  """One llama.cpp model over a registered model's GGUF file, with room for `context`
+  tokens (prompt and answer)."""
+
+  def __init__(self, model_name: str, context: int):
+    try:
+      import llama_cpp
+    except ImportError as err:
+      raise MissingBaselineError(f"the llama.cpp baseline needs its binding:\n  {INSTALL}"
+                                 ) from err
+    spec = get_spec(model_name)
+    threads = os.cpu_count() or 1
+    self.threads = threads
+    self._llm = llama_cpp.Llama(model_path=str(spec.locate()), n_ctx=context, verbose=False,
+                                n_threads=threads, n_threads_batch=threads)
+
+  def generate(self, ids: Sequence[int], max_new_tokens: int) -> dict[str, Any]:
+    """Greedy decoding of `max_new_tokens` after `ids` from an empty KV cache: the tokens,
+    the seconds to the first token (prompt and first token: specjax's prefill) and those
+    after it (the decode)."""
+    self._llm.reset()  # no prefix of the previous prompt's KV is reused
+    tokens: list[int] = []
+    start = time.perf_counter()
+    first = 0.0
+    for tok in self._llm.generate(list(ids), temp=0.0):
+      tokens.append(int(tok))
+      if len(tokens) == 1:
+        first = time.perf_counter()
+      if len(tokens) == max_new_tokens:
+        break
+    end = time.perf_counter()
+    return {"tokens": tokens, "prefill_s": first - start, "decode_s": end - first}
+
+
+def record(baseline: LlamaCppBaseline, ids: Sequence[int], max_new_tokens: int,
+           reference: Sequence[int], tags: dict) -> dict[str, Any]:
+  """A results record of the baseline on one prompt, in the fields `metrics.summarize`
+  reads (a reference: no M, no mismatches), with how many leading tokens it shares with
+  specjax's AR tokens `reference`."""
+  out = baseline.generate(ids, max_new_tokens)
+  agree = next((i for i, (a, b) in enumerate(zip(out["tokens"], reference)) if a != b),
+               min(len(out["tokens"]), len(reference)))
+  return dict(tags, method=METHOD, is_reference=True, tokens=[out["tokens"]],
+              prompt_tokens=len(ids), decode_tokens=len(out["tokens"]) - 1,
+              decode_s=out["decode_s"], prefill_s=out["prefill_s"], compile_s=0.0,
+              agreeing_tokens=agree, threads=baseline.threads)
+
+
+def check(model_name: str, temperature: float, max_turns: int) -> None:
+  """Refuse, before anything is loaded, a run the baseline cannot mirror: no binding, a
+  model without a GGUF file, sampling, more than one turn."""
+  try:
+    import llama_cpp  # noqa: F401
+  except ImportError as err:
+    raise MissingBaselineError(f"the llama.cpp baseline needs its binding:\n  {INSTALL}"
+                               ) from err
+  if get_spec(model_name).is_tiny:
+    raise ConfigError(f"the llama.cpp baseline reads a GGUF file; {model_name} has none")
+  if temperature != 0:
+    raise ConfigError("the llama.cpp baseline decodes greedily: drop --llama-cpp or "
+                      "--temperature")
+  if max_turns != 1:
+    raise ConfigError("the llama.cpp baseline decodes the first turn only: drop --llama-cpp "
+                      "or --max-turns")
