@@ -354,7 +354,8 @@ def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict,
            if cfg.auto_gamma else f"γ ≤ {cfg.gamma}")
   body = "\n".join([
       f"## SSD vs AR on Spec-Bench ({cfg.model}"
-      + (f": {', '.join(cfg.drafters)})" if section else ")"), "",
+      + (f": {', '.join(cfg.drafters)}" if section else "")
+      + ("; llama.cpp)" if cfg.llama_cpp else ")"), "",
       f"{n} prompts ({cfg.per_category} per category), {cfg.max_new_tokens} new tokens, "
       f"{gamma}, threshold {threshold}, "
       f"{'greedy' if cfg.temperature == 0 else f'T={cfg.temperature}'}; AR and every drafter "
