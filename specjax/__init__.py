@@ -19,7 +19,7 @@ The package, by what each part is for:
     specjax/offline/    artefacts built before decoding: Self-SD search, FR-Spec counts,
                         DynaSpec clusters and router, the KNN-SSD library
     specjax/bench/      data, drafter factory, harness, results store, metrics, claims, bench,
-                        sweep
+                        sweep, the llama.cpp baseline
 """
 
 from __future__ import annotations

@@ -43,11 +43,12 @@ def prompt_ids(tokenizer, turns: Sequence[str], answers: Sequence[str] = ()) -> 
   return tokenizer.encode("\n\n".join(parts))
 
 
-def first_ids(tokenizer, prompt: Sequence[str] | Sequence[int]) -> list[int]:
-  """The ids of a prompt's first turn: ready ids as they are, else its first user turn."""
+def first_ids(model, prompt: Sequence[str] | Sequence[int]) -> list[int]:
+  """The ids of a prompt's first turn: ready ids as they are (the model needs no
+  tokenizer then), else its first user turn through the model's tokenizer."""
   if prompt and isinstance(prompt[0], int):
     return list(prompt)
-  return prompt_ids(tokenizer, list(prompt)[:1])
+  return prompt_ids(model.tokenizer, list(prompt)[:1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +127,7 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
   room = settings.max_new_tokens + max([settings.gamma, *(gammas or {}).values()]) + 1
   tokens_of: dict[str, list[list[int]]] = {}
   # The first turn's ids are every method's (later turns carry each method's own answers).
-  first = first_ids(model.tokenizer, prompt)
+  first = first_ids(model, prompt)
 
   def prefill(t: int, ids: list[int], kv) -> Any:
     if len(turns) > 1:  # later turns' histories differ per method

@@ -146,7 +146,7 @@ def run_units(cfg: BenchConfig, model, units, store: ResultsStore, *, work_dir: 
                               thresholds=thresholds, carried=carried, tags=tags)
     if baseline is not None:
       ar = next(r for r in recs if r["method"] == metrics.AR)
-      recs.append(llama_cpp.record(baseline, harness.first_ids(model.tokenizer, prompt),
+      recs.append(llama_cpp.record(baseline, harness.first_ids(model, prompt),
                                    cfg.max_new_tokens, ar["tokens"][0], tags))
     store.add(unit, recs, settings_key=settings_key)
     store.save_carried(carried, settings_key)
