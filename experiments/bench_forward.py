@@ -21,7 +21,6 @@ Writes the `forward` section of docs/BENCHMARKS.md; the last line is JSON.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -35,6 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report  # noqa: E402
 
+from specjax.bench import llama_cpp  # noqa: E402
 from specjax.cpu_kernels import kernel_status  # noqa: E402
 from specjax.decode.draft_length import step_times  # noqa: E402
 from specjax.decode.generate import generate  # noqa: E402
@@ -187,43 +187,21 @@ def transformers_ar(name: str, ids: list[int], tokens: int, runs: int) -> dict |
 
 
 def llama_cpp_ar(name: str, ids: list[int], tokens: int, runs: int) -> dict | None:
-  """llama.cpp's greedy decoding of the same GGUF file (its own quantised weights and
-  kernels), on as many threads as this machine has cores, as specjax's steps use: the
-  binding's default is half of them. Timed as the other engines: medians of `runs` runs,
-  end-to-end and decode-only (from the first token's arrival), after a warm-up run."""
+  """llama.cpp's greedy decoding of the same GGUF file (`specjax.bench.llama_cpp`: its
+  own quantised weights and kernels, on every core), timed as the other engines: medians
+  of `runs` runs, end-to-end and decode-only (from the first token's arrival), after a
+  warm-up run."""
   try:
-    import llama_cpp
-  except ImportError:
-    print("llama-cpp-python not installed: skipping the llama.cpp baseline "
-          "(pip install llama-cpp-python: it builds llama.cpp from source)")
+    baseline = llama_cpp.LlamaCppBaseline(name, context=1024)
+  except llama_cpp.MissingBaselineError as err:
+    print(f"{err}\nskipping the llama.cpp baseline")
     return None
-  threads = os.cpu_count() or 1
-  llm = llama_cpp.Llama(model_path=str(get_spec(name).locate()), n_ctx=1024, verbose=False,
-                        n_threads=threads, n_threads_batch=threads)
-
-  def run(n: int) -> tuple[float, float, list[int]]:
-    """Seconds to the first token and to the n-th, and the n tokens."""
-    llm.reset()  # no prefix of the last run's KV is reused
-    out, t = [], time.perf_counter()
-    for tok in llm.generate(ids, temp=0.0):
-      out.append(int(tok))
-      if len(out) == 1:
-        first = time.perf_counter() - t
-      if len(out) == n:
-        return first, time.perf_counter() - t, out
-    raise RuntimeError(f"llama.cpp stopped after {len(out)} of {n} tokens")
-
-  run(4)  # warm-up
-  timed = [run(tokens) for _ in range(runs)]
-  first = statistics.median(f for f, _, _ in timed)
-  total = statistics.median(t for _, t, _ in timed)
+  baseline.generate(ids, 4)  # warm-up
+  timed = [baseline.generate(ids, tokens) for _ in range(runs)]
+  first = statistics.median(t["prefill_s"] for t in timed)
+  total = statistics.median(t["prefill_s"] + t["decode_s"] for t in timed)
   return {"end_to_end_tok_s": tokens / total, "decode_tok_s": (tokens - 1) / (total - first),
-          "tokens": timed[0][2], "threads": threads}
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-  """How many leading tokens two greedy decodings share."""
-  return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+          "tokens": timed[0]["tokens"], "threads": baseline.threads}
 
 
 def main() -> None:
@@ -280,7 +258,7 @@ def main() -> None:
     print(f"greedy tokens identical to transformers: {same}")
   lcpp_agree = gguf_mb = None
   if lcpp is not None:
-    lcpp_agree = common_prefix(lcpp["tokens"], ours["tokens"])
+    lcpp_agree = llama_cpp.shared_prefix(lcpp["tokens"], ours["tokens"])
     gguf_mb = get_spec(args.model).locate().stat().st_size / 1e6
     print(f"llama.cpp's greedy tokens agree with specjax's for the first {lcpp_agree} of "
           f"{args.tokens} (it computes with its quantised weights and activations)")

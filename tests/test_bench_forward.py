@@ -88,6 +88,8 @@ def test_llama_cpp_baseline_uses_every_core_and_times_its_prefill_apart(monkeypa
   KV cache, a warm-up dropped, decode-only rate from the first token's arrival."""
   import types
 
+  from specjax.bench import llama_cpp
+
   clock, made = _Clock(), {"resets": 0}
 
   class Llama:
@@ -105,8 +107,8 @@ def test_llama_cpp_baseline_uses_every_core_and_times_its_prefill_apart(monkeypa
         clock.now += 0.1  # each further token
 
   monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama))
-  monkeypatch.setattr(bench_forward, "time", clock)
-  monkeypatch.setattr(bench_forward, "get_spec",
+  monkeypatch.setattr(llama_cpp, "time", clock)
+  monkeypatch.setattr(llama_cpp, "get_spec",
                       lambda name: types.SimpleNamespace(locate=lambda: Path("m.gguf")))
   r = bench_forward.llama_cpp_ar("smollm2-135m-instruct", [5, 6, 7], tokens=11, runs=3)
   assert made["n_threads"] == made["n_threads_batch"] == r["threads"] == (os.cpu_count() or 1)
@@ -122,7 +124,9 @@ def test_llama_cpp_baseline_is_skipped_when_the_binding_is_absent(monkeypatch, c
   assert "pip install llama-cpp-python" in capsys.readouterr().out
 
 
-def test_common_prefix():
-  assert bench_forward.common_prefix([1, 2, 3], [1, 2, 4]) == 2
-  assert bench_forward.common_prefix([1, 2], [1, 2, 3]) == 2
-  assert bench_forward.common_prefix([], [1]) == 0
+def test_shared_prefix():
+  from specjax.bench.llama_cpp import shared_prefix
+
+  assert shared_prefix([1, 2, 3], [1, 2, 4]) == 2
+  assert shared_prefix([1, 2], [1, 2, 3]) == 2
+  assert shared_prefix([], [1]) == 0

@@ -60,14 +60,18 @@ class LlamaCppBaseline:
     return {"tokens": tokens, "prefill_s": first - start, "decode_s": end - first}
 
 
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+  """How many leading tokens two greedy decodings share."""
+  return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def record(baseline: LlamaCppBaseline, ids: Sequence[int], max_new_tokens: int,
            reference: Sequence[int], tags: dict) -> dict[str, Any]:
   """A results record of the baseline on one prompt, in the fields `metrics.summarize`
   reads (a reference: no M, no mismatches), with how many leading tokens it shares with
   specjax's AR tokens `reference`."""
   out = baseline.generate(ids, max_new_tokens)
-  agree = next((i for i, (a, b) in enumerate(zip(out["tokens"], reference)) if a != b),
-               min(len(out["tokens"]), len(reference)))
+  agree = shared_prefix(out["tokens"], reference)
   return dict(tags, method=METHOD, is_reference=True, tokens=[out["tokens"]],
               prompt_tokens=len(ids), decode_tokens=len(out["tokens"]) - 1,
               decode_s=out["decode_s"], prefill_s=out["prefill_s"], compile_s=0.0,
