@@ -19,11 +19,21 @@ from specjax.errors import ConfigError, SpecjaxError
 from specjax.models.registry import get_spec
 
 METHOD = "llama.cpp"
-INSTALL = "pip install llama-cpp-python  # builds llama.cpp from source: minutes, needs a C++ compiler"
+INSTALL = "pip install llama-cpp-python  # builds llama.cpp: minutes, needs a C++ compiler"
 
 
 class MissingBaselineError(SpecjaxError, ImportError):
   """The llama.cpp Python binding is not installed."""
+
+
+def _binding():
+  """The `llama_cpp` module, or an error that says how to install it."""
+  try:
+    import llama_cpp
+  except ImportError as err:
+    raise MissingBaselineError(f"the llama.cpp baseline needs its binding:\n  {INSTALL}"
+                               ) from err
+  return llama_cpp
 
 
 class LlamaCppBaseline:
@@ -31,16 +41,10 @@ class LlamaCppBaseline:
   tokens (prompt and answer)."""
 
   def __init__(self, model_name: str, context: int):
-    try:
-      import llama_cpp
-    except ImportError as err:
-      raise MissingBaselineError(f"the llama.cpp baseline needs its binding:\n  {INSTALL}"
-                                 ) from err
-    spec = get_spec(model_name)
-    threads = os.cpu_count() or 1
-    self.threads = threads
-    self._llm = llama_cpp.Llama(model_path=str(spec.locate()), n_ctx=context, verbose=False,
-                                n_threads=threads, n_threads_batch=threads)
+    self.threads = os.cpu_count() or 1
+    self._llm = _binding().Llama(model_path=str(get_spec(model_name).locate()), n_ctx=context,
+                                 verbose=False, n_threads=self.threads,
+                                 n_threads_batch=self.threads)
 
   def generate(self, ids: Sequence[int], max_new_tokens: int) -> dict[str, Any]:
     """Greedy decoding of `max_new_tokens` after `ids` from an empty KV cache: the tokens,
@@ -81,11 +85,7 @@ def record(baseline: LlamaCppBaseline, ids: Sequence[int], max_new_tokens: int,
 def check(model_name: str, temperature: float, max_turns: int) -> None:
   """Refuse, before anything is loaded, a run the baseline cannot mirror: no binding, a
   model without a GGUF file, sampling, more than one turn."""
-  try:
-    import llama_cpp  # noqa: F401
-  except ImportError as err:
-    raise MissingBaselineError(f"the llama.cpp baseline needs its binding:\n  {INSTALL}"
-                               ) from err
+  _binding()
   if get_spec(model_name).is_tiny:
     raise ConfigError(f"the llama.cpp baseline reads a GGUF file; {model_name} has none")
   if temperature != 0:

@@ -278,7 +278,7 @@ def _overall_table(overall: dict) -> str:
   for m, r in overall.items():
     median = "–" if r.get("median_speedup") is None else f"{r['median_speedup']:.2f}"
     compiled = "–" if r.get("compile_s") is None else f"{r['compile_s']:.1f}"
-    if "M" not in r:  # AR, and AR on a quantised cache (the target QuantSpec reproduces)
+    if "M" not in r:  # AR, AR on a quantised cache (what QuantSpec reproduces), llama.cpp
       name = "AR" if m == metrics.AR else m
       lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | {median} | – | – "
                    f"| – | – | – | – | – | – | {compiled} |")
