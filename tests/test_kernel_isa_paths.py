@@ -6,6 +6,7 @@ machine it is on. Every path must compute the product its Python wrapper promise
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 from pathlib import Path
 
@@ -35,7 +36,8 @@ def _targets(kernel: str, path: str) -> dict[str, str]:
       needs and needs not in cpu_kernels._cpu_flags().split()):
     pytest.skip(f"this machine cannot build or run the {path} path of {kernel}")
   source = Path(cpu_kernels.__file__).with_name(cpu_kernels._KERNELS[kernel][0])
-  lib = ctypes.cdll.LoadLibrary(str(cpu_kernels._build(source, "g++", flags)))
+  compiler = os.environ.get("CXX", "g++")  # as `kernel_status` builds
+  lib = ctypes.cdll.LoadLibrary(str(cpu_kernels._build(source, compiler, flags)))
   targets = {}
   for handler in KERNELS[kernel]:
     targets[handler] = f"specjax_test_{handler}_{path}"
