@@ -258,3 +258,19 @@ def test_llama_cpp_baseline_bad_input(tmp_path, capsys, monkeypatch):
   assert "decodes greedily" in capsys.readouterr().err
   assert main([*base, "--max-turns", "2"]) == 2
   assert "first turn only" in capsys.readouterr().err
+
+
+def test_results_made_before_the_llama_cpp_option_still_resume():
+  """A run or sweep point without `--llama-cpp` fingerprints as it did before the option
+  existed (no `llama_cpp` key), so its results folder resumes; with it, the key counts."""
+  import dataclasses
+
+  from specjax.bench.runner import BenchConfig, settings_of
+  from specjax.bench.sweep import Point
+
+  cfg = BenchConfig(model="m", drafters=("8bit",), per_category=1, categories=("qa",),
+                    max_new_tokens=8, max_turns=1, gamma=4, threshold=None, temperature=0.0,
+                    top_p=1.0, seed=0, search_iterations=4, plan_file=None)
+  assert "llama_cpp" not in settings_of(cfg)
+  assert "llama_cpp" not in Point(cfg, None, ()).settings()
+  assert settings_of(dataclasses.replace(cfg, llama_cpp=True))["llama_cpp"] is True

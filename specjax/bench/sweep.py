@@ -73,7 +73,7 @@ class Point:
   stream_length: int = 10
 
   def settings(self) -> dict:
-    return {**dataclasses.asdict(self.config), "context": self.context,
+    return {**bench.settings_of(self.config), "context": self.context,
             "mix_ratio": self.mix_ratio, "stream_length": self.stream_length}
 
 
