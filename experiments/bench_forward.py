@@ -142,7 +142,7 @@ def weight_bytes(m) -> int:
   table (its lookup reads one row; a tied one is read whole, as the LM head)."""
   total = sum(x.nbytes for x in jax.tree.leaves(m.state))
   if not m.config.tie_embeddings:
-    total -= m.state["embedding"][...].nbytes
+    total -= sum(x.nbytes for x in jax.tree.leaves(m.state["embedding"]))
   return total
 
 

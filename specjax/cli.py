@@ -265,7 +265,9 @@ def add_dtype_arg(p: argparse.ArgumentParser) -> None:
   p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                  help="weights, activations and KV cache (auto: bfloat16 on a GPU, float32 on "
                       "a CPU); mixed: bfloat16 weights computed in float32, where greedy SSD "
-                      "stays token-exact with AR on real models")
+                      "stays token-exact with AR on real models; gguf: the GGUF file's own "
+                      "4-8-bit blocks, dequantised in registers to its float32 weights "
+                      "(CPU only)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,6 +29,7 @@ from flax import nnx
 from specjax import cpu_kernels
 from specjax.cache_view import LayerView, QuantRead, Segment, after
 from specjax.config import ModelConfig
+from specjax.gguf_matrix import GGUFMatrix
 from specjax.kv_cache import DraftBuffer, KVCache
 from specjax.plan import DraftPlan, PlanError
 from specjax.quant import DraftWeights, Int8Matrix, LayerWeights
@@ -165,7 +166,7 @@ class Attention(nnx.Module):
     if weights is not None and weights.qkv is not None:
       flat = weights.qkv.matmul(x)
     else:
-      flat = _dense(x, self.qkv[...], output_major=True)
+      flat = _dense(x, self.qkv.get_value(), output_major=True)
     qkv = flat.reshape(x.shape[:2] + (N + 2 * K, H))
     if self.config.qkv_bias:
       qkv = qkv + self.qkv_bias[...]
@@ -278,10 +279,13 @@ class Attention(nnx.Module):
 
   def _project_out(self, out: jax.Array, weights: LayerWeights | None = None) -> jax.Array:
     """[B, T, N·H] -> [B, T, D]: one matmul against o viewed as [N·H, D] (a bitcast)."""
-    N, H, D = self.o.shape
     if weights is not None and weights.o is not None:
       return weights.o.matmul(out)
-    return _dense(out, self.o[...].reshape(N * H, D))
+    o = self.o.get_value()
+    if isinstance(o, GGUFMatrix):  # the file's [D, N·H] rows of blocks
+      return _dense(out, o)
+    N, H, D = o.shape
+    return _dense(out, o.reshape(N * H, D))
 
   def _attend_kernel(self, q, positions, segments, read: QuantRead,
                      weights: LayerWeights | None = None) -> jax.Array:
@@ -339,10 +343,12 @@ def _merge(parts: list[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
   return sum(wi[..., None] * p[2] for wi, p in zip(w, parts)) / total[..., None]
 
 
-def _dense(x: jax.Array, w: jax.Array, output_major: bool = False) -> jax.Array:
+def _dense(x: jax.Array, w: jax.Array | GGUFMatrix, output_major: bool = False) -> jax.Array:
   """x @ w[I, O] (w[O, I] when `output_major`): XLA's dot, or on a CPU the few-row kernel
   for a decode step's one to a few tokens (`cpu_kernels.few_rows`), which streams the
-  weights faster than XLA's dots."""
+  weights faster than XLA's dots; a `GGUFMatrix` (`--dtype gguf`) takes its own kernel."""
+  if isinstance(w, GGUFMatrix):
+    return w.matmul(x).astype(x.dtype)
   if cpu_kernels.few_rows(x, w):
     return cpu_kernels.f32_matmul(x, w, output_major)
   return jnp.einsum("...i,oi->...o", x, w) if output_major else x @ w
@@ -352,7 +358,7 @@ def _matmul(x: jax.Array, own: nnx.Param, quantised=None, output_major: bool = F
             ) -> jax.Array:
   """x @ a layer's matrix: its own parameter (stored [O, I] when `output_major`), or a
   draft's quantised copy of it."""
-  return _dense(x, own[...], output_major) if quantised is None else quantised.matmul(x)
+  return _dense(x, own.get_value(), output_major) if quantised is None else quantised.matmul(x)
 
 
 class MLP(nnx.Module):
@@ -479,7 +485,11 @@ class Transformer(nnx.Module):
       self.lm_head = _param(rngs, (D, V), D, dtype)
 
   def embed(self, tokens: jax.Array) -> jax.Array:
-    x = jnp.take(self.embedding[...], tokens, axis=0)
+    table = self.embedding.get_value()
+    if isinstance(table, GGUFMatrix):  # only the tokens' rows are dequantised
+      x = table.take_rows(tokens)
+    else:
+      x = jnp.take(table, tokens, axis=0)
     if self.config.activation_dtype is not None:
       x = x.astype(self.config.activation_dtype)
     if self.config.embed_scale:
@@ -492,7 +502,9 @@ class Transformer(nnx.Module):
     h = self.final_norm(hidden)
     if weights is not None and weights.head is not None:
       return weights.head.matmul(h.astype(jnp.float32))
-    w = self.embedding[...] if self.config.tie_embeddings else self.lm_head[...]
+    w = (self.embedding if self.config.tie_embeddings else self.lm_head).get_value()
+    if isinstance(w, GGUFMatrix):  # stored output-major [V, D], tied or not
+      return w.matmul(h.astype(jnp.float32))
     if cpu_kernels.few_rows(h, w):
       return cpu_kernels.f32_matmul(h, w, self.config.tie_embeddings)
     if self.config.tie_embeddings:
@@ -508,8 +520,11 @@ class Transformer(nnx.Module):
     safe = jnp.maximum(ids, 0)
     if weights is not None and weights.head is not None:
       return weights.head.take_outputs(safe)
+    own = (self.embedding if self.config.tie_embeddings else self.lm_head).get_value()
+    if isinstance(own, GGUFMatrix):
+      return own.take_rows(safe)
     if self.config.tie_embeddings:
-      return jnp.take(self.embedding[...], safe, axis=0)
+      return jnp.take(own, safe, axis=0)
     if head_rows is not None:
       return jnp.take(head_rows, safe, axis=0)
     return jnp.take(self.lm_head[...], safe, axis=1).T
@@ -517,7 +532,10 @@ class Transformer(nnx.Module):
   def untied_head_rows(self) -> jax.Array | None:
     """An untied LM head as rows [V, D] (a copy), for drafts that gather a new shortlist
     every step (DynaSpec); None for a tied head, whose rows are the embedding's."""
-    return None if self.config.tie_embeddings else self.lm_head[...].T
+    if self.config.tie_embeddings:
+      return None
+    head = self.lm_head.get_value()
+    return head.dequantize() if isinstance(head, GGUFMatrix) else head.T
 
   def head_shortlist(self, hidden: jax.Array, ids: jax.Array,
                      weights: DraftWeights | None = None,
@@ -638,6 +656,8 @@ def float32_dots(dtype) -> contextlib.AbstractContextManager:
 
 def _shape_of(own: nnx.Param, name: str) -> tuple[int, int]:
   """A parameter's shape as the [In, Out] matrix a draft's quantised copy holds."""
+  if isinstance(own.get_value(), GGUFMatrix):
+    return own.get_value().shape
   shape = own.shape
   if name in ("qkv", "gate_up"):  # stored output-major: [(N + 2K)·H, D], [2F, D]
     return shape[1], shape[0]

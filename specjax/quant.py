@@ -41,6 +41,7 @@ import numpy as np
 
 from specjax import cpu_kernels
 from specjax.errors import SpecjaxError
+from specjax.gguf_matrix import GGUFMatrix
 
 
 class QuantError(SpecjaxError, ValueError):
@@ -307,15 +308,20 @@ class DraftWeights:
 
 
 def model_matrices(state, num_layers: int):
-  """(layer, name, [In, Out] matrix) of every matmul weight of an `nnx.State`."""
+  """(layer, name, [In, Out] matrix) of every matmul weight of an `nnx.State` (a
+  `GGUFMatrix`, `--dtype gguf`, dequantised)."""
+  def in_out(var, output_major: bool) -> jax.Array:
+    value = var.get_value()
+    if isinstance(value, GGUFMatrix):
+      return value.dequantize().T  # the file's rows are outputs
+    return value.T if output_major else value.reshape(-1, value.shape[-1])
+
   for l in range(num_layers):
     block = state["blocks"][l]
-    qkv = block["attn"]["qkv"][...]
-    o = block["attn"]["o"][...]
-    yield l, "qkv", qkv.T  # stored [(N + 2K)·H, D]
-    yield l, "o", o.reshape(-1, o.shape[-1])
-    yield l, "gate_up", block["mlp"]["gate_up"][...].T  # stored [2F, D]
-    yield l, "down", block["mlp"]["down"][...]
+    yield l, "qkv", in_out(block["attn"]["qkv"], True)  # stored [(N + 2K)·H, D]
+    yield l, "o", in_out(block["attn"]["o"], False)  # stored [N, H, D]
+    yield l, "gate_up", in_out(block["mlp"]["gate_up"], True)  # stored [2F, D]
+    yield l, "down", in_out(block["mlp"]["down"], False)
 
 
 def quantize_mlp_weights(state, num_layers: int, group: int = 128) -> DraftWeights:
@@ -332,8 +338,11 @@ def quantize_weights_int8(state, num_layers: int) -> DraftWeights:
   layers = [dict() for _ in range(num_layers)]
   for l, name, w in model_matrices(state, num_layers):
     layers[l][name] = Int8Matrix.quantize(w)
-  if "lm_head" in state:
-    head = Int8Matrix.quantize(state["lm_head"][...])
+  table = state["lm_head" if "lm_head" in state else "embedding"].get_value()
+  if isinstance(table, GGUFMatrix):  # the file's [V, D] rows
+    head = Int8Matrix.quantize(table.dequantize(), output_major=True)
+  elif "lm_head" in state:
+    head = Int8Matrix.quantize(table)
   else:
-    head = Int8Matrix.quantize(state["embedding"][...], output_major=True)
+    head = Int8Matrix.quantize(table, output_major=True)
   return DraftWeights(tuple(LayerWeights(**kw) for kw in layers), head=head, bits=8)

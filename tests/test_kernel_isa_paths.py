@@ -25,7 +25,7 @@ PATHS = {
 }
 # kernel -> its exported handlers, as `cpu_kernels._KERNELS` names them
 KERNELS = {"f32_matmul": ("F32MatmulIO", "F32MatmulOI"), "int8_matmul": ("Int8Matmul",),
-           "int4_matmul": ("Int4Matmul",)}
+           "int4_matmul": ("Int4Matmul",), "gguf_matmul": ("GgufMatmul", "GgufDequantize")}
 SHAPES = [(1, 576, 300), (5, 200, 70), (9, 128, 17), (3, 64, 5)]  # rows, inputs, outputs
 
 
@@ -93,3 +93,28 @@ def test_int4_matmul_paths(path):
     want = grid[:, :inner] @ np.asarray(m.dequantize(), np.float64)
     _close(_call(targets["Int4Matmul"], (rows, outer), padded, m.codes, m.lo, m.scale), want,
            inner)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_gguf_matmul_paths(path):
+  """Every block type: the dequantised rows gguf-py's bit for bit (the plain path converts
+  float16 scales without F16C), the products close to float64's, and a row's product the
+  same alone as among 11 rows."""
+  import gguf
+  from test_gguf_matrix import _random_blocks
+
+  from specjax.gguf_matrix import KINDS
+
+  targets = _targets("gguf_matmul", path)
+  x = np.random.default_rng(3).normal(size=(11, 256)).astype(np.float32)
+  for kind in KINDS.values():
+    blocks = _random_blocks(kind, rows=24, inputs=256, seed=kind)
+    w = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(kind)).astype(np.float32)
+    call = lambda target, shape, *args: np.asarray(jax.ffi.ffi_call(
+        target, jax.ShapeDtypeStruct(shape, jnp.float32))(*args, kind=np.int64(kind)))
+    got = call(targets["GgufDequantize"], w.shape, blocks)
+    np.testing.assert_array_equal(got.view(np.uint32), w.view(np.uint32))
+    many = call(targets["GgufMatmul"], (11, 24), x, blocks)
+    _close(many, x.astype(np.float64) @ w.T.astype(np.float64), 256)
+    np.testing.assert_array_equal(call(targets["GgufMatmul"], (1, 24), x[4:5], blocks)[0],
+                                  many[4])

@@ -70,6 +70,8 @@ _KERNELS = {
     "f32_attention": ("f32_attention.cc", {"specjax_f32_attention": "F32Attention"}),
     "f32_argmax": ("f32_argmax.cc", {"specjax_f32_argmax": "F32Argmax"}),
     "quant_attention": ("quant_attention.cc", {"specjax_quant_partials": "QuantPartials"}),
+    "gguf_matmul": ("gguf_matmul.cc", {"specjax_gguf_matmul": "GgufMatmul",
+                                       "specjax_gguf_dequantize": "GgufDequantize"}),
 }
 _SOURCE = Path(__file__).with_name(_KERNELS["int8_matmul"][0])
 # The most rows `f32_matmul` takes: verification forwards (γ ≤ 8, so T ≤ 9) and a little
@@ -87,14 +89,21 @@ COMPILE_FLAGS = ("-O3", "-march=native", *_REASSOCIATE, "-std=c++17")
 # AR step's. With it GCC reordered `f32_matmul`'s one-row and five-row dot products
 # differently (the tied head's logits differed in their last bits), and may split a
 # loop's sum by its trip count, which `f32_attention` must not let depend on T.
-_IN_ORDER = frozenset({"f32_matmul.cc", "f32_attention.cc"})
+_IN_ORDER = frozenset({"f32_matmul.cc", "f32_attention.cc", "gguf_matmul.cc"})
+# Sources whose float expressions must round as written: GCC contracts a*b + c into an
+# FMA (one rounding) by default, even under -std=c++17; `gguf_matmul` must compute
+# gguf-py's (d * q) + m, two roundings, to give the file's float32 weights exactly.
+_UNFUSED = frozenset({"gguf_matmul.cc"})
 
 
 def compile_flags(source: str) -> tuple[str, ...]:
   """The compiler flags of the kernel source named `source`."""
+  flags = COMPILE_FLAGS
   if source in _IN_ORDER:
-    return tuple(f for f in COMPILE_FLAGS if f != "-fassociative-math")
-  return COMPILE_FLAGS
+    flags = tuple(f for f in flags if f != "-fassociative-math")
+  if source in _UNFUSED:
+    flags = (*flags, "-ffp-contract=off")
+  return flags
 
 
 class KernelBuildError(SpecjaxError, RuntimeError):
@@ -243,6 +252,38 @@ def _by_rows(kernel, xla):
     return call(x, *weights), True
 
   return call
+
+
+def gguf_matmul(x: jax.Array, blocks: jax.Array, kind: int) -> jax.Array:
+  """x[..., I] times a GGUF matrix of ggml type `kind` stored as its file's rows of blocks,
+  blocks uint8[O, bytes per row] (`gguf_matrix.GGUFMatrix`) -> [..., O] in float32, the
+  weights dequantised in registers exactly as gguf-py does. Only where
+  `runs_here("gguf_matmul")`."""
+  _require("gguf_matmul")
+  kernel = functools.partial(_gguf_kernel, kind)
+  xla = lambda x, blocks: jnp.einsum("...i,oi->...o", x, gguf_dequantize(blocks, kind))
+  return _by_rows(kernel, xla)(x.astype(jnp.float32), blocks)
+
+
+def _gguf_kernel(kind, x, blocks):
+  out = jax.ShapeDtypeStruct(x.shape[:-1] + (blocks.shape[0],), jnp.float32)
+  return jax.ffi.ffi_call("specjax_gguf_matmul", out)(x, blocks, kind=np.int64(kind))
+
+
+def gguf_dequantize(blocks: jax.Array, kind: int) -> jax.Array:
+  """GGUF rows of blocks uint8[..., O, bytes per row] of ggml type `kind` -> float32
+  [..., O, I], bit for bit what `gguf.quants.dequantize` gives."""
+  _require("gguf_matmul")
+  from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+  weights, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+  out = jax.ShapeDtypeStruct(blocks.shape[:-1] + (blocks.shape[-1] // nbytes * weights,),
+                             jnp.float32)
+  rows = blocks.reshape(-1, blocks.shape[-1])
+  flat = jax.ffi.ffi_call("specjax_gguf_dequantize",
+                          jax.ShapeDtypeStruct((rows.shape[0], out.shape[-1]), jnp.float32),
+                          vmap_method="broadcast_all")(rows, kind=np.int64(kind))
+  return flat.reshape(out.shape)
 
 
 def few_rows(x: jax.Array, w: jax.Array) -> bool:
@@ -431,5 +472,5 @@ def f32_argmax(logits: jax.Array, probability: bool = False) -> tuple[jax.Array,
 
 
 __all__ = ["FEW_ROWS", "KernelBuildError", "attends_here", "f32_argmax", "f32_attention",
-           "f32_matmul", "few_rows", "int4_matmul", "int8_matmul", "kernel_status",
+           "f32_matmul", "few_rows", "gguf_dequantize", "gguf_matmul", "int4_matmul", "int8_matmul", "kernel_status",
            "quant_partials", "reads_codes", "runs_here"]

@@ -204,7 +204,7 @@ def start_decoding(prefilled: Prefilled | None, graphdef, state, config, prompt_
 
 def weight_dtype(state: nnx.State):
   """The model's weight dtype."""
-  return state["embedding"][...].dtype
+  return state["embedding"].get_value().dtype  # a `GGUFMatrix` computes in float32
 
 
 def compute_dtype(config, state: nnx.State):

@@ -18,6 +18,7 @@ import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.errors import SpecjaxError
+from specjax.gguf_matrix import KINDS, GGUFMatrix
 from specjax.models.gguf_file import GGUFFile
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
@@ -143,6 +144,32 @@ def iter_params(path: str | Path, config: ModelConfig, reader=None) -> Iterator[
       raise GGUFFormatError(f"{path}: rope frequency scaling is not supported")
     else:
       raise GGUFFormatError(f"{path}: unexpected tensor {t.name}")
+
+
+# Matrices kept as the file's blocks under `--dtype gguf`: params path suffix -> the GGUF
+# tensors whose output rows it concatenates (`params.fuse_projections`' order).
+_BLOCK_MATRICES = {
+    "attn/qkv": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+    "attn/o": ("attn_output.weight",),
+    "mlp/gate_up": ("ffn_gate.weight", "ffn_up.weight"),
+    "mlp/down": ("ffn_down.weight",),
+}
+
+
+def block_matrices(config: ModelConfig, reader: GGUFFile) -> Iterator[tuple[str, GGUFMatrix]]:
+  """(params path, `GGUFMatrix`) for every matrix whose tensors are all of a type the
+  `gguf_matmul` kernel reads; the others (float16 or float32 tensors, other quantisations)
+  stay dense float32 parameters."""
+  tensors = {t.name: t for t in reader.tensors}
+  names = {"embedding": ("token_embd.weight",), "lm_head": ("output.weight",)}
+  for l in range(config.num_layers):
+    for suffix, parts in _BLOCK_MATRICES.items():
+      names[f"blocks/{l}/{suffix}"] = tuple(f"blk.{l}.{p}" for p in parts)
+  for target, parts in names.items():
+    found = [tensors.get(p) for p in parts]
+    if all(t is not None and int(t.tensor_type) in KINDS.values() for t in found):
+      yield target, GGUFMatrix.from_rows(
+          [(np.asarray(t.data), int(t.tensor_type)) for t in found])
 
 
 def num_tensors(path: str | Path, reader=None) -> int:

@@ -12,8 +12,10 @@ import jax.numpy as jnp
 from flax import nnx
 from tqdm.auto import tqdm
 
+from specjax import cpu_kernels
 from specjax.config import ModelConfig
 from specjax.errors import ConfigError
+from specjax.gguf_matrix import GGUFMatrix
 from specjax.model import Transformer
 from specjax.models import checkpoint
 from specjax.models import gguf as gguf_weights
@@ -43,7 +45,10 @@ class LoadedModel:
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # bfloat16 weights, float32 activations and KV cache (`ModelConfig.activation_dtype`).
 MIXED = "mixed"
-DTYPE_CHOICES = ("auto", *DTYPES, MIXED)
+# The GGUF file's own blocks for every matrix the `gguf_matmul` CPU kernel reads, computed
+# in float32 (`gguf_matrix`); the rest of the model float32.
+GGUF = "gguf"
+DTYPE_CHOICES = ("auto", *DTYPES, MIXED, GGUF)
 
 
 def default_dtype(backend: str | None = None):
@@ -61,6 +66,8 @@ def resolve_dtype(name: str | None):
     return default_dtype()
   if name == MIXED:
     return jnp.bfloat16
+  if name == GGUF:
+    return jnp.float32
   if name not in DTYPES:
     raise ConfigError(f"unknown dtype {name!r}: choose {', '.join(DTYPE_CHOICES)}")
   return DTYPES[name]
@@ -75,6 +82,9 @@ def at_precision(config: ModelConfig, state: nnx.State, dtype: str
                  ) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
   """A model (config, state) at another `--dtype`, without reloading: the weights cast, and
   a graph definition whose modules hold the new config (they read its activation dtype)."""
+  if dtype == GGUF or any(isinstance(v, GGUFMatrix) for v in _values(state)):
+    raise ConfigError("a model's GGUF blocks are read from its file: load it again with "
+                      "load_model(name, dtype=...) rather than recast it")
   weights = resolve_dtype(dtype)
   config = with_precision(config, dtype)
   graphdef, _ = abstract_model(config, weights)
@@ -87,10 +97,52 @@ def load_model(name: str, *, dtype=None, verbose: bool = True) -> LoadedModel:
   bfloat16 weights computed in float32)."""
   m = _load(name, resolve_dtype(dtype) if dtype is None or isinstance(dtype, str) else dtype,
             verbose)
+  if dtype == GGUF:
+    return with_gguf_blocks(m, verbose)
   if dtype != MIXED:
     return m
   config, graphdef, state = at_precision(m.config, m.state, MIXED)
   return dataclasses.replace(m, config=config, graphdef=graphdef, state=state)
+
+
+def with_gguf_blocks(m: LoadedModel, verbose: bool = True) -> LoadedModel:
+  """`m` (float32) with its matrices replaced by its GGUF file's blocks; a tiny model's,
+  which has no file, quantised to Q8_0 by gguf-py. CPU only: elsewhere, or without a C++
+  compiler, a `ConfigError` saying why."""
+  status = cpu_kernels.kernel_status("gguf_matmul")
+  if jax.default_backend() != "cpu" or status != "ready":
+    raise ConfigError(f"--dtype gguf needs a CPU backend and the gguf_matmul kernel "
+                      f"(backend {jax.default_backend()}, kernel {status})")
+  spec = get_spec(m.name)
+  if spec.is_tiny:
+    blocks = quantized_blocks(m.state, m.config, GGUFMatrix.KIND_Q8_0)
+  else:
+    reader = gguf_weights.open_gguf(spec.locate())
+    blocks = tqdm(gguf_weights.block_matrices(m.config, reader), desc=f"{m.name} blocks",
+                  unit="matrix", disable=not verbose)
+  flat = dict(nnx.to_flat_state(jax.tree.map(lambda x: x, m.state)))  # m's stays float32
+  by_name = {"/".join(map(str, path)): var for path, var in flat.items()}
+  for target, matrix in blocks:
+    if target in by_name:  # a tied model's file has no output.weight
+      by_name[target].set_value(matrix)
+  return dataclasses.replace(m, state=nnx.from_flat_state(list(flat.items())))
+
+
+def quantized_blocks(state: nnx.State, config: ModelConfig, kind: int):
+  """(params path, `GGUFMatrix` of ggml type `kind`) for every matrix of `state`, quantised
+  by gguf-py: the blocks a GGUF file of the model would hold (tests, tiny models)."""
+  from specjax.quant import model_matrices
+
+  for l, name, w in model_matrices(state, config.num_layers):
+    group = "attn" if name in ("qkv", "o") else "mlp"
+    yield f"blocks/{l}/{group}/{name}", GGUFMatrix.quantize(w.T, kind)
+  yield "embedding", GGUFMatrix.quantize(state["embedding"].get_value(), kind)
+  if "lm_head" in state:
+    yield "lm_head", GGUFMatrix.quantize(state["lm_head"].get_value().T, kind)
+
+
+def _values(state: nnx.State):
+  return (var.get_value() for _, var in nnx.to_flat_state(state))
 
 
 def _load(name: str, dtype, verbose: bool) -> LoadedModel:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specjax import gguf_matrix
 from specjax.bench import data, plots
 from specjax.offline.router import (
   Pairs,
@@ -179,8 +180,8 @@ def continuation_weights(pairs: Pairs, prompt_lengths: list[int], weight: float
 
 def _head_rows(module):
   if module.config.tie_embeddings:
-    return module.embedding[...]
-  return module.lm_head[...].T
+    return gguf_matrix.dense(module.embedding.get_value())
+  return module.untied_head_rows()
 
 
 def plot_curves(curves: dict, path: Path, name: str, k_max: int) -> None:

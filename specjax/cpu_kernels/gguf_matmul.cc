@@ -1,0 +1,499 @@
+// y[M, O] = x[M, I] · w[O, I]ᵀ where w is a GGUF file's matrix in its own block formats
+// (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K: one row of I weights is I / block blocks), and the
+// same rows dequantised to float32 (`GgufDequantize`: an embedding lookup, a prefill).
+//
+// Why: a float32 target reads 4 bytes per weight per step; the file holds 0.56 (Q4_1) to
+// 1.06 (Q8_0). llama.cpp, reading the blocks, decoded Qwen2.5-Coder-1.5B 4.6-4.8x faster
+// than specjax's float32 AR on the same 2 cores (docs/BENCHMARKS.md).
+//
+// Exactness: each weight is the float32 gguf-py's `dequantize` gives, computed with its
+// expressions in its order — `d * q` (Q4_0, Q5_0, Q8_0, Q6_K's d·scale then ·q),
+// `(d * q) + m` (Q4_1), `(d·sc) * q - (dmin·m)` (Q4_K) — each rounded to float32, so
+// this source is compiled without contraction (`-ffp-contract=off`: GCC fuses a*b + c
+// into an FMA even in ISO C++ mode) and without reassociation. A test compares the
+// dequantised rows bit for bit with gguf-py's.
+//
+// Order: a row of w is dequantised once into a buffer of I floats, then dotted with each
+// of the M rows of x by the same loop, so a row's result does not depend on M (an AR
+// step's logits equal a verification's row). Output rows are split into chunks claimed by
+// the caller and XLA's intra-op threads (`workers.h`), as in `int8_matmul.cc`.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "simd.h"
+#include "workers.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using Blocks = ffi::Buffer<ffi::U8, 2>;  // aliases: a comma would split the macro below
+
+constexpr int64_t kChunksPerWorker = 2;  // a helper that starts late costs at most one
+constexpr int64_t kMinRows = 16;         // output rows per chunk
+
+// ggml's type numbers (gguf.GGMLQuantizationType) and their blocks: weights, bytes.
+enum Kind : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+
+struct Format {
+  int64_t weights = 0, bytes = 0;  // per block; 0: a type this kernel does not read
+};
+
+Format FormatOf(int64_t kind) {
+  switch (kind) {
+    case kQ4_0: return {32, 18};
+    case kQ4_1: return {32, 20};
+    case kQ5_0: return {32, 22};
+    case kQ8_0: return {32, 34};
+    case kQ4_K: return {256, 144};
+    case kQ6_K: return {256, 210};
+    default: return {};
+  }
+}
+
+// IEEE half -> float, exactly (every half is a float).
+inline float Half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = uint32_t{h & 0x8000u} << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);  // inf, NaN
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal half: normal as a float
+    int shift = 0;
+    uint32_t m = man;
+    while (!(m & 0x400)) m <<= 1, ++shift;
+    bits = sign | ((113 - shift) << 23) | ((m & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// One block of each type -> its weights, as gguf-py's `dequantize_blocks` computes them.
+// Nibble layout of the 32-weight types: byte j holds weight j low, weight j + 16 high.
+namespace scalar {
+
+inline void Q4_0Block(const uint8_t* b, float* w) {
+  const float d = Half(b);
+  const uint8_t* qs = b + 2;
+  for (int j = 0; j < 16; ++j) {
+    w[j] = d * static_cast<float>((qs[j] & 0xF) - 8);
+    w[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
+  }
+}
+
+inline void Q4_1Block(const uint8_t* b, float* w) {
+  const float d = Half(b), m = Half(b + 2);
+  const uint8_t* qs = b + 4;
+  for (int j = 0; j < 16; ++j) {
+    w[j] = d * static_cast<float>(qs[j] & 0xF) + m;
+    w[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+  }
+}
+
+inline void Q5_0Block(const uint8_t* b, float* w) {
+  const float d = Half(b);
+  uint32_t qh;
+  std::memcpy(&qh, b + 2, 4);  // bit j: the fifth bit of weight j
+  const uint8_t* qs = b + 6;
+  for (int j = 0; j < 16; ++j) {
+    const int lo = (qs[j] & 0xF) | (((qh >> j) & 1) << 4);
+    const int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+    w[j] = d * static_cast<float>(lo - 16);
+    w[j + 16] = d * static_cast<float>(hi - 16);
+  }
+}
+
+inline void Q8_0Block(const uint8_t* b, float* w) {
+  const float d = Half(b);
+  const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
+  for (int j = 0; j < 32; ++j) w[j] = static_cast<float>(qs[j]) * d;
+}
+
+// Q4_K: 8 sub-blocks of 32 weights, each with a 6-bit scale and minimum packed in 12 bytes
+// (gguf-py's `Q4_K.get_scale_min`); sub-block 2k reads the low nibbles of qs[32k, 32k+32),
+// 2k + 1 the high ones.
+inline void Q4_KBlock(const uint8_t* b, float* w) {
+  const float d = Half(b), dmin = Half(b + 2);
+  const uint8_t* s = b + 4;
+  const uint8_t* qs = b + 16;
+  for (int k = 0; k < 8; ++k) {
+    const int sc = k < 4 ? s[k] & 0x3F : (s[k + 4] & 0xF) | ((s[k - 4] >> 2) & 0x30);
+    const int mn = k < 4 ? s[k + 4] & 0x3F : (s[k + 4] >> 4) | ((s[k] >> 2) & 0x30);
+    const float scale = d * static_cast<float>(sc), offset = dmin * static_cast<float>(mn);
+    const uint8_t* q = qs + 32 * (k / 2);
+    const int shift = 4 * (k % 2);
+    for (int j = 0; j < 32; ++j)
+      w[32 * k + j] = scale * static_cast<float>((q[j] >> shift) & 0xF) - offset;
+  }
+}
+
+// Q6_K: 256 weights in two halves of 128; weight 128h + 32s + j (s < 4, j < 32) takes its
+// low four bits from ql[64h + 32(s % 2) + j] (high nibble when s ≥ 2) and its top two
+// from qh[32h + j] >> 2s; one int8 scale per 16 weights, times the block's d.
+inline void Q6_KBlock(const uint8_t* b, float* w) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = Half(b + 208);
+  for (int h = 0; h < 2; ++h)
+    for (int s = 0; s < 4; ++s) {
+      const float scale_lo = d * static_cast<float>(scales[8 * h + 2 * s]);
+      const float scale_hi = d * static_cast<float>(scales[8 * h + 2 * s + 1]);
+      for (int j = 0; j < 32; ++j) {
+        const int low = (ql[64 * h + 32 * (s % 2) + j] >> (4 * (s / 2))) & 0xF;
+        const int high = (qh[32 * h + j] >> (2 * s)) & 3;
+        const float q = static_cast<float>((low | (high << 4)) - 32);
+        w[128 * h + 32 * s + j] = (j < 16 ? scale_lo : scale_hi) * q;
+      }
+    }
+}
+
+}  // namespace scalar
+
+#if defined(__AVX512F__)
+// The same blocks sixteen weights to a vector: bytes widened to int32 lanes, the codes cut
+// out with shifts and masks, converted, and scaled by the same float32 products. GCC did
+// not vectorise the scalar forms above (a Q4_1 row cost 1.6 cycles a weight on two cores,
+// against 0.2 for the whole float32 matmul).
+namespace avx512 {
+
+inline __m512i Bytes(const uint8_t* p) {  // 16 unsigned bytes as int32 lanes
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m512i Low(__m512i b) { return _mm512_and_si512(b, _mm512_set1_epi32(0xF)); }
+inline __m512i High(__m512i b) { return _mm512_srli_epi32(b, 4); }
+inline __m512 Float(__m512i v) { return _mm512_cvtepi32_ps(v); }
+// Each block function hands its weights to `emit(offset in the block, 16 weights)`: stored
+// (`GgufDequantize`), or multiplied straight into the rows of x (`Rows`).
+
+// The four- and five-bit types take a block's weights from a table of its 16 (32) possible
+// values, computed once per block with gguf-py's expression, so each is the same float:
+// vpermps picks a lane by the low four bits of its index (the bits above are ignored, so a
+// byte's low nibble needs no mask) and replaces a conversion, a multiply and an add per
+// 16 weights. Q8_0's 256 levels and Q6_K's 64 per 16 weights are cheaper to convert.
+inline __m512 Iota(float from) {
+  return _mm512_add_ps(_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                       _mm512_set1_ps(from));
+}
+inline __m512 Pick(__m512 table, __m512i index) { return _mm512_permutexvar_ps(index, table); }
+
+template <typename Emit>
+inline void Q4_0Block(const uint8_t* b, Emit& emit) {
+  const __m512 table = _mm512_mul_ps(_mm512_set1_ps(Half(b)), Iota(-8));  // d · (q − 8)
+  const __m512i q = Bytes(b + 2);
+  emit(0, Pick(table, q));
+  emit(16, Pick(table, High(q)));
+}
+
+template <typename Emit>
+inline void Q4_1Block(const uint8_t* b, Emit& emit) {
+  const __m512 table =  // (d · q) + m
+      _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(Half(b)), Iota(0)), _mm512_set1_ps(Half(b + 2)));
+  const __m512i q = Bytes(b + 4);
+  emit(0, Pick(table, q));
+  emit(16, Pick(table, High(q)));
+}
+
+template <typename Emit>
+inline void Q5_0Block(const uint8_t* b, Emit& emit) {
+  const __m512 d = _mm512_set1_ps(Half(b));
+  const __m512 below = _mm512_mul_ps(d, Iota(-16)), above = _mm512_mul_ps(d, Iota(0));
+  uint32_t qh;
+  std::memcpy(&qh, b + 2, 4);
+  const __m512i q = Bytes(b + 6), sixteen = _mm512_set1_epi32(16);
+  // the fifth bit selects the upper table (index bit 4 of vpermt2ps)
+  const __m512i lo = _mm512_mask_or_epi32(Low(q), static_cast<__mmask16>(qh), Low(q), sixteen);
+  const __m512i hi =
+      _mm512_mask_or_epi32(High(q), static_cast<__mmask16>(qh >> 16), High(q), sixteen);
+  emit(0, _mm512_permutex2var_ps(below, lo, above));
+  emit(16, _mm512_permutex2var_ps(below, hi, above));
+}
+
+template <typename Emit>
+inline void Q8_0Block(const uint8_t* b, Emit& emit) {
+  const __m512 d = _mm512_set1_ps(Half(b));
+  for (int h = 0; h < 2; ++h) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * h));
+    emit(16 * h, _mm512_mul_ps(Float(_mm512_cvtepi8_epi32(q)), d));
+  }
+}
+
+template <typename Emit>
+inline void Q4_KBlock(const uint8_t* b, Emit& emit) {
+  const float d = Half(b), dmin = Half(b + 2);
+  const uint8_t* s = b + 4;
+  const uint8_t* qs = b + 16;
+  for (int k = 0; k < 8; ++k) {
+    const int sc = k < 4 ? s[k] & 0x3F : (s[k + 4] & 0xF) | ((s[k - 4] >> 2) & 0x30);
+    const int mn = k < 4 ? s[k + 4] & 0x3F : (s[k + 4] >> 4) | ((s[k] >> 2) & 0x30);
+    const __m512 table =  // (d·sc) · q − (dmin·m)
+        _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(sc)), Iota(0)),
+                      _mm512_set1_ps(dmin * static_cast<float>(mn)));
+    for (int h = 0; h < 2; ++h) {
+      const __m512i q = Bytes(qs + 32 * (k / 2) + 16 * h);
+      emit(32 * k + 16 * h, Pick(table, k % 2 ? High(q) : q));
+    }
+  }
+}
+
+template <typename Emit>
+inline void Q6_KBlock(const uint8_t* b, Emit& emit) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = Half(b + 208);
+  const __m512i three = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
+  for (int h = 0; h < 2; ++h)
+    for (int s = 0; s < 4; ++s)
+      for (int half = 0; half < 2; ++half) {  // weights j in [16·half, 16·half + 16)
+        __m512i low = Bytes(ql + 64 * h + 32 * (s % 2) + 16 * half);
+        low = Low(s / 2 ? High(low) : low);
+        const __m512i high = _mm512_and_si512(
+            _mm512_srli_epi32(Bytes(qh + 32 * h + 16 * half), 2 * s), three);
+        const __m512i q = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), bias);
+        const __m512 scale = _mm512_set1_ps(d * static_cast<float>(scales[8 * h + 2 * s + half]));
+        emit(128 * h + 32 * s + 16 * half, _mm512_mul_ps(scale, Float(q)));
+      }
+}
+
+// Calls `block(b, emit)` on each block b of a row of I weights, with emit.base at the
+// block's first weight; the type's switch sits outside the loop.
+template <typename Emit>
+void ForEachBlock(int64_t kind, const uint8_t* row, int64_t I, Emit& emit) {
+  const Format f = FormatOf(kind);
+  auto each = [&](auto block) {
+    for (int64_t i = 0; i < I; i += f.weights, row += f.bytes) {
+      specjax::PrefetchAhead(row);
+      emit.base = i;
+      block(row, emit);
+    }
+  };
+  switch (kind) {
+    case kQ4_0: each([](const uint8_t* b, Emit& e) { Q4_0Block(b, e); }); break;
+    case kQ4_1: each([](const uint8_t* b, Emit& e) { Q4_1Block(b, e); }); break;
+    case kQ5_0: each([](const uint8_t* b, Emit& e) { Q5_0Block(b, e); }); break;
+    case kQ8_0: each([](const uint8_t* b, Emit& e) { Q8_0Block(b, e); }); break;
+    case kQ4_K: each([](const uint8_t* b, Emit& e) { Q4_KBlock(b, e); }); break;
+    case kQ6_K: each([](const uint8_t* b, Emit& e) { Q6_KBlock(b, e); }); break;
+  }
+}
+
+struct StoreTo {  // dequantise: the weights to w[I]
+  float* w;
+  int64_t base = 0;
+  void operator()(int at, __m512 v) const { _mm512_storeu_ps(w + base + at, v); }
+};
+
+// R rows of x (stride I) times the weights as they are dequantised: each 16 weights meet
+// every row while in a register. Weights [16g, 16g + 16) go to sum g % 2 of each row,
+// whatever R is, so a row's result does not depend on the rows beside it.
+template <int R>
+struct Rows {
+  const float* x;
+  int64_t I;
+  int64_t base = 0;
+  __m512 acc[R][2];
+  void operator()(int at, __m512 w) {
+    const int64_t i = base + at;
+    const int sum = (at / 16) % 2;  // blocks start at multiples of 32
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+      acc[r][sum] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * I + i), w, acc[r][sum]);
+  }
+};
+
+template <int R>
+void DotRows(int64_t kind, const uint8_t* row, const float* x, int64_t I, float* y,
+             int64_t stride) {
+  Rows<R> rows{x, I};
+  for (int r = 0; r < R; ++r) rows.acc[r][0] = rows.acc[r][1] = _mm512_setzero_ps();
+  ForEachBlock(kind, row, I, rows);
+  for (int r = 0; r < R; ++r)
+    y[r * stride] = _mm512_reduce_add_ps(_mm512_add_ps(rows.acc[r][0], rows.acc[r][1]));
+}
+
+constexpr int64_t kTile = 8;  // rows of x per pass over a weight row (16 sums in registers)
+
+void DequantRow(int64_t kind, const uint8_t* row, int64_t I, float* w) {
+  StoreTo store{w};
+  ForEachBlock(kind, row, I, store);
+}
+
+// y[m·O] = x[m] · (weight row) for m < M; `scratch` is unused here.
+void MatmulRow(int64_t kind, const uint8_t* row, const float* x, int64_t M, int64_t I,
+               float* y, int64_t O, float* /*scratch*/) {
+  for (int64_t m = 0; m < M; m += kTile) {
+    const float* xm = x + m * I;
+    float* ym = y + m * O;
+    switch (std::min(kTile, M - m)) {
+      case 1: DotRows<1>(kind, row, xm, I, ym, O); break;
+      case 2: DotRows<2>(kind, row, xm, I, ym, O); break;
+      case 3: DotRows<3>(kind, row, xm, I, ym, O); break;
+      case 4: DotRows<4>(kind, row, xm, I, ym, O); break;
+      case 5: DotRows<5>(kind, row, xm, I, ym, O); break;
+      case 6: DotRows<6>(kind, row, xm, I, ym, O); break;
+      case 7: DotRows<7>(kind, row, xm, I, ym, O); break;
+      default: DotRows<8>(kind, row, xm, I, ym, O); break;
+    }
+  }
+}
+
+}  // namespace avx512
+using avx512::DequantRow, avx512::MatmulRow;
+
+#else  // no AVX-512: the scalar blocks into a buffer, then one dot per row of x
+
+// A row of I weights (I / f.weights blocks) -> w[I].
+void DequantRow(int64_t kind, const uint8_t* row, int64_t I, float* w) {
+  const Format f = FormatOf(kind);
+  for (int64_t i = 0; i < I; i += f.weights, row += f.bytes, w += f.weights) {
+    specjax::PrefetchAhead(row);
+    switch (kind) {
+      case kQ4_0: scalar::Q4_0Block(row, w); break;
+      case kQ4_1: scalar::Q4_1Block(row, w); break;
+      case kQ5_0: scalar::Q5_0Block(row, w); break;
+      case kQ8_0: scalar::Q8_0Block(row, w); break;
+      case kQ4_K: scalar::Q4_KBlock(row, w); break;
+      case kQ6_K: scalar::Q6_KBlock(row, w); break;
+    }
+  }
+}
+
+// x[0..I) · w[0..I), I a multiple of 32, in one fixed order: four vector sums.
+#if SPECJAX_QUANT_SIMD
+inline float Dot(const float* x, const float* w, int64_t I) {
+  using specjax::Simd;
+  constexpr int kLanes = Simd::kLanes;
+  Simd::F acc[4] = {Simd::Zero(), Simd::Zero(), Simd::Zero(), Simd::Zero()};
+  int64_t i = 0;
+  for (; i + 4 * kLanes <= I; i += 4 * kLanes)
+    for (int k = 0; k < 4; ++k)
+      acc[k] = Simd::Fma(Simd::Floats(x + i + k * kLanes), Simd::Floats(w + i + k * kLanes),
+                         acc[k]);
+  for (int k = 0; i < I; i += kLanes, ++k)
+    acc[k] = Simd::Fma(Simd::Floats(x + i), Simd::Floats(w + i), acc[k]);
+  return Simd::Sum(Simd::Add(Simd::Add(acc[0], acc[1]), Simd::Add(acc[2], acc[3])));
+}
+#else
+inline float Dot(const float* x, const float* w, int64_t I) {
+  float acc[32] = {};
+  for (int64_t i = 0; i < I; i += 32)
+    for (int j = 0; j < 32; ++j) acc[j] += x[i + j] * w[i + j];
+  float sum = 0;
+  for (int j = 0; j < 32; ++j) sum += acc[j];
+  return sum;
+}
+#endif
+
+void MatmulRow(int64_t kind, const uint8_t* row, const float* x, int64_t M, int64_t I,
+               float* y, int64_t O, float* scratch) {
+  DequantRow(kind, row, I, scratch);
+  for (int64_t m = 0; m < M; ++m) y[m * O] = Dot(x + m * I, scratch, I);
+}
+#endif
+
+// Output rows [c·chunk, (c + 1)·chunk) of one call: each dequantised into `row`, then
+// either dotted with the M rows of x (y[M, O]) or copied out (x null: y[O, I]).
+class Work : public specjax::Job {
+ public:
+  Work(int64_t kind, const uint8_t* blocks, int64_t row_bytes, const float* x, float* y,
+       int64_t M, int64_t I, int64_t O, int64_t chunk)
+      : Job((O + chunk - 1) / chunk), kind(kind), blocks(blocks), row_bytes(row_bytes), x(x),
+        y(y), M(M), I(I), O(O), chunk(chunk) {}
+
+ protected:
+  void Chunk(int64_t c) override {
+    const int64_t end = std::min(O, (c + 1) * chunk);
+    if (x == nullptr) {
+      for (int64_t o = c * chunk; o < end; ++o)
+        DequantRow(kind, blocks + o * row_bytes, I, y + o * I);
+      return;
+    }
+    std::vector<float> scratch(I);
+    for (int64_t o = c * chunk; o < end; ++o)
+      MatmulRow(kind, blocks + o * row_bytes, x, M, I, y + o, O, scratch.data());
+  }
+
+ private:
+  const int64_t kind;
+  const uint8_t* blocks;
+  const int64_t row_bytes;
+  const float* x;
+  float* y;
+  const int64_t M, I, O;
+  const int64_t chunk;  // output rows per chunk
+};
+
+// I, the weights of a row of `row_bytes`, or 0 for a type or a length this kernel cannot read.
+int64_t Inputs(int64_t kind, int64_t row_bytes) {
+  const Format f = FormatOf(kind);
+  return f.bytes == 0 || row_bytes % f.bytes ? 0 : row_bytes / f.bytes * f.weights;
+}
+
+const char kBadBlocks[] =
+    "gguf_matmul: blocks must be rows of whole blocks of a supported ggml type (Q4_0, Q4_1, "
+    "Q5_0, Q8_0, Q4_K, Q6_K)";
+
+void Run(ffi::ThreadPool& pool, int64_t kind, const Blocks& w, const float* x, float* y,
+         int64_t M, int64_t I) {
+  const int64_t O = w.dimensions()[0], row_bytes = w.dimensions()[1];
+  const int64_t threads = specjax::ThreadsFor(O * row_bytes, pool.num_threads());
+  const int64_t pieces = kChunksPerWorker * threads;
+  const int64_t chunk = std::max(kMinRows, (O + pieces - 1) / pieces);
+  auto work = std::make_shared<Work>(kind, w.typed_data(), row_bytes, x, y, M, I, O, chunk);
+  specjax::RunOnPool(pool, work, threads);
+}
+
+ffi::Error GgufMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Blocks w,
+                          ffi::ResultBuffer<ffi::F32> y, int64_t kind) {
+  const int64_t I = Inputs(kind, w.dimensions()[1]);
+  if (I == 0) return ffi::Error::InvalidArgument(kBadBlocks);
+  auto xd = x.dimensions();
+  if (xd.size() == 0 || xd[xd.size() - 1] != I)
+    return ffi::Error::InvalidArgument("gguf_matmul: x[..., I] and blocks of I weights a row");
+  Run(pool, kind, w, x.typed_data(), y->typed_data(), x.element_count() / I, I);
+  return ffi::Error::Success();
+}
+
+ffi::Error GgufDequantizeImpl(ffi::ThreadPool pool, Blocks w, ffi::ResultBuffer<ffi::F32> y,
+                              int64_t kind) {
+  const int64_t I = Inputs(kind, w.dimensions()[1]);
+  if (I == 0) return ffi::Error::InvalidArgument(kBadBlocks);
+  Run(pool, kind, w, nullptr, y->typed_data(), 0, I);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GgufMatmul, GgufMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<Blocks>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("kind"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GgufDequantize, GgufDequantizeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Blocks>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("kind"));

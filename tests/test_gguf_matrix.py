@@ -1,0 +1,178 @@
+"""`--dtype gguf`: a target reading its GGUF file's blocks through `cpu_kernels.gguf_matmul`.
+
+The kernel's weights are gguf-py's, bit for bit, for every type it reads; a row's product
+does not depend on the rows beside it; a tiny model in blocks decodes losslessly with
+layer-skipping and 8-bit drafts; SmolLM2's real blocks give the float32 model's logits
+up to rounding, and its verification rows equal its AR steps bit for bit."""
+
+from __future__ import annotations
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ARCHS
+from flax import nnx
+
+from specjax import cpu_kernels
+from specjax.config import tiny_config
+from specjax.decode.engine import speculative_generate
+from specjax.decode.generate import generate
+from specjax.drafters import Int8WeightsDrafter, StaticDrafter
+from specjax.errors import ConfigError
+from specjax.gguf_matrix import KINDS, GGUFMatrix, GGUFMatrixError
+from specjax.model import init_model
+from specjax.models.loader import at_precision, quantized_blocks
+from specjax.plan import DraftPlan
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or cpu_kernels.kernel_status("gguf_matmul") != "ready",
+    reason="the gguf_matmul kernel runs on a CPU backend with a C++ compiler")
+
+
+def _random_blocks(kind: int, rows: int, inputs: int, seed: int = 0) -> np.ndarray:
+  """Rows of random blocks of ggml type `kind`: every code pattern, with each float16
+  scale (and minimum) a finite value of either sign, so the weights are finite."""
+  weights, nbytes = gguf.constants.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+  rng = np.random.default_rng(seed)
+  blocks = rng.integers(0, 256, (rows * inputs // weights, nbytes), dtype=np.uint8)
+  halves = {2: [0], 3: [0, 2], 6: [0], 8: [0], 12: [0, 2], 14: [208]}[kind]
+  for at in halves:
+    scale = rng.uniform(-0.05, 0.05, len(blocks)).astype(np.float16)
+    blocks[:, at:at + 2] = scale.view(np.uint8).reshape(-1, 2)
+  return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_kernel_weights_are_gguf_py_bit_for_bit(name):
+  kind = KINDS[name]
+  blocks = _random_blocks(kind, rows=40, inputs=512)
+  want = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(kind)).astype(np.float32)
+  got = np.asarray(cpu_kernels.gguf_dequantize(jnp.asarray(blocks), kind))
+  assert got.shape == want.shape == (40, 512)
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_kernel_rows_do_not_depend_on_their_neighbours(name):
+  """Products against float64 numpy, within float32 rounding of the sums of |x·w|; each
+  row of an 11-row call (more than one tile of the kernel's 8) equal, bit for bit, to the
+  same row alone."""
+  kind = KINDS[name]
+  blocks = jnp.asarray(_random_blocks(kind, rows=70, inputs=768, seed=1))
+  w = gguf.quants.dequantize(np.asarray(blocks), gguf.GGMLQuantizationType(kind))
+  x = np.random.default_rng(2).standard_normal((11, 768)).astype(np.float32)
+  many = np.asarray(cpu_kernels.gguf_matmul(jnp.asarray(x), blocks, kind))
+  magnitude = np.abs(x).astype(np.float64) @ np.abs(w).T
+  assert np.all(np.abs(many - x.astype(np.float64) @ w.T) <= 1e-6 * magnitude + 1e-30)
+  for r in (0, 5, 10):
+    alone = np.asarray(cpu_kernels.gguf_matmul(jnp.asarray(x[r:r + 1]), blocks, kind))
+    np.testing.assert_array_equal(alone[0], many[r])
+
+
+def test_matrix_parts_and_their_errors():
+  """q|k|v of two types: the outputs of each part in order, rows gathered from one part;
+  a type the kernel does not read and parts of different widths are refused."""
+  q8 = _random_blocks(KINDS["Q8_0"], 32, 64)
+  q5 = _random_blocks(KINDS["Q5_0"], 16, 64, seed=3)
+  m = GGUFMatrix.from_rows([(q5, KINDS["Q5_0"]), (q5, KINDS["Q5_0"]), (q8, KINDS["Q8_0"])])
+  assert m.kinds == (KINDS["Q5_0"], KINDS["Q8_0"]) and m.shape == (64, 64)
+  x = jnp.ones((2, 64), jnp.float32)
+  want = np.asarray(x) @ np.asarray(m.dequantize()).T
+  np.testing.assert_allclose(np.asarray(m.matmul(x)), want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(m.matmul(jnp.ones((20, 64)))), np.tile(want[:1], (20, 1)),
+                             rtol=1e-5, atol=1e-5)  # many rows: dequantised, XLA's dot
+  with pytest.raises(GGUFMatrixError, match="one-part"):
+    m.take_rows(jnp.array([0]))
+  with pytest.raises(GGUFMatrixError, match="ggml type 10"):
+    GGUFMatrix.from_rows([(q8, 10)])
+  with pytest.raises(GGUFMatrixError, match="inputs"):
+    GGUFMatrix.from_rows([(q8, KINDS["Q8_0"]), (_random_blocks(8, 4, 96), KINDS["Q8_0"])])
+
+
+def _in_blocks(config, state):
+  """A tiny model's state with every matrix in Q8_0 blocks (gguf-py's quantisation)."""
+  flat = dict(nnx.to_flat_state(jax.tree.map(lambda x: x, state)))  # new Variables
+  by_name = {"/".join(map(str, p)): v for p, v in flat.items()}
+  for target, matrix in quantized_blocks(state, config, KINDS["Q8_0"]):
+    by_name[target].set_value(matrix)
+  return nnx.from_flat_state(list(flat.items()))
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny_blocks(request):
+  """(config, graphdef, float32 state, the same model in Q8_0 blocks, its dequantised
+  float32 twin)."""
+  config = tiny_config(request.param)
+  graphdef, state = nnx.split(init_model(config, seed=3))
+  blocks = _in_blocks(config, state)
+  twin = jax.tree.map(lambda x: x, state)
+  flat = dict(nnx.to_flat_state(twin))
+  for path, var in nnx.to_flat_state(blocks):
+    value = var.get_value()
+    if isinstance(value, GGUFMatrix):
+      dense = np.asarray(value.dequantize())
+      shape = flat[path].get_value().shape
+      if path[-1] in ("o", "down", "lm_head"):  # stored [In, Out]
+        dense = dense.T
+      flat[path].set_value(jnp.asarray(dense.reshape(shape)))
+  return config, graphdef, state, blocks, nnx.from_flat_state(list(flat.items()))
+
+
+def test_tiny_model_in_blocks_is_its_dequantised_twin(tiny_blocks):
+  from conftest import prompt_logits
+
+  config, graphdef, _, blocks, twin = tiny_blocks
+  ids = np.array([[1, 5, 9, 14, 3, 7, 22, 40]])
+  np.testing.assert_allclose(prompt_logits(config, graphdef, blocks, ids),
+                             prompt_logits(config, graphdef, twin, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_tiny_model_in_blocks_decodes_losslessly(tiny_blocks):
+  """Greedy SSD == greedy AR on the blocks: a layer-skipping draft (the target's own
+  blocks) and an 8-bit draft quantised from them."""
+  config, graphdef, _, blocks, _ = tiny_blocks
+  L = config.num_layers
+  ids = [1, 5, 9, 14, 3, 7]
+  ar = generate(graphdef, blocks, config, ids, max_new_tokens=24, eos_ids=()).tokens
+  model = type("Loaded", (), {"state": blocks, "config": config})
+  for drafter in (StaticDrafter(DraftPlan.from_skips(L, skip_attn=[1], skip_mlp=[2])),
+                  Int8WeightsDrafter.for_model(model)):
+    ssd = speculative_generate(graphdef, blocks, config, ids, drafter, max_new_tokens=24,
+                               eos_ids=(), gamma=3)
+    assert ssd.tokens == ar, drafter.name
+
+
+def test_blocks_are_not_recast(tiny_blocks):
+  config, _, _, blocks, _ = tiny_blocks
+  with pytest.raises(ConfigError, match="GGUF blocks"):
+    at_precision(config, blocks, "bfloat16")
+
+
+@pytest.mark.real
+def test_smollm2_blocks_match_float32_and_verify_bit_for_bit():
+  """SmolLM2's own Q4_1/Q8_0 blocks: prompt logits within float32 rounding of the float32
+  model's (the same weights), and a verification's rows equal to AR steps bit for bit
+  (what keeps greedy SSD on greedy AR's tokens on near ties)."""
+  from conftest import prompt_logits, real_model
+  from test_real_ssd import _rows_against_steps
+
+  f32 = real_model("smollm2-135m-instruct")
+  from specjax.models.loader import with_gguf_blocks
+
+  m = with_gguf_blocks(f32, verbose=False)
+  ids = np.asarray([m.tokenizer.encode_prompt("Why is the sky blue?")])
+  np.testing.assert_allclose(prompt_logits(m.config, m.graphdef, m.state, ids),
+                             prompt_logits(f32.config, f32.graphdef, f32.state, ids),
+                             rtol=1e-3, atol=1e-3)
+  assert _rows_against_steps(m.config, m.graphdef, m.state, list(ids[0]), 6) == 0.0
+  ar = generate(m.graphdef, m.state, m.config, list(ids[0]), max_new_tokens=32,
+                eos_ids=()).tokens
+  L = m.config.num_layers
+  skip = StaticDrafter(DraftPlan.from_skips(L, skip_attn=range(10, 26, 2),
+                                            skip_mlp=range(12, 28, 3)))
+  for drafter in (skip, Int8WeightsDrafter.for_model(m)):
+    ssd = speculative_generate(m.graphdef, m.state, m.config, list(ids[0]), drafter,
+                               max_new_tokens=32, eos_ids=(), gamma=4)
+    assert ssd.tokens == ar, drafter.name
