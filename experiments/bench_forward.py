@@ -38,10 +38,10 @@ from specjax.bench import llama_cpp  # noqa: E402
 from specjax.cpu_kernels import kernel_status  # noqa: E402
 from specjax.decode.draft_length import step_times  # noqa: E402
 from specjax.decode.generate import generate  # noqa: E402
-from specjax.models.loader import load_model  # noqa: E402
+from specjax.models.loader import GGUF, load_model  # noqa: E402
 from specjax.models.registry import get_spec  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402
-from specjax.quant import model_matrices, quantize_mlp_weights, quantize_weights_int8  # noqa: E402
+from specjax.quant import quantize_mlp_weights, quantize_weights_int8  # noqa: E402
 
 PROMPT = "Explain why the sky is blue to a ten-year-old, in a few short paragraphs."
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)
@@ -79,16 +79,23 @@ def read_bytes(m, plan: DraftPlan) -> int:
   attn, mlp = np.asarray(plan.attn), np.asarray(plan.mlp)
   quantised = plan.weights.layers if plan.weights is not None else None
   total = 0
-  for l, name, w in model_matrices(m.state, cfg.num_layers):
-    if (attn if name in ("qkv", "o") else mlp)[l]:
+  for l in range(cfg.num_layers):
+    for name in ("qkv", "o", "gate_up", "down"):
+      group = "attn" if name in ("qkv", "o") else "mlp"
+      if not (attn if group == "attn" else mlp)[l]:
+        continue
       copy = None if quantised is None else getattr(quantised[l], name)
-      total += w.nbytes if copy is None else copy.nbytes
+      own = m.state["blocks"][l][group][name]  # float, or a GGUF file's blocks
+      total += _nbytes(own) if copy is None else copy.nbytes
   if plan.head_rows is not None:
     return total + jax.tree.reduce(lambda n, x: n + x.nbytes, plan.head_rows, 0)
   if plan.weights is not None and plan.weights.head is not None:
     return total + plan.weights.head.nbytes
-  head = m.state["embedding" if cfg.tie_embeddings else "lm_head"][...]
-  return total + head.nbytes
+  return total + _nbytes(m.state["embedding" if cfg.tie_embeddings else "lm_head"])
+
+
+def _nbytes(tree) -> int:
+  return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
 def step_ratios(m, context: int, rounds: int, steps: int, gamma: int = 4,
@@ -204,6 +211,28 @@ def llama_cpp_ar(name: str, ids: list[int], tokens: int, runs: int) -> dict | No
           "tokens": timed[0]["tokens"], "threads": baseline.threads}
 
 
+def engine_label(dtype: str) -> str:
+  return "jax, the GGUF's blocks" if dtype == GGUF else "jax fp32" if dtype in (
+      "auto", "float32") else f"jax {dtype}"
+
+
+def matmul_sentence(dtype: str) -> str:
+  """What the steps' matmuls run on, for the section's prose."""
+  if dtype == GGUF:
+    return (f"Weights are the GGUF file's own blocks (`--dtype gguf`): every matmul of the "
+            f"target's steps (AR, verification) and of a layer-skipping draft reads them "
+            f"through `cpu_kernels.gguf_matmul` ({kernel_status('gguf_matmul')}); the 8-bit "
+            f"and 4-bit drafts' copies are quantised from them.")
+  return (f"The float32 matmuls of every step (AR, draft, verification) take the few-row "
+          f"kernel (`cpu_kernels.f32_matmul`: {kernel_status('f32_matmul')}); "
+          f"`SPECJAX_CPU_KERNELS=int8_matmul` measures XLA's dots instead.")
+
+
+def section_name(model: str, dtype: str) -> str:
+  """`forward-MODEL`, with the dtype appended when it is not the CPU default."""
+  return f"forward-{model}" if dtype in ("auto", "float32") else f"forward-{model}-{dtype}"
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--tokens", type=int, default=128)
@@ -243,7 +272,8 @@ def main() -> None:
   lcpp = llama_cpp_ar(args.model, ids, args.tokens, args.runs)
   rows = [["roofline (weights ÷ measured bandwidth)", "-", roofline,
            roofline / ours["decode_tok_s"]],
-          ["specjax (jax fp32)", ours["end_to_end_tok_s"], ours["decode_tok_s"], 1.0]]
+          [f"specjax ({engine_label(args.dtype)})", ours["end_to_end_tok_s"],
+           ours["decode_tok_s"], 1.0]]
   if hf:
     rows.append(["transformers (torch fp32)", hf["end_to_end_tok_s"], hf["decode_tok_s"],
                  hf["end_to_end_tok_s"] / ours["end_to_end_tok_s"]])
@@ -267,6 +297,7 @@ def main() -> None:
 
   figures = {
       "model": args.model,
+      "dtype": args.dtype,
       "machine": report.machine(),
       "draft_step_over_ar": {str(int(f * 100)): round(r["draft_over_ar"][f], 4)
                              for f in FRACTIONS},
@@ -301,16 +332,15 @@ def main() -> None:
   }
   if args.write_docs:
     body = "\n".join([
-        f"## Forward pass: draft-step cost and AR speed ({args.model})",
+        f"## Forward pass: draft-step cost and AR speed ({args.model}"
+        f"{'' if args.dtype in ('auto', 'float32') else ', --dtype ' + args.dtype})",
         "",
         f"Machine: {figures['machine']}. Commit {report.git_revision()}.",
         "",
         f"Steps at context {args.context} as a ratio to the AR step ({r['ar_ms']:.1f} ms, "
         f"the dense model at T = 1): verification of γ + 1 tokens, and a draft step under "
         f"random plans with a given share of the {2 * L} sub-layers active (medians, "
-        f"round-robin). The float32 matmuls of every step (AR, draft, verification) take "
-        f"the few-row kernel (`cpu_kernels.f32_matmul`: {kernel_status('f32_matmul')}); "
-        f"`SPECJAX_CPU_KERNELS=int8_matmul` measures XLA's dots instead. Beside each, the "
+        f"round-robin). {matmul_sentence(args.dtype)} Beside each, the "
         f"weight bytes it reads over the AR step's, what it would cost if every step "
         f"streamed its weights at one rate: the LM head "
         f"is {r['head_share']:.0%} of the bytes, and every draft over the full vocabulary reads "
@@ -335,7 +365,7 @@ def main() -> None:
         f"{args.tokens}. specjax's float32 weights are the dequantised GGUF; its 8-bit drafts "
         f"(`8bit`) are the counterpart of llama.cpp's low-bit reads.",
     ]))
-    report.write_section(f"forward-{args.model}", body)
+    report.write_section(section_name(args.model, args.dtype), body)
   report.print_json(figures)
 
 

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -130,3 +131,22 @@ def test_shared_prefix():
   assert shared_prefix([1, 2, 3], [1, 2, 4]) == 2
   assert shared_prefix([1, 2], [1, 2, 3]) == 2
   assert shared_prefix([], [1]) == 0
+
+
+def test_read_bytes_of_a_gguf_target_are_its_blocks():
+  """Under `--dtype gguf` a step reads the file's blocks (a tiny model's: Q8_0, 34 bytes a
+  32 weights), not the float32 matrices they stand for."""
+  from specjax import cpu_kernels
+
+  if cpu_kernels.kernel_status("gguf_matmul") != "ready":
+    pytest.skip("the gguf_matmul kernel does not build here")
+  m = load_model("tiny-llama", dtype="gguf")
+  dense = load_model("tiny-llama")
+  full = DraftPlan.full(m.config.num_layers)
+  blocks = sum(x.nbytes for x in jax.tree.leaves(m.state["blocks"]) if x.dtype == np.uint8)
+  assert bench_forward.read_bytes(m, full) == blocks + sum(
+      x.nbytes for x in jax.tree.leaves(m.state["embedding"]))
+  assert bench_forward.read_bytes(m, full) / bench_forward.read_bytes(dense, full) == (
+      pytest.approx(34 / 128, rel=0.01))
+  assert bench_forward.section_name("smollm2-135m-instruct", "gguf") == (
+      "forward-smollm2-135m-instruct-gguf")

@@ -1,6 +1,6 @@
 """C++ kernels that XLA:CPU lacks, compiled on first use and called through `jax.ffi`.
 
-Six kernels:
+Seven kernels:
 
 * `int8_matmul`, a matmul against int8 weights with one scale per output channel, for
   8-bit drafts. XLA:CPU widens an int8 matrix to float32 in memory before its dot (31 ms
@@ -30,6 +30,11 @@ Six kernels:
   top softmax probability a draft's confidence is. XLA:CPU spent four threaded reductions
   on the two, 0.2–0.45 ms for one row of SmolLM2's vocabulary; one pass takes tens of µs.
   `sampling.argmax` and `sampling.argmax_and_top_probability` take it for a step's few rows.
+* `gguf_matmul`, a matmul against a GGUF file's own blocks (`gguf_matrix.GGUFMatrix`,
+  `--dtype gguf`): each block dequantised in registers to the float32 weights gguf-py
+  gives, bit for bit, and met there by every row of the call (up to 8 a pass). The float32
+  target read 4 bytes a weight; the file's blocks hold 0.56 (Q4_1) to 1.06 (Q8_0): SmolLM2's
+  AR step went from 48 to 89 tokens/s, Qwen2.5-Coder-0.5B's from 13 to 27 (Intel Xeon).
 
 Each source is compiled once per machine with the host's C++ compiler (`$CXX`, else
 g++) for its own CPU (`-march=native`) and cached under `cache_root()/kernels`, keyed by
