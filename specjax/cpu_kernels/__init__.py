@@ -34,7 +34,7 @@ Seven kernels:
   `--dtype gguf`): each block dequantised in registers to the float32 weights gguf-py
   gives, bit for bit, and met there by every row of the call (up to 8 a pass). The float32
   target read 4 bytes a weight; the file's blocks hold 0.56 (Q4_1) to 1.06 (Q8_0): SmolLM2's
-  AR step went from 48 to 89 tokens/s, Qwen2.5-Coder-0.5B's from 13 to 27 (Intel Xeon).
+  AR decoding went from 48 to 130 tokens/s, Qwen2.5-Coder-0.5B's from 13 to 33 (Intel Xeon).
 
 Each source is compiled once per machine with the host's C++ compiler (`$CXX`, else
 g++) for its own CPU (`-march=native`) and cached under `cache_root()/kernels`, keyed by

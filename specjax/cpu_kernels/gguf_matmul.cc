@@ -169,11 +169,22 @@ inline void Q6_KBlock(const uint8_t* b, float* w) {
 }  // namespace scalar
 
 #if defined(__AVX512F__)
-// The same blocks sixteen weights to a vector: bytes widened to int32 lanes, the codes cut
-// out with shifts and masks, converted, and scaled by the same float32 products. GCC did
-// not vectorise the scalar forms above (a Q4_1 row cost 1.6 cycles a weight on two cores,
-// against 0.2 for the whole float32 matmul).
+// The same blocks 32 weights (a slice) at a time, as two vectors of 16: bytes widened to
+// int32 lanes, the codes cut out with shifts and masks, and their weights computed with
+// gguf-py's float32 expressions. GCC did not vectorise the scalar forms above (a Q4_1 row
+// cost 1.6 cycles a weight on two cores, against 0.2 for the whole float32 matmul).
+//
+// Each type is a struct: `Header(block)`, what its slices share (a value table, scales),
+// and `Get(block, header, s)`, slice s of `kSlices`. The loops below keep their sums in
+// local arrays: sums kept in a struct that the block functions wrote through (an earlier
+// form) were spilled to the stack in the library GCC built, one sum reloaded and stored
+// every block, and the kernel ran at half the speed of the same code built in a test
+// harness.
 namespace avx512 {
+
+struct Pair {
+  __m512 lo, hi;  // weights [0, 16) and [16, 32) of a slice
+};
 
 inline __m512i Bytes(const uint8_t* p) {  // 16 unsigned bytes as int32 lanes
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -181,10 +192,8 @@ inline __m512i Bytes(const uint8_t* p) {  // 16 unsigned bytes as int32 lanes
 inline __m512i Low(__m512i b) { return _mm512_and_si512(b, _mm512_set1_epi32(0xF)); }
 inline __m512i High(__m512i b) { return _mm512_srli_epi32(b, 4); }
 inline __m512 Float(__m512i v) { return _mm512_cvtepi32_ps(v); }
-// Each block function hands its weights to `emit(offset in the block, 16 weights)`: stored
-// (`GgufDequantize`), or multiplied straight into the rows of x (`Rows`).
 
-// The four- and five-bit types take a block's weights from a table of its 16 (32) possible
+// The four- and five-bit types take a slice's weights from a table of its 16 (32) possible
 // values, computed once per block with gguf-py's expression, so each is the same float:
 // vpermps picks a lane by the low four bits of its index (the bits above are ignored, so a
 // byte's low nibble needs no mask) and replaces a conversion, a multiply and an add per
@@ -195,165 +204,187 @@ inline __m512 Iota(float from) {
 }
 inline __m512 Pick(__m512 table, __m512i index) { return _mm512_permutexvar_ps(index, table); }
 
-template <typename Emit>
-inline void Q4_0Block(const uint8_t* b, Emit& emit) {
-  const __m512 table = _mm512_mul_ps(_mm512_set1_ps(Half(b)), Iota(-8));  // d · (q − 8)
-  const __m512i q = Bytes(b + 2);
-  emit(0, Pick(table, q));
-  emit(16, Pick(table, High(q)));
-}
-
-template <typename Emit>
-inline void Q4_1Block(const uint8_t* b, Emit& emit) {
-  const __m512 table =  // (d · q) + m
-      _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(Half(b)), Iota(0)), _mm512_set1_ps(Half(b + 2)));
-  const __m512i q = Bytes(b + 4);
-  emit(0, Pick(table, q));
-  emit(16, Pick(table, High(q)));
-}
-
-template <typename Emit>
-inline void Q5_0Block(const uint8_t* b, Emit& emit) {
-  const __m512 d = _mm512_set1_ps(Half(b));
-  const __m512 below = _mm512_mul_ps(d, Iota(-16)), above = _mm512_mul_ps(d, Iota(0));
-  uint32_t qh;
-  std::memcpy(&qh, b + 2, 4);
-  const __m512i q = Bytes(b + 6), sixteen = _mm512_set1_epi32(16);
-  // the fifth bit selects the upper table (index bit 4 of vpermt2ps)
-  const __m512i lo = _mm512_mask_or_epi32(Low(q), static_cast<__mmask16>(qh), Low(q), sixteen);
-  const __m512i hi =
-      _mm512_mask_or_epi32(High(q), static_cast<__mmask16>(qh >> 16), High(q), sixteen);
-  emit(0, _mm512_permutex2var_ps(below, lo, above));
-  emit(16, _mm512_permutex2var_ps(below, hi, above));
-}
-
-template <typename Emit>
-inline void Q8_0Block(const uint8_t* b, Emit& emit) {
-  const __m512 d = _mm512_set1_ps(Half(b));
-  for (int h = 0; h < 2; ++h) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * h));
-    emit(16 * h, _mm512_mul_ps(Float(_mm512_cvtepi8_epi32(q)), d));
+struct Q4_0 {
+  static constexpr int kWeights = 32, kBytes = 18, kSlices = 1;
+  using Head = __m512;  // d · (q − 8) for q < 16
+  static Head Header(const uint8_t* b) { return _mm512_mul_ps(_mm512_set1_ps(Half(b)), Iota(-8)); }
+  static Pair Get(const uint8_t* b, Head table, int) {
+    const __m512i q = Bytes(b + 2);
+    return {Pick(table, q), Pick(table, High(q))};
   }
-}
+};
 
-template <typename Emit>
-inline void Q4_KBlock(const uint8_t* b, Emit& emit) {
-  const float d = Half(b), dmin = Half(b + 2);
-  const uint8_t* s = b + 4;
-  const uint8_t* qs = b + 16;
-  for (int k = 0; k < 8; ++k) {
+struct Q4_1 {
+  static constexpr int kWeights = 32, kBytes = 20, kSlices = 1;
+  using Head = __m512;  // (d · q) + m for q < 16
+  static Head Header(const uint8_t* b) {
+    return _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(Half(b)), Iota(0)),
+                         _mm512_set1_ps(Half(b + 2)));
+  }
+  static Pair Get(const uint8_t* b, Head table, int) {
+    const __m512i q = Bytes(b + 4);
+    return {Pick(table, q), Pick(table, High(q))};
+  }
+};
+
+struct Q5_0 {
+  static constexpr int kWeights = 32, kBytes = 22, kSlices = 1;
+  struct Head {
+    __m512 below, above;  // d · (q − 16) for q < 16, and for 16 ≤ q < 32
+  };
+  static Head Header(const uint8_t* b) {
+    const __m512 d = _mm512_set1_ps(Half(b));
+    return {_mm512_mul_ps(d, Iota(-16)), _mm512_mul_ps(d, Iota(0))};
+  }
+  static Pair Get(const uint8_t* b, const Head& t, int) {
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    const __m512i q = Bytes(b + 6), sixteen = _mm512_set1_epi32(16);
+    // the fifth bit selects the upper table (index bit 4 of vpermt2ps)
+    const __m512i lo = _mm512_mask_or_epi32(Low(q), static_cast<__mmask16>(qh), Low(q), sixteen);
+    const __m512i hi =
+        _mm512_mask_or_epi32(High(q), static_cast<__mmask16>(qh >> 16), High(q), sixteen);
+    return {_mm512_permutex2var_ps(t.below, lo, t.above),
+            _mm512_permutex2var_ps(t.below, hi, t.above)};
+  }
+};
+
+struct Q8_0 {
+  static constexpr int kWeights = 32, kBytes = 34, kSlices = 1;
+  using Head = __m512;  // d
+  static Head Header(const uint8_t* b) { return _mm512_set1_ps(Half(b)); }
+  static Pair Get(const uint8_t* b, Head d, int) {
+    auto half = [&](int h) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * h));
+      return _mm512_mul_ps(Float(_mm512_cvtepi8_epi32(q)), d);
+    };
+    return {half(0), half(1)};
+  }
+};
+
+// Q4_K: slice k has a 6-bit scale and minimum (gguf-py's `Q4_K.get_scale_min`) and reads
+// the low nibbles of qs[32(k/2), +32) when k is even, the high ones when odd.
+struct Q4_K {
+  static constexpr int kWeights = 256, kBytes = 144, kSlices = 8;
+  struct Head {
+    float d, dmin;
+  };
+  static Head Header(const uint8_t* b) { return {Half(b), Half(b + 2)}; }
+  static Pair Get(const uint8_t* b, const Head& h, int k) {
+    const uint8_t* s = b + 4;
     const int sc = k < 4 ? s[k] & 0x3F : (s[k + 4] & 0xF) | ((s[k - 4] >> 2) & 0x30);
     const int mn = k < 4 ? s[k + 4] & 0x3F : (s[k + 4] >> 4) | ((s[k] >> 2) & 0x30);
     const __m512 table =  // (d·sc) · q − (dmin·m)
-        _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(sc)), Iota(0)),
-                      _mm512_set1_ps(dmin * static_cast<float>(mn)));
-    for (int h = 0; h < 2; ++h) {
-      const __m512i q = Bytes(qs + 32 * (k / 2) + 16 * h);
-      emit(32 * k + 16 * h, Pick(table, k % 2 ? High(q) : q));
-    }
+        _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(h.d * static_cast<float>(sc)), Iota(0)),
+                      _mm512_set1_ps(h.dmin * static_cast<float>(mn)));
+    const uint8_t* qs = b + 16 + 32 * (k / 2);
+    const __m512i q0 = Bytes(qs), q1 = Bytes(qs + 16);
+    return k % 2 ? Pair{Pick(table, High(q0)), Pick(table, High(q1))}
+                 : Pair{Pick(table, q0), Pick(table, q1)};
   }
-}
-
-template <typename Emit>
-inline void Q6_KBlock(const uint8_t* b, Emit& emit) {
-  const uint8_t* ql = b;
-  const uint8_t* qh = b + 128;
-  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-  const float d = Half(b + 208);
-  const __m512i three = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
-  for (int h = 0; h < 2; ++h)
-    for (int s = 0; s < 4; ++s)
-      for (int half = 0; half < 2; ++half) {  // weights j in [16·half, 16·half + 16)
-        __m512i low = Bytes(ql + 64 * h + 32 * (s % 2) + 16 * half);
-        low = Low(s / 2 ? High(low) : low);
-        const __m512i high = _mm512_and_si512(
-            _mm512_srli_epi32(Bytes(qh + 32 * h + 16 * half), 2 * s), three);
-        const __m512i q = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), bias);
-        const __m512 scale = _mm512_set1_ps(d * static_cast<float>(scales[8 * h + 2 * s + half]));
-        emit(128 * h + 32 * s + 16 * half, _mm512_mul_ps(scale, Float(q)));
-      }
-}
-
-// Calls `block(b, emit)` on each block b of a row of I weights, with emit.base at the
-// block's first weight; the type's switch sits outside the loop.
-template <typename Emit>
-void ForEachBlock(int64_t kind, const uint8_t* row, int64_t I, Emit& emit) {
-  const Format f = FormatOf(kind);
-  auto each = [&](auto block) {
-    for (int64_t i = 0; i < I; i += f.weights, row += f.bytes) {
-      specjax::PrefetchAhead(row);
-      emit.base = i;
-      block(row, emit);
-    }
-  };
-  switch (kind) {
-    case kQ4_0: each([](const uint8_t* b, Emit& e) { Q4_0Block(b, e); }); break;
-    case kQ4_1: each([](const uint8_t* b, Emit& e) { Q4_1Block(b, e); }); break;
-    case kQ5_0: each([](const uint8_t* b, Emit& e) { Q5_0Block(b, e); }); break;
-    case kQ8_0: each([](const uint8_t* b, Emit& e) { Q8_0Block(b, e); }); break;
-    case kQ4_K: each([](const uint8_t* b, Emit& e) { Q4_KBlock(b, e); }); break;
-    case kQ6_K: each([](const uint8_t* b, Emit& e) { Q6_KBlock(b, e); }); break;
-  }
-}
-
-struct StoreTo {  // dequantise: the weights to w[I]
-  float* w;
-  int64_t base = 0;
-  void operator()(int at, __m512 v) const { _mm512_storeu_ps(w + base + at, v); }
 };
 
-// R rows of x (stride I) times the weights as they are dequantised: each 16 weights meet
-// every row while in a register. Weights [16g, 16g + 16) go to sum g % 2 of each row,
-// whatever R is, so a row's result does not depend on the rows beside it.
-template <int R>
-struct Rows {
-  const float* x;
-  int64_t I;
-  int64_t base = 0;
-  __m512 acc[R][2];
-  void operator()(int at, __m512 w) {
-    const int64_t i = base + at;
-    const int sum = (at / 16) % 2;  // blocks start at multiples of 32
+// Q6_K: slice k = 4h + s is weights 128h + 32s + j (j < 32), low bits from
+// ql[64h + 32(s % 2) + j] (high nibble when s ≥ 2), top two from qh[32h + j] >> 2s, and
+// one int8 scale per 16 weights times d.
+struct Q6_K {
+  static constexpr int kWeights = 256, kBytes = 210, kSlices = 8;
+  using Head = float;  // d
+  static Head Header(const uint8_t* b) { return Half(b + 208); }
+  static Pair Get(const uint8_t* b, Head d, int k) {
+    const int h = k / 4, s = k % 4;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    auto half = [&](int j) {  // weights [16j, 16j + 16) of the slice
+      __m512i low = Bytes(b + 64 * h + 32 * (s % 2) + 16 * j);
+      low = Low(s / 2 ? High(low) : low);
+      const __m512i high = _mm512_and_si512(
+          _mm512_srli_epi32(Bytes(b + 128 + 32 * h + 16 * j), 2 * s), _mm512_set1_epi32(3));
+      const __m512i q = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)),
+                                         _mm512_set1_epi32(32));
+      const __m512 scale = _mm512_set1_ps(d * static_cast<float>(scales[8 * h + 2 * s + j]));
+      return _mm512_mul_ps(scale, Float(q));
+    };
+    return {half(0), half(1)};
+  }
+};
+
+// R rows of x (stride I) times one weight row of type T, the weights met in registers:
+// weights [16g, 16g + 16) go to sum g % 2 of each row whatever R is, so a row's result
+// does not depend on the rows beside it.
+template <typename T, int R>
+void DotRows(const uint8_t* row, const float* x, int64_t I, float* y, int64_t stride) {
+  __m512 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < I; i += T::kWeights, row += T::kBytes) {
+    specjax::PrefetchAhead(row);
+    const auto head = T::Header(row);
+    for (int s = 0; s < T::kSlices; ++s) {
+      const Pair w = T::Get(row, head, s);
+      const float* xs = x + i + 32 * s;
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-      acc[r][sum] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * I + i), w, acc[r][sum]);
+      for (int r = 0; r < R; ++r) {
+        lo[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xs + r * I), w.lo, lo[r]);
+        hi[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xs + r * I + 16), w.hi, hi[r]);
+      }
+    }
   }
-};
-
-template <int R>
-void DotRows(int64_t kind, const uint8_t* row, const float* x, int64_t I, float* y,
-             int64_t stride) {
-  Rows<R> rows{x, I};
-  for (int r = 0; r < R; ++r) rows.acc[r][0] = rows.acc[r][1] = _mm512_setzero_ps();
-  ForEachBlock(kind, row, I, rows);
-  for (int r = 0; r < R; ++r)
-    y[r * stride] = _mm512_reduce_add_ps(_mm512_add_ps(rows.acc[r][0], rows.acc[r][1]));
+  for (int r = 0; r < R; ++r) y[r * stride] = _mm512_reduce_add_ps(_mm512_add_ps(lo[r], hi[r]));
 }
 
 constexpr int64_t kTile = 8;  // rows of x per pass over a weight row (16 sums in registers)
 
+template <typename T>
+void MatmulRowOf(const uint8_t* row, const float* x, int64_t M, int64_t I, float* y,
+                 int64_t O) {
+  for (int64_t m = 0; m < M; m += kTile) {
+    const float* xm = x + m * I;
+    float* ym = y + m * O;
+    switch (std::min(kTile, M - m)) {
+      case 1: DotRows<T, 1>(row, xm, I, ym, O); break;
+      case 2: DotRows<T, 2>(row, xm, I, ym, O); break;
+      case 3: DotRows<T, 3>(row, xm, I, ym, O); break;
+      case 4: DotRows<T, 4>(row, xm, I, ym, O); break;
+      case 5: DotRows<T, 5>(row, xm, I, ym, O); break;
+      case 6: DotRows<T, 6>(row, xm, I, ym, O); break;
+      case 7: DotRows<T, 7>(row, xm, I, ym, O); break;
+      default: DotRows<T, 8>(row, xm, I, ym, O); break;
+    }
+  }
+}
+
+template <typename T>
+void DequantRowOf(const uint8_t* row, int64_t I, float* w) {
+  for (int64_t i = 0; i < I; i += T::kWeights, row += T::kBytes) {
+    const auto head = T::Header(row);
+    for (int s = 0; s < T::kSlices; ++s, w += 32) {
+      const Pair p = T::Get(row, head, s);
+      _mm512_storeu_ps(w, p.lo);
+      _mm512_storeu_ps(w + 16, p.hi);
+    }
+  }
+}
+
+// Calls `f(T{})` with the struct of ggml type `kind`.
+template <typename F>
+void WithType(int64_t kind, F&& f) {
+  switch (kind) {
+    case kQ4_0: f(Q4_0{}); break;
+    case kQ4_1: f(Q4_1{}); break;
+    case kQ5_0: f(Q5_0{}); break;
+    case kQ8_0: f(Q8_0{}); break;
+    case kQ4_K: f(Q4_K{}); break;
+    case kQ6_K: f(Q6_K{}); break;
+  }
+}
+
 void DequantRow(int64_t kind, const uint8_t* row, int64_t I, float* w) {
-  StoreTo store{w};
-  ForEachBlock(kind, row, I, store);
+  WithType(kind, [&](auto t) { DequantRowOf<decltype(t)>(row, I, w); });
 }
 
 // y[m·O] = x[m] · (weight row) for m < M; `scratch` is unused here.
 void MatmulRow(int64_t kind, const uint8_t* row, const float* x, int64_t M, int64_t I,
                float* y, int64_t O, float* /*scratch*/) {
-  for (int64_t m = 0; m < M; m += kTile) {
-    const float* xm = x + m * I;
-    float* ym = y + m * O;
-    switch (std::min(kTile, M - m)) {
-      case 1: DotRows<1>(kind, row, xm, I, ym, O); break;
-      case 2: DotRows<2>(kind, row, xm, I, ym, O); break;
-      case 3: DotRows<3>(kind, row, xm, I, ym, O); break;
-      case 4: DotRows<4>(kind, row, xm, I, ym, O); break;
-      case 5: DotRows<5>(kind, row, xm, I, ym, O); break;
-      case 6: DotRows<6>(kind, row, xm, I, ym, O); break;
-      case 7: DotRows<7>(kind, row, xm, I, ym, O); break;
-      default: DotRows<8>(kind, row, xm, I, ym, O); break;
-    }
-  }
+  WithType(kind, [&](auto t) { MatmulRowOf<decltype(t)>(row, x, M, I, y, O); });
 }
 
 }  // namespace avx512
