@@ -228,6 +228,14 @@ def matmul_sentence(dtype: str) -> str:
           f"`SPECJAX_CPU_KERNELS=int8_matmul` measures XLA's dots instead.")
 
 
+def ours_vs_llama_cpp(dtype: str) -> str:
+  if dtype == GGUF:
+    return ("specjax reads the same blocks here and computes with the float32 weights they "
+            "stand for, activations unrounded.")
+  return ("specjax's float32 weights are the dequantised GGUF; its 8-bit drafts (`8bit`) "
+          "are the counterpart of llama.cpp's low-bit reads.")
+
+
 def section_name(model: str, dtype: str) -> str:
   """`forward-MODEL`, with the dtype appended when it is not the CPU default."""
   return f"forward-{model}" if dtype in ("auto", "float32") else f"forward-{model}-{dtype}"
@@ -362,8 +370,8 @@ def main() -> None:
         f"llama.cpp reads the GGUF's own quantised weights ({gguf_mb:.0f} MB) and quantises "
         f"activations for its dots, so it streams a fraction of float32's bytes and computes "
         f"other numbers: its greedy tokens agree with specjax's for the first {lcpp_agree} of "
-        f"{args.tokens}. specjax's float32 weights are the dequantised GGUF; its 8-bit drafts "
-        f"(`8bit`) are the counterpart of llama.cpp's low-bit reads.",
+        f"{args.tokens}. {ours_vs_llama_cpp(args.dtype)} llama.cpp's build: "
+        f"{llama_cpp.build_features()}.",
     ]))
     report.write_section(section_name(args.model, args.dtype), body)
   report.print_json(figures)

@@ -176,3 +176,13 @@ def test_smollm2_blocks_match_float32_and_verify_bit_for_bit():
     ssd = speculative_generate(m.graphdef, m.state, m.config, list(ids[0]), drafter,
                                max_new_tokens=32, eos_ids=(), gamma=4)
     assert ssd.tokens == ar, drafter.name
+
+
+def test_blocks_have_their_own_precision_name_and_bits(tiny_blocks):
+  """Saved latency profiles and Self-SD searches are keyed by the precision: a target in
+  blocks must not reuse the float32 target's; a draft's byte cost scales by its bits."""
+  from specjax.decode.generate import precision_name, weight_bits
+
+  config, _, state, blocks, _ = tiny_blocks
+  assert precision_name(config, blocks) == "gguf" and precision_name(config, state) == "float32"
+  assert weight_bits(blocks) == pytest.approx(34 * 8 / 32) and weight_bits(state) == 32

@@ -296,7 +296,7 @@ class DrafterFactory:
 
     if "self_sd_plan" in self.artefacts:
       return self.artefacts["self_sd_plan"]
-    from specjax.decode.generate import weight_dtype
+    from specjax.decode.generate import precision_name, weight_bits
 
     iterations = self._opts("self_sd")["iterations"] or self.search_iterations
     prompts = list(self.search_prompts if self.search_prompts is not None
@@ -305,8 +305,10 @@ class DrafterFactory:
       raise ConfigError("self_sd needs search prompts (none given and no Spec-Bench data)")
     ids = [prompt_ids(self.model.tokenizer, list(p.turns[:1])) for p in prompts]
     # plans searched under an older objective are not reused (a new key)
+    precision = precision_name(self.model.config, self.model.state)
     key = hashlib.sha256(json.dumps([f"v{self_sd.OBJECTIVE_VERSION}", iterations, self.gamma,
-                                     self.seed, ids]).encode()
+                                     self.seed, ids]
+                                    + ([] if precision == "float32" else [precision])).encode()
                          ).hexdigest()[:10] + ("" if bits is None else f"-{bits}bit")
     folder = Path(self.work_dir) if self.work_dir else cache_root() / "searches" / self.model.name
     path = folder / f"self_sd_plan-{key}.json"
@@ -316,7 +318,7 @@ class DrafterFactory:
     res = self_sd.search(m.graphdef, m.state, m.config, ids, iterations=iterations,
                          gamma=self.gamma, seed=self.seed,
                          weights=self.draft_weights(bits),
-                         target_bits=8 * weight_dtype(m.state).itemsize)
+                         target_bits=weight_bits(m.state))
     folder.mkdir(parents=True, exist_ok=True)
     save_plan(path, res.plan, model=m.name, objective=res.objective, alpha=res.alpha,
               cost=res.cost, search_prompts=[p.id for p in prompts], iterations=iterations)

@@ -36,6 +36,16 @@ def _binding():
   return llama_cpp
 
 
+def build_features() -> str:
+  """The CPU features the installed llama.cpp was built for ("AVX512 AVX512_VNNI ..."):
+  which of its kernels a run measured. A build for an Intel Xeon's AMX (GGML_NATIVE on a
+  Sapphire Rapids host) crashed in `ggml_backend_amx_mul_mat` in this project's VM."""
+  info = _binding().llama_print_system_info().decode()
+  on = [f.split("=")[0].split(":")[-1].strip() for f in info.split("|")
+        if f.strip().endswith("= 1")]
+  return " ".join(on) or info.strip()
+
+
 class LlamaCppBaseline:
   """One llama.cpp model over a registered model's GGUF file, with room for `context`
   tokens (prompt and answer)."""

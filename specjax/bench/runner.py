@@ -263,8 +263,12 @@ def _baseline_note(records: list[dict], overall: dict) -> str:
   same = sum(r["agreeing_tokens"] == len(r["tokens"][0]) for r in rows)
   ratios = ", ".join(f"{'AR' if m == metrics.AR else m} {x:.2f}×"
                      for m, x in _over_llama_cpp(overall).items())
+  try:
+    build = f", built for {llama_cpp.build_features()}"
+  except (llama_cpp.MissingBaselineError, AttributeError):  # a stand-in binding
+    build = ""
   return (f"`{llama_cpp.METHOD}`: the same GGUF file decoded greedily by llama.cpp "
-          f"({rows[0]['threads']} threads) on the same prompts in the same process, from its "
+          f"({rows[0]['threads']} threads{build}) on the same prompts in the same process, from its "
           f"own quantised weights, with its activations quantised for its dots: not "
           f"specjax's float32 numbers, so its tokens are not AR's. They agree with AR's for "
           f"the first {statistics.median(agree):g} tokens (median over {len(rows)} prompts; "

@@ -13,10 +13,18 @@
 // into an FMA even in ISO C++ mode) and without reassociation. A test compares the
 // dequantised rows bit for bit with gguf-py's.
 //
-// Order: a row of w is dequantised once into a buffer of I floats, then dotted with each
-// of the M rows of x by the same loop, so a row's result does not depend on M (an AR
-// step's logits equal a verification's row). Output rows are split into chunks claimed by
-// the caller and XLA's intra-op threads (`workers.h`), as in `int8_matmul.cc`.
+// Order: with AVX-512 each 32 weights of a row are dequantised into two vectors and met
+// there by up to 8 rows of x (more rows: another pass), each row summing into two vector
+// sums in the same order whatever M is; elsewhere a row of w is dequantised into a buffer
+// and dotted with each row of x by one loop. Either way a row's result does not depend on
+// M: an AR step's logits equal a verification's row, bit for bit. Output rows are split
+// into chunks claimed by the caller and XLA's intra-op threads (`workers.h`), as in
+// `int8_matmul.cc`.
+//
+// Cost: with 4- and 5-bit blocks the kernel is bound by the vector work of dequantising,
+// not by memory (SmolLM2's Q4_1 rows at 26 G weights/s on two Xeon cores, 17 GB/s of
+// blocks), so unlike the float32 target's, a verification's five rows cost more than
+// one: 1.5-1.8 AR steps (docs/BENCHMARKS.md, `forward-*-gguf`).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>

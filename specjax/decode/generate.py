@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.errors import ConfigError
+from specjax.gguf_matrix import GGUFMatrix
 from specjax.jit_cache import CompileClock, compiled
 from specjax.kv_cache import ContextOverflowError, KVCache, cache_size_for
 from specjax.model import apply
@@ -214,10 +216,28 @@ def compute_dtype(config, state: nnx.State):
 
 
 def precision_name(config, state: nnx.State) -> str:
-  """The `--dtype` a loaded model runs at: "float32", "bfloat16", or "mixed" (bfloat16
-  weights computed in float32). Saved measurements (latency profiles) are keyed by it."""
+  """The `--dtype` a loaded model runs at: "float32", "bfloat16", "mixed" (bfloat16
+  weights computed in float32) or "gguf" (its file's blocks). Saved measurements (latency
+  profiles, Self-SD searches) are keyed by it."""
+  if _block_matrices(state):
+    return "gguf"
   weights, compute = jnp.dtype(weight_dtype(state)), compute_dtype(config, state)
   return weights.name if weights == compute else "mixed"
+
+
+def weight_bits(state: nnx.State) -> float:
+  """Bits a weight of the model's matrices takes on average: its dtype's, or under
+  `--dtype gguf` its blocks' (scales included: 5 for SmolLM2's Q4_1, 8.5 for Q8_0). Draft
+  costs priced in bytes read (`selection.cost`) scale the target by it."""
+  blocks = _block_matrices(state)
+  if not blocks:
+    return 8.0 * jnp.dtype(weight_dtype(state)).itemsize
+  return 8.0 * sum(m.nbytes for m in blocks) / sum(math.prod(m.shape) for m in blocks)
+
+
+def _block_matrices(state: nnx.State) -> list[GGUFMatrix]:
+  return [v.get_value() for _, v in nnx.to_flat_state(state)
+          if isinstance(v.get_value(), GGUFMatrix)]
 
 
 def pooled_prompt(model, hidden: jax.Array, n: jax.Array) -> jax.Array:
