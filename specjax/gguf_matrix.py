@@ -104,11 +104,21 @@ class GGUFMatrix:
     rows = [cpu_kernels.gguf_dequantize(b, k) for b, k in zip(self.parts, self.kinds)]
     return rows[0] if len(rows) == 1 else jnp.concatenate(rows)
 
+  def take_outputs(self, ids: jax.Array) -> GGUFMatrix:
+    """Output rows `ids` only, still in blocks: an LM-head shortlist's rows [In, K], which
+    a draft then reads at the file's bytes (as float32 rows, 32k of SmolLM2's tokens cost
+    more than its whole Q8_0 head)."""
+    self._one_part()
+    return GGUFMatrix((jnp.take(self.parts[0], ids, axis=0),), self.kinds, self.inputs)
+
+  def _one_part(self) -> None:
+    if len(self.parts) != 1:
+      raise GGUFMatrixError("rows are gathered from one-part matrices (embeddings, heads)")
+
   def take_rows(self, ids: jax.Array) -> jax.Array:
     """Output rows `ids` as float32 [..., In] (an embedding lookup, a shortlist's head
     rows), only those rows dequantised."""
-    if len(self.parts) != 1:
-      raise GGUFMatrixError("rows are gathered from one-part matrices (embeddings, heads)")
+    self._one_part()
     return cpu_kernels.gguf_dequantize(jnp.take(self.parts[0], ids, axis=0), self.kinds[0])
 
 

@@ -521,8 +521,8 @@ class Transformer(nnx.Module):
     if weights is not None and weights.head is not None:
       return weights.head.take_outputs(safe)
     own = (self.embedding if self.config.tie_embeddings else self.lm_head).get_value()
-    if isinstance(own, GGUFMatrix):
-      return own.take_rows(safe)
+    if isinstance(own, GGUFMatrix):  # kept in blocks: the draft reads the file's bytes
+      return own.take_outputs(safe)
     if self.config.tie_embeddings:
       return jnp.take(own, safe, axis=0)
     if head_rows is not None:
@@ -535,7 +535,7 @@ class Transformer(nnx.Module):
     if self.config.tie_embeddings:
       return None
     head = self.lm_head.get_value()
-    return head.dequantize() if isinstance(head, GGUFMatrix) else head.T
+    return None if isinstance(head, GGUFMatrix) else head.T  # blocks are rows already
 
   def head_shortlist(self, hidden: jax.Array, ids: jax.Array,
                      weights: DraftWeights | None = None,
@@ -546,7 +546,7 @@ class Transformer(nnx.Module):
     Padding ids (-1) get -inf. [B, T, D] -> [B, T, K]."""
     h = self.final_norm(hidden)
     rows = self.shortlist_rows(ids, weights, head_rows) if rows is None else rows
-    if isinstance(rows, Int8Matrix):
+    if isinstance(rows, (Int8Matrix, GGUFMatrix)):
       logits = rows.matmul(h.astype(jnp.float32))
     else:
       logits = jnp.einsum("btd,kd->btk", h, rows, preferred_element_type=jnp.float32)

@@ -168,9 +168,12 @@ class DraftPlan:
     if self.vocab is not None and (self.vocab.ndim != 1 or self.vocab.dtype != jnp.int32):
       raise PlanError(f"plan.vocab must be int32[K], got {self.vocab.dtype}{self.vocab.shape}")
     if self.head_rows is not None:
-      rows = (self.head_rows.codes if hasattr(self.head_rows, "codes") else self.head_rows)
-      if self.vocab is None or rows.shape[0] != self.vocab.shape[0]:
-        raise PlanError(f"plan.head_rows hold {rows.shape[0]} rows for a shortlist of "
+      # float rows [K, D], an 8-bit head's codes [K, D], or GGUF blocks (shape [D, K])
+      n = (self.head_rows.codes.shape[0] if hasattr(self.head_rows, "codes") else
+           self.head_rows.shape[1] if hasattr(self.head_rows, "parts") else
+           self.head_rows.shape[0])
+      if self.vocab is None or n != self.vocab.shape[0]:
+        raise PlanError(f"plan.head_rows hold {n} rows for a shortlist of "
                         f"{None if self.vocab is None else self.vocab.shape[0]} ids: gather "
                         f"them again after changing the shortlist")
     return self

@@ -19,7 +19,7 @@ from specjax import cpu_kernels
 from specjax.config import tiny_config
 from specjax.decode.engine import speculative_generate
 from specjax.decode.generate import generate
-from specjax.drafters import Int8WeightsDrafter, StaticDrafter
+from specjax.drafters import FRSpecDrafter, Int8WeightsDrafter, StaticDrafter
 from specjax.errors import ConfigError
 from specjax.gguf_matrix import KINDS, GGUFMatrix, GGUFMatrixError
 from specjax.model import init_model
@@ -131,17 +131,32 @@ def test_tiny_model_in_blocks_is_its_dequantised_twin(tiny_blocks):
 
 def test_tiny_model_in_blocks_decodes_losslessly(tiny_blocks):
   """Greedy SSD == greedy AR on the blocks: a layer-skipping draft (the target's own
-  blocks) and an 8-bit draft quantised from them."""
+  blocks), an 8-bit draft quantised from them, and the layer-skipping draft over a
+  shortlisted head whose rows stay blocks."""
   config, graphdef, _, blocks, _ = tiny_blocks
   L = config.num_layers
   ids = [1, 5, 9, 14, 3, 7]
   ar = generate(graphdef, blocks, config, ids, max_new_tokens=24, eos_ids=()).tokens
   model = type("Loaded", (), {"state": blocks, "config": config})
-  for drafter in (StaticDrafter(DraftPlan.from_skips(L, skip_attn=[1], skip_mlp=[2])),
-                  Int8WeightsDrafter.for_model(model)):
+  skip = StaticDrafter(DraftPlan.from_skips(L, skip_attn=[1], skip_mlp=[2]))
+  short = np.arange(0, config.vocab_size, 2, dtype=np.int32)  # the head's rows kept in blocks
+  for drafter in (skip, Int8WeightsDrafter.for_model(model), FRSpecDrafter(short, skip)):
     ssd = speculative_generate(graphdef, blocks, config, ids, drafter, max_new_tokens=24,
                                eos_ids=(), gamma=3)
     assert ssd.tokens == ar, drafter.name
+
+
+def test_shortlist_rows_stay_blocks(tiny_blocks):
+  """FR-Spec's head rows from a target in blocks are its blocks' rows (the file's bytes),
+  and score the shortlist as the dequantised rows do."""
+  config, graphdef, _, blocks, twin = tiny_blocks
+  ids = jnp.asarray([3, 0, 50, 96], jnp.int32)
+  rows = nnx.merge(graphdef, blocks).shortlist_rows(ids)
+  assert isinstance(rows, GGUFMatrix) and rows.shape == (config.embed_dim, 4)
+  h = jax.random.normal(jax.random.key(0), (1, 2, config.embed_dim))
+  np.testing.assert_allclose(
+      np.asarray(nnx.merge(graphdef, blocks).head_shortlist(h, ids, rows=rows)),
+      np.asarray(nnx.merge(graphdef, twin).head_shortlist(h, ids)), rtol=1e-5, atol=1e-5)
 
 
 def test_blocks_are_not_recast(tiny_blocks):

@@ -179,9 +179,11 @@ def continuation_weights(pairs: Pairs, prompt_lengths: list[int], weight: float
 
 
 def _head_rows(module):
-  if module.config.tie_embeddings:
-    return gguf_matrix.dense(module.embedding.get_value())
-  return module.untied_head_rows()
+  """The LM head as float rows [V, D] (dequantised from a GGUF target's blocks)."""
+  own = (module.embedding if module.config.tie_embeddings else module.lm_head).get_value()
+  if isinstance(own, gguf_matrix.GGUFMatrix):
+    return own.dequantize()
+  return own if module.config.tie_embeddings else own.T
 
 
 def plot_curves(curves: dict, path: Path, name: str, k_max: int) -> None:
