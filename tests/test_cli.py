@@ -81,3 +81,19 @@ def test_generate_with_a_drafter_streams_and_reports_the_speedup(capsys):
   assert main(["generate", "--model", "tiny-llama", "--prompt", "hi", "--drafter", "clasp",
                "--option", "clasp.skip"]) == 2
   assert "DRAFTER.OPTION=VALUE" in capsys.readouterr().err
+
+
+def test_generate_over_gguf_blocks_matches_ar(capsys):
+  """`--dtype gguf` end to end: a tiny model (no file: its matrices quantised to Q8_0 by
+  gguf-py) decodes through the blocks kernel, and an 8-bit draft over it keeps AR's
+  tokens."""
+  from specjax import cpu_kernels
+
+  if cpu_kernels.kernel_status("gguf_matmul") != "ready":
+    import pytest
+    pytest.skip("the gguf_matmul kernel does not build here")
+  argv = ["generate", "--model", "tiny-llama", "--prompt", "the cat sat on", "--no-chat",
+          "--max-new-tokens", "12", "--dtype", "gguf", "--drafter", "early_exit+8bit", "--json"]
+  assert main(argv) == 0
+  stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert stats["matches_ar"] is True and stats["new_tokens"] == 12
