@@ -201,3 +201,14 @@ def test_blocks_have_their_own_precision_name_and_bits(tiny_blocks):
   config, _, state, blocks, _ = tiny_blocks
   assert precision_name(config, blocks) == "gguf" and precision_name(config, state) == "float32"
   assert weight_bits(blocks) == pytest.approx(34 * 8 / 32) and weight_bits(state) == 32
+
+
+def test_blocks_need_the_cpu_kernel(monkeypatch):
+  """Without the kernel (a GPU backend, no compiler, SPECJAX_CPU_KERNELS=0) `--dtype gguf`
+  says so, rather than falling back to a slow path nobody asked for."""
+  from specjax.models.loader import with_gguf_blocks
+
+  monkeypatch.setattr(cpu_kernels, "kernel_status",
+                      lambda kernel="int8_matmul": "disabled by SPECJAX_CPU_KERNELS=0")
+  with pytest.raises(ConfigError, match="gguf_matmul kernel.*SPECJAX_CPU_KERNELS=0"):
+    with_gguf_blocks(None)
