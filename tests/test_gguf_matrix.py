@@ -23,7 +23,7 @@ from specjax.drafters import FRSpecDrafter, Int8WeightsDrafter, StaticDrafter
 from specjax.errors import ConfigError
 from specjax.gguf_matrix import KINDS, GGUFMatrix, GGUFMatrixError
 from specjax.model import init_model
-from specjax.models.loader import at_precision, quantized_blocks
+from specjax.models.loader import at_precision, quantized_blocks, with_values
 from specjax.plan import DraftPlan
 
 pytestmark = pytest.mark.skipif(
@@ -93,11 +93,7 @@ def test_matrix_parts_and_their_errors():
 
 def _in_blocks(config, state):
   """A tiny model's state with every matrix in Q8_0 blocks (gguf-py's quantisation)."""
-  flat = dict(nnx.to_flat_state(jax.tree.map(lambda x: x, state)))  # new Variables
-  by_name = {"/".join(map(str, p)): v for p, v in flat.items()}
-  for target, matrix in quantized_blocks(state, config, KINDS["Q8_0"]):
-    by_name[target].set_value(matrix)
-  return nnx.from_flat_state(list(flat.items()))
+  return with_values(state, quantized_blocks(state, config, KINDS["Q8_0"]))
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -107,17 +103,18 @@ def tiny_blocks(request):
   config = tiny_config(request.param)
   graphdef, state = nnx.split(init_model(config, seed=3))
   blocks = _in_blocks(config, state)
-  twin = jax.tree.map(lambda x: x, state)
-  flat = dict(nnx.to_flat_state(twin))
-  for path, var in nnx.to_flat_state(blocks):
-    value = var.get_value()
-    if isinstance(value, GGUFMatrix):
-      dense = np.asarray(value.dequantize())
-      shape = flat[path].get_value().shape
-      if path[-1] in ("o", "down", "lm_head"):  # stored [In, Out]
-        dense = dense.T
-      flat[path].set_value(jnp.asarray(dense.reshape(shape)))
-  return config, graphdef, state, blocks, nnx.from_flat_state(list(flat.items()))
+  shapes = {"/".join(map(str, p)): v.get_value().shape for p, v in nnx.to_flat_state(state)}
+
+  def dense(name: str, m: GGUFMatrix) -> jax.Array:
+    w = np.asarray(m.dequantize())  # [Out, In], as a file stores it
+    if name.split("/")[-1] in ("o", "down", "lm_head"):  # specjax stores these [In, Out]
+      w = w.T
+    return jnp.asarray(w.reshape(shapes[name]))
+
+  matrices = [("/".join(map(str, p)), v.get_value()) for p, v in nnx.to_flat_state(blocks)]
+  twin = with_values(state, [(name, dense(name, m)) for name, m in matrices
+                             if isinstance(m, GGUFMatrix)])
+  return config, graphdef, state, blocks, twin
 
 
 def test_tiny_model_in_blocks_is_its_dequantised_twin(tiny_blocks):

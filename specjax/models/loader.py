@@ -94,7 +94,8 @@ def at_precision(config: ModelConfig, state: nnx.State, dtype: str
 def load_model(name: str, *, dtype=None, verbose: bool = True) -> LoadedModel:
   """Load a registered model by name (see `specjax models`) with weights in `dtype`
   (default: `default_dtype()`; its activations and KV cache follow, but for "mixed":
-  bfloat16 weights computed in float32)."""
+  bfloat16 weights computed in float32, and "gguf": the file's own blocks, computed in
+  float32 on a CPU, `with_gguf_blocks`)."""
   m = _load(name, resolve_dtype(dtype) if dtype is None or isinstance(dtype, str) else dtype,
             verbose)
   if dtype == GGUF:
@@ -120,12 +121,19 @@ def with_gguf_blocks(m: LoadedModel, verbose: bool = True) -> LoadedModel:
     reader = gguf_weights.open_gguf(spec.locate())
     blocks = tqdm(gguf_weights.block_matrices(m.config, reader), desc=f"{m.name} blocks",
                   unit="matrix", disable=not verbose)
-  flat = dict(nnx.to_flat_state(jax.tree.map(lambda x: x, m.state)))  # m's stays float32
+  return dataclasses.replace(m, state=with_values(m.state, blocks))
+
+
+def with_values(state: nnx.State, values) -> nnx.State:
+  """A copy of `state` with the parameters named in `values` ((params path, value) pairs)
+  set to those values; `state` itself keeps its own. Names it lacks are passed over (a
+  tied model has no lm_head for its file's output.weight)."""
+  flat = dict(nnx.to_flat_state(jax.tree.map(lambda x: x, state)))  # new Variables
   by_name = {"/".join(map(str, path)): var for path, var in flat.items()}
-  for target, matrix in blocks:
-    if target in by_name:  # a tied model's file has no output.weight
-      by_name[target].set_value(matrix)
-  return dataclasses.replace(m, state=nnx.from_flat_state(list(flat.items())))
+  for target, value in values:
+    if target in by_name:
+      by_name[target].set_value(value)
+  return nnx.from_flat_state(list(flat.items()))
 
 
 def quantized_blocks(state: nnx.State, config: ModelConfig, kind: int):
