@@ -128,8 +128,3 @@ def _block(kind: int) -> tuple[int, int]:
 
   return GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
 
-
-def dense(value) -> jax.Array:
-  """A parameter's value as a float array: a `GGUFMatrix` dequantised (output-major, as the
-  file stores it), anything else as it is."""
-  return value.dequantize() if isinstance(value, GGUFMatrix) else value
