@@ -57,7 +57,7 @@ def test_kernel_weights_are_gguf_py_bit_for_bit(name):
 @pytest.mark.parametrize("name", sorted(KINDS))
 def test_kernel_rows_do_not_depend_on_their_neighbours(name):
   """Products against float64 numpy, within float32 rounding of the sums of |x·w|; each
-  row of an 11-row call (more than one tile of the kernel's 8) equal, bit for bit, to the
+  row of an 11-row call (more than one tile of the kernel's 9) equal, bit for bit, to the
   same row alone."""
   kind = KINDS[name]
   blocks = jnp.asarray(_random_blocks(kind, rows=70, inputs=768, seed=1))
