@@ -151,6 +151,27 @@ def test_the_docs_command_reproduces_the_options_and_the_section():
   assert cmd.endswith("--write-docs --docs-section bench-m-knapspec")
 
 
+def test_the_docs_command_parses_back_to_the_run_it_records():
+  """Every setting that changes the figures survives the round trip through the command
+  line, the weights' precision among them (a `--dtype gguf` run once read as float32)."""
+  import shlex
+
+  from specjax.bench.runner import BenchConfig, _command
+  from specjax.cli import build_parser
+
+  cfg = BenchConfig(model="m", drafters=("8bit", "self_sd+frspec"), per_category=2,
+                    categories=("coding", "math"), max_new_tokens=32, max_turns=2, gamma=6,
+                    threshold=0.3, temperature=0.7, top_p=0.9, seed=3, search_iterations=40,
+                    plan_file="plan.json", dtype="gguf", auto_gamma=True, llama_cpp=True)
+  args = build_parser().parse_args(shlex.split(_command(cfg))[1:])
+  assert (args.model, args.drafters, args.per_category, args.categories) == (
+      "m", "8bit,self_sd+frspec", 2, "coding,math")
+  assert (args.max_new_tokens, args.max_turns, args.gamma, args.threshold) == (32, 2, 6, 0.3)
+  assert (args.temperature, args.top_p, args.seed, args.search_iterations) == (0.7, 0.9, 3, 40)
+  assert (args.plan, args.dtype, args.auto_gamma, args.llama_cpp) == (
+      "plan.json", "gguf", True, True)
+
+
 def test_the_machine_line_names_the_cpus_widest_vector_extension():
   """Two CPUs sold as "AMD EPYC" (AVX2 only; AVX-512) take different kernel tiles: the
   record tells them apart."""

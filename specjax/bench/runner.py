@@ -367,13 +367,21 @@ def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict,
       f"`median per prompt` the median of each prompt's speedup, which one prompt's noise "
       f"moves little; `compile s` the seconds a method spent compiling during its timed "
       f"prompts, outside their decode time: what the warm-up did not foresee (a drafter that "
-      f"changes shapes mid-run; the shared prefills apart). Machine: {docs.machine()}.",
+      f"changes shapes mid-run; the shared prefills apart). Weights: {_weights(cfg.dtype)}. "
+      f"Machine: {docs.machine()}.",
       "",
       table, "", *([baseline, ""] if baseline else []), "Speedup vs AR by category:", "",
       cat_table,
   ] + (["", "Draft lengths (`--auto-gamma`):", "", lengths, "", PILOT_ALPHA] if lengths else [])
     + ["", claims.section(claims.for_run(overall))])
   docs.write_section(section or f"bench-{cfg.model}", body, _command(cfg, section))
+
+
+def _weights(dtype: str) -> str:
+  """The target's precision in words, for a section's prose."""
+  return {"auto": "float32 on a CPU, bfloat16 on a GPU (`--dtype auto`)",
+          "gguf": "the GGUF file's own blocks, computed as the float32 weights they stand for "
+                  "(`--dtype gguf`)"}.get(dtype, f"`--dtype {dtype}`")
 
 
 def _command(cfg: BenchConfig, section: str | None = None) -> str:
@@ -387,6 +395,12 @@ def _command(cfg: BenchConfig, section: str | None = None) -> str:
            f"--search-iterations {cfg.search_iterations}"]
   if tuple(cfg.categories) != SPEC_BENCH_CATEGORIES:
     parts.append(f"--categories {','.join(cfg.categories)}")
+  if cfg.max_turns != 1:
+    parts.append(f"--max-turns {cfg.max_turns}")
+  if cfg.dtype != "auto":
+    parts.append(f"--dtype {cfg.dtype}")
+  if cfg.plan_file:
+    parts.append(f"--plan {cfg.plan_file}")
   if cfg.temperature:
     parts.append(f"--temperature {cfg.temperature} --top-p {cfg.top_p} --seed {cfg.seed}")
   if cfg.llama_cpp:
