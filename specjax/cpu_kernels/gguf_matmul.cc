@@ -359,28 +359,75 @@ void DotRows(const uint8_t* row, const float* x, int64_t I, float* y, int64_t st
   for (int r = 0; r < R; ++r) y[r * stride] = _mm512_reduce_add_ps(_mm512_add_ps(lo[r], hi[r]));
 }
 
+// Two weight rows at a time against R rows of x: each x vector loaded serves both, so a
+// verification's loads per multiply halve. Row a's sums see the same products in the same
+// order as DotRows would give it (bit for bit: the pairing changes no row's result).
+template <typename T, int R>
+void DotRowPair(const uint8_t* a, const uint8_t* b, const float* x, int64_t I, float* y,
+                int64_t stride) {
+  __m512 alo[R], ahi[R], blo[R], bhi[R];
+  for (int r = 0; r < R; ++r) alo[r] = ahi[r] = blo[r] = bhi[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < I; i += T::kWeights, a += T::kBytes, b += T::kBytes) {
+    specjax::PrefetchAhead(a);
+    specjax::PrefetchAhead(b);
+    const auto ha = T::Header(a);
+    const auto hb = T::Header(b);
+    for (int s = 0; s < T::kSlices; ++s) {
+      const Pair wa = T::Get(a, ha, s), wb = T::Get(b, hb, s);
+      const float* xs = x + i + 32 * s;
+#pragma GCC unroll 9
+      for (int r = 0; r < R; ++r) {
+        const __m512 lo = _mm512_loadu_ps(xs + r * I), hi = _mm512_loadu_ps(xs + r * I + 16);
+        alo[r] = _mm512_fmadd_ps(lo, wa.lo, alo[r]);
+        ahi[r] = _mm512_fmadd_ps(hi, wa.hi, ahi[r]);
+        blo[r] = _mm512_fmadd_ps(lo, wb.lo, blo[r]);
+        bhi[r] = _mm512_fmadd_ps(hi, wb.hi, bhi[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    y[r * stride] = _mm512_reduce_add_ps(_mm512_add_ps(alo[r], ahi[r]));
+    y[r * stride + 1] = _mm512_reduce_add_ps(_mm512_add_ps(blo[r], bhi[r]));
+  }
+}
+
 // Rows of x per pass over a weight row: 18 sums in registers, so a verification of γ ≤ 8
 // drafts unpacks each weight once (with 8, γ = 8 took a second pass for its ninth row:
 // Qwen2.5-0.5B's matmuls at 9 rows took 77-88 ms, now 70-72, against 30-34 at 1 row).
+// A pair of weight rows holds 4R sums: pairs take tiles of up to kPairTile rows.
 constexpr int64_t kTile = 9;
+constexpr int64_t kPairTile = 5;
 
+template <typename T, int R>
+void Tile(const uint8_t* row, int64_t row_bytes, bool pair, const float* x, int64_t I,
+          float* y, int64_t O) {
+  if constexpr (R <= kPairTile) {
+    if (pair) return DotRowPair<T, R>(row, row + row_bytes, x, I, y, O);
+  }
+  DotRows<T, R>(row, x, I, y, O);
+  if (pair) DotRows<T, R>(row + row_bytes, x, I, y + 1, O);
+}
+
+// y[m·O + j] = x[m] · (weight row j) for m < M and j < 1 + pair.
 template <typename T>
-void MatmulRowOf(const uint8_t* row, const float* x, int64_t M, int64_t I, float* y,
-                 int64_t O) {
-  for (int64_t m = 0; m < M; m += kTile) {
+void MatmulRowsOf(const uint8_t* row, int64_t row_bytes, bool pair, const float* x, int64_t M,
+                  int64_t I, float* y, int64_t O) {
+  for (int64_t m = 0; m < M;) {
     const float* xm = x + m * I;
     float* ym = y + m * O;
-    switch (std::min(kTile, M - m)) {
-      case 1: DotRows<T, 1>(row, xm, I, ym, O); break;
-      case 2: DotRows<T, 2>(row, xm, I, ym, O); break;
-      case 3: DotRows<T, 3>(row, xm, I, ym, O); break;
-      case 4: DotRows<T, 4>(row, xm, I, ym, O); break;
-      case 5: DotRows<T, 5>(row, xm, I, ym, O); break;
-      case 6: DotRows<T, 6>(row, xm, I, ym, O); break;
-      case 7: DotRows<T, 7>(row, xm, I, ym, O); break;
-      case 8: DotRows<T, 8>(row, xm, I, ym, O); break;
-      default: DotRows<T, 9>(row, xm, I, ym, O); break;
+    const int64_t n = std::min(kTile, M - m);  // past kPairTile, a pair runs row by row
+    switch (n) {
+      case 1: Tile<T, 1>(row, row_bytes, pair, xm, I, ym, O); break;
+      case 2: Tile<T, 2>(row, row_bytes, pair, xm, I, ym, O); break;
+      case 3: Tile<T, 3>(row, row_bytes, pair, xm, I, ym, O); break;
+      case 4: Tile<T, 4>(row, row_bytes, pair, xm, I, ym, O); break;
+      case 5: Tile<T, 5>(row, row_bytes, pair, xm, I, ym, O); break;
+      case 6: Tile<T, 6>(row, row_bytes, pair, xm, I, ym, O); break;
+      case 7: Tile<T, 7>(row, row_bytes, pair, xm, I, ym, O); break;
+      case 8: Tile<T, 8>(row, row_bytes, pair, xm, I, ym, O); break;
+      default: Tile<T, 9>(row, row_bytes, pair, xm, I, ym, O); break;
     }
+    m += n;
   }
 }
 
@@ -413,14 +460,14 @@ void DequantRow(int64_t kind, const uint8_t* row, int64_t I, float* w) {
   WithType(kind, [&](auto t) { DequantRowOf<decltype(t)>(row, I, w); });
 }
 
-// y[m·O] = x[m] · (weight row) for m < M; `scratch` is unused here.
-void MatmulRow(int64_t kind, const uint8_t* row, const float* x, int64_t M, int64_t I,
-               float* y, int64_t O, float* /*scratch*/) {
-  WithType(kind, [&](auto t) { MatmulRowOf<decltype(t)>(row, x, M, I, y, O); });
+// y[m·O + j] = x[m] · (weight row j) for m < M, j < 1 + pair; `scratch` is unused here.
+void MatmulRows(int64_t kind, const uint8_t* row, int64_t row_bytes, bool pair, const float* x,
+                int64_t M, int64_t I, float* y, int64_t O, float* /*scratch*/) {
+  WithType(kind, [&](auto t) { MatmulRowsOf<decltype(t)>(row, row_bytes, pair, x, M, I, y, O); });
 }
 
 }  // namespace avx512
-using avx512::DequantRow, avx512::MatmulRow;
+using avx512::DequantRow, avx512::MatmulRows;
 
 #else  // no AVX-512: the scalar blocks into a buffer, then one dot per row of x
 
@@ -466,10 +513,12 @@ inline float Dot(const float* x, const float* w, int64_t I) {
 }
 #endif
 
-void MatmulRow(int64_t kind, const uint8_t* row, const float* x, int64_t M, int64_t I,
-               float* y, int64_t O, float* scratch) {
-  DequantRow(kind, row, I, scratch);
-  for (int64_t m = 0; m < M; ++m) y[m * O] = Dot(x + m * I, scratch, I);
+void MatmulRows(int64_t kind, const uint8_t* row, int64_t row_bytes, bool pair, const float* x,
+                int64_t M, int64_t I, float* y, int64_t O, float* scratch) {
+  for (int64_t j = 0; j <= pair; ++j, row += row_bytes, ++y) {
+    DequantRow(kind, row, I, scratch);
+    for (int64_t m = 0; m < M; ++m) y[m * O] = Dot(x + m * I, scratch, I);
+  }
 }
 #endif
 
@@ -491,8 +540,9 @@ class Work : public specjax::Job {
       return;
     }
     std::vector<float> scratch(I);
-    for (int64_t o = c * chunk; o < end; ++o)
-      MatmulRow(kind, blocks + o * row_bytes, x, M, I, y + o, O, scratch.data());
+    for (int64_t o = c * chunk; o < end; o += 2)
+      MatmulRows(kind, blocks + o * row_bytes, row_bytes, o + 1 < end, x, M, I, y + o, O,
+                 scratch.data());
   }
 
  private:
