@@ -15,7 +15,8 @@
 //
 // Order: with AVX-512 each 32 weights of a row are dequantised into two vectors and met
 // there by up to 9 rows of x (more rows: another pass), each row summing into two vector
-// sums in the same order whatever M is; elsewhere a row of w is dequantised into a buffer
+// sums in the same order whatever M is (up to 5 rows, two weight rows share each vector of
+// x loaded; that changes no row's sums); elsewhere a row of w is dequantised into a buffer
 // and dotted with each row of x by one loop. Either way a row's result does not depend on
 // M: an AR step's logits equal a verification's row, bit for bit. Output rows are split
 // into chunks claimed by the caller and XLA's intra-op threads (`workers.h`), as in
@@ -24,7 +25,8 @@
 // Cost: with 4- and 5-bit blocks the kernel is bound by the vector work of dequantising,
 // not by memory (SmolLM2's Q4_1 rows at 26 G weights/s on two Xeon cores, 17 GB/s of
 // blocks), so unlike the float32 target's, a verification's five rows cost more than
-// one: 1.5-1.8 AR steps (docs/BENCHMARKS.md, `forward-*-gguf`).
+// one: 1.4-1.6 AR steps (docs/BENCHMARKS.md, `forward-*-gguf`). Each row of x adds its
+// multiplies and their loads of x: pairing weight rows halves the loads.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
