@@ -46,6 +46,7 @@ _EXPORTS = {
     "Int8WeightsDrafter": "specjax.drafters",
     "KNNDrafter": "specjax.drafters",
     "KnapSpecDrafter": "specjax.drafters",
+    "Q4WeightsDrafter": "specjax.drafters",
     "QuantSpecDrafter": "specjax.drafters",
     "SelfSDDrafter": "specjax.drafters",
     "StaticDrafter": "specjax.drafters",

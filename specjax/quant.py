@@ -1,5 +1,5 @@
 """Hierarchical 4+4-bit quantisation (QuantSpec, Tiwari et al. 2025), 4-bit packing, and
-the quantised weights a draft reads (4-bit MLP, 8-bit everywhere).
+the quantised weights a draft reads (4-bit MLP, 8-bit everywhere, GGUF Q4_0 everywhere).
 
 Per group, asymmetric min/max:
 
@@ -27,7 +27,8 @@ Group axis conventions (the KV cache's): keys per channel over groups of G token
 per token over groups of channels. Weights: 4-bit (upper only) over groups of 128 input
 rows (QuantSpec's MLP, `Int4Matrix`), or 8-bit symmetric with one scale per output channel
 for every matmul of a draft (`Int8Matrix`); on a CPU the `cpu_kernels` int4 and int8
-kernels read both from their codes.
+kernels read both from their codes. Or every matmul as GGUF Q4_0 blocks (`GGUFMatrix`:
+32 weights and a half-float scale, 0.56 bytes a weight), read by the gguf kernel.
 """
 
 from __future__ import annotations
@@ -287,10 +288,10 @@ class LayerWeights:
   """One layer's matrices for the draft, as [In, Out] matrices with a `matmul`; None
   keeps the layer's own full-precision parameter."""
 
-  qkv: Int8Matrix | None = None  # [D, (N + 2K)·H]
-  o: Int8Matrix | None = None  # [N·H, D]
-  gate_up: Int8Matrix | Int4Matrix | None = None  # [D, 2F]
-  down: Int8Matrix | Int4Matrix | None = None  # [F, D]
+  qkv: Int8Matrix | GGUFMatrix | None = None  # [D, (N + 2K)·H]
+  o: Int8Matrix | GGUFMatrix | None = None  # [N·H, D]
+  gate_up: Int8Matrix | Int4Matrix | GGUFMatrix | None = None  # [D, 2F]
+  down: Int8Matrix | Int4Matrix | GGUFMatrix | None = None  # [F, D]
 
 
 @flax.struct.dataclass
@@ -299,7 +300,8 @@ class DraftWeights:
   (the target always reads its own: losslessness never depends on them)."""
 
   layers: tuple[LayerWeights, ...]
-  head: Int8Matrix | None = None  # the LM head [D, V] (the embedding's transpose if tied)
+  # the LM head [D, V] (the embedding's transpose if tied)
+  head: Int8Matrix | GGUFMatrix | None = None
   bits: int = flax.struct.field(pytree_node=False, default=8)
 
   @property
@@ -346,3 +348,22 @@ def quantize_weights_int8(state, num_layers: int) -> DraftWeights:
   else:
     head = Int8Matrix.quantize(table, output_major=True)
   return DraftWeights(tuple(LayerWeights(**kw) for kw in layers), head=head, bits=8)
+
+
+def quantize_weights_q4_0(state, num_layers: int) -> DraftWeights:
+  """Q4_0 copies of every matmul the draft runs, as gguf-py quantises them: 0.56 bytes a
+  weight, under a GGUF target's own Q5_0-Q8_0 blocks (0.69-1.06), which 8-bit copies are
+  not. Read by `cpu_kernels.gguf_matmul` (CPU only), at its fastest type."""
+  from specjax.gguf_matrix import KINDS
+
+  kind = KINDS["Q4_0"]
+  layers = [dict() for _ in range(num_layers)]
+  for l, name, w in model_matrices(state, num_layers):
+    layers[l][name] = GGUFMatrix.quantize(np.asarray(w).T, kind)  # blocks along inputs
+  table = state["lm_head" if "lm_head" in state else "embedding"].get_value()
+  if isinstance(table, GGUFMatrix):  # the file's [V, D] rows
+    rows = table.dequantize()
+  else:  # lm_head is stored [D, V], a tied embedding [V, D]
+    rows = table.T if "lm_head" in state else table
+  head = GGUFMatrix.quantize(np.asarray(rows, np.float32), kind)
+  return DraftWeights(tuple(LayerWeights(**kw) for kw in layers), head=head, bits=4)

@@ -14,7 +14,14 @@ from test_knapspec import synthetic_profile
 from test_knn import tiny_library
 
 from specjax.bench import harness
-from specjax.bench.drafter_factory import BASES, OVERLAYS, DrafterFactory, DrafterNameError, parse
+from specjax.bench.drafter_factory import (
+  BASES,
+  OVERLAYS,
+  SEARCHED,
+  DrafterFactory,
+  DrafterNameError,
+  parse,
+)
 from specjax.bench.harness import Reference, RunSettings
 from specjax.drafters import UnknownDrafterError
 from specjax.drafters.static import save_plan
@@ -57,9 +64,10 @@ def plan_file(tmp_path_factory):
 
 
 def matrix() -> list[str]:
-  names = [f"{b}+{o}" for b in BASES for o in OVERLAYS] + list(OVERLAYS)
-  pairs = [("8bit", "frspec"), ("8bit", "dynaspec"), ("quantspec", "frspec"),
-           ("quantspec", "dynaspec")]
+  names = [f"{b}+{o}" for b in BASES for o in OVERLAYS
+           if not (b in SEARCHED and o == "4bit")] + list(OVERLAYS)
+  pairs = [("8bit", "frspec"), ("8bit", "dynaspec"), ("4bit", "frspec"), ("4bit", "dynaspec"),
+           ("quantspec", "frspec"), ("quantspec", "dynaspec")]
   names += [f"{a}+{b}" for a, b in pairs] + [f"{b}+{a}" for a, b in pairs]
   return names + ["knapspec+8bit+dynaspec", "clasp+quantspec+frspec"]
 
@@ -107,6 +115,8 @@ def test_compositions_set_the_fields_of_each_part(plan_file):
   assert q.name == "quantspec" and q.base.name == "frspec" and q.kv_cache == KV
   assert f.make("8bit").weights is f.make("self_sd+8bit").weights  # one int8 copy
   assert f.make("quantspec").weights is f.make("8bit").weights  # 8-bit on a CPU
+  assert f.make("4bit").weights is f.make("early_exit+4bit+frspec").base.weights  # one Q4_0
+  assert f.make("4bit").weights.bits == 4
 
 
 def test_dynaspec_core_is_the_most_frequent_tokens(plan_file):
@@ -134,6 +144,9 @@ def test_dynaspec_core_is_the_most_frequent_tokens(plan_file):
     ("frspec+dynaspec", "frspec and dynaspec both set the draft's vocab"),
     ("quantspec+8bit", "quantspec and 8bit both set the draft's weights"),
     ("8bit+8bit", "8bit and 8bit both set"),
+    ("4bit+8bit", "4bit and 8bit both set the draft's weights"),
+    ("self_sd+4bit", "self_sd's plans are searched for the target's, 8-bit or QuantSpec's"),
+    ("knapspec+4bit+frspec", "knapspec's plans are searched"),
 ])
 def test_bad_names_are_refused_with_the_reason(name, message):
   with pytest.raises((DrafterNameError, UnknownDrafterError)) as err:

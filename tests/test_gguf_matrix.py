@@ -19,7 +19,7 @@ from specjax import cpu_kernels
 from specjax.config import tiny_config
 from specjax.decode.engine import speculative_generate
 from specjax.decode.generate import generate
-from specjax.drafters import FRSpecDrafter, Int8WeightsDrafter, StaticDrafter
+from specjax.drafters import FRSpecDrafter, Int8WeightsDrafter, Q4WeightsDrafter, StaticDrafter
 from specjax.errors import ConfigError
 from specjax.gguf_matrix import KINDS, GGUFMatrix, GGUFMatrixError
 from specjax.model import init_model
@@ -129,8 +129,8 @@ def test_tiny_model_in_blocks_is_its_dequantised_twin(tiny_blocks):
 
 def test_tiny_model_in_blocks_decodes_losslessly(tiny_blocks):
   """Greedy SSD == greedy AR on the blocks: a layer-skipping draft (the target's own
-  blocks), an 8-bit draft quantised from them, and the layer-skipping draft over a
-  shortlisted head whose rows stay blocks."""
+  blocks), 8-bit and Q4_0 drafts quantised from them, and the layer-skipping and Q4_0
+  drafts over a shortlisted head whose rows stay blocks."""
   config, graphdef, _, blocks, _ = tiny_blocks
   L = config.num_layers
   ids = [1, 5, 9, 14, 3, 7]
@@ -138,7 +138,9 @@ def test_tiny_model_in_blocks_decodes_losslessly(tiny_blocks):
   model = type("Loaded", (), {"state": blocks, "config": config})
   skip = StaticDrafter(DraftPlan.from_skips(L, skip_attn=[1], skip_mlp=[2]))
   short = np.arange(0, config.vocab_size, 2, dtype=np.int32)  # the head's rows kept in blocks
-  for drafter in (skip, Int8WeightsDrafter.for_model(model), FRSpecDrafter(short, skip)):
+  q4 = Q4WeightsDrafter.for_model(model)
+  for drafter in (skip, Int8WeightsDrafter.for_model(model), FRSpecDrafter(short, skip), q4,
+                  FRSpecDrafter(short, q4)):
     ssd = speculative_generate(graphdef, blocks, config, ids, drafter, max_new_tokens=24,
                                eos_ids=(), gamma=3)
     assert ssd.tokens == ar, drafter.name

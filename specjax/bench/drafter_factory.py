@@ -2,15 +2,17 @@
 
 A name is a layer drafter followed by overlays, joined by `+`: `knapspec+8bit+dynaspec` is
 DynaSpec's head over 8-bit weights over KnapSpec's layer plans. An overlay alone drafts
-with the full model (`8bit`, `quantspec`, `frspec+quantspec`). Overlays apply left to
+with the full model (`8bit`, `4bit`, `quantspec`, `frspec+quantspec`). Overlays apply left to
 right, each on top of the drafter before it; two overlays that set the same plan fields
 (`frspec+dynaspec`: both the head; `quantspec+8bit`: both the weights) are refused.
 
 Artefacts are found where specjax keeps them, or built (and kept) on first use: the
 Self-SD skip set (searched on prompts outside the evaluation), KnapSpec's latency
 profile (under `8bit` or `quantspec`, one timed with the draft's 8- or 4-bit weights), the
-KNN-SSD library, FR-Spec's token counts and DynaSpec's router, and one int8 and one 4-bit
-copy of the model, each shared by every name that reads it.
+KNN-SSD library, FR-Spec's token counts and DynaSpec's router, and one int8, one 4-bit MLP
+(QuantSpec's) and one Q4_0 copy of the model (`4bit`'s), each shared by every name that
+reads it. Searched layer plans (Self-SD, KnapSpec) are priced and scored for the target's,
+8-bit or QuantSpec's weights; under `4bit` they are refused, not priced wrongly.
 
 Options per part (`options={"knapspec": {"tau": 0.3}, "frspec": {"size": 16384}}`) are the
 drafter's constructor fields, plus the artefact settings in `ARTEFACT_OPTIONS`; every
@@ -37,6 +39,7 @@ from specjax.drafters import (
   Int8WeightsDrafter,
   KnapSpecDrafter,
   KNNDrafter,
+  Q4WeightsDrafter,
   QuantSpecDrafter,
   SelfSDDrafter,
   StaticDrafter,
@@ -46,11 +49,13 @@ from specjax.drafters import (
 from specjax.errors import ConfigError, SpecjaxError
 
 BASES = ("static", "early_exit", "self_sd", "swift", "clasp", "knapspec", "knn")
-OVERLAYS = ("8bit", "quantspec", "frspec", "dynaspec")
+OVERLAYS = ("8bit", "4bit", "quantspec", "frspec", "dynaspec")
+SEARCHED = ("self_sd", "knapspec")  # layer drafters whose plans are priced per weight type
 _CLASSES: dict[str, type[Drafter]] = {
     "static": StaticDrafter, "early_exit": EarlyExitDrafter, "self_sd": SelfSDDrafter,
     "swift": SwiftDrafter, "clasp": ClaspDrafter, "knapspec": KnapSpecDrafter,
-    "knn": KNNDrafter, "8bit": Int8WeightsDrafter, "quantspec": QuantSpecDrafter,
+    "knn": KNNDrafter, "8bit": Int8WeightsDrafter, "4bit": Q4WeightsDrafter,
+    "quantspec": QuantSpecDrafter,
     "frspec": FRSpecDrafter, "dynaspec": DynaSpecDrafter}
 # Options that shape an artefact rather than a constructor field, with their defaults.
 ARTEFACT_OPTIONS: dict[str, dict[str, Any]] = {
@@ -65,7 +70,7 @@ ARTEFACT_OPTIONS: dict[str, dict[str, Any]] = {
     "dynaspec": {"clusters": 1024, "core": 0},
 }
 ARTEFACTS = ("profile", "int8_profile", "int4_profile", "library", "counts", "bundle",
-             "self_sd_plan", "int8_weights", "int4_weights")
+             "self_sd_plan", "int8_weights", "int4_weights", "q4_weights")
 # Constructor fields the factory fills itself (artefacts), not options.
 _FILLED = {"fixed", "profile", "library", "weights", "base", "kv_cache", "shortlist", "bundle",
            "core"}
@@ -99,6 +104,10 @@ def parse(name: str) -> tuple[str | None, list[str]]:
         raise DrafterNameError(f"{name!r}: {owner[field]} and {p} both set the draft's "
                                f"{field}; keep one")
       owner[field] = p
+  if base in SEARCHED and "4bit" in overlays:
+    raise DrafterNameError(f"{name!r}: {base}'s plans are searched for the target's, 8-bit or "
+                           f"QuantSpec's weights, not 4bit's Q4_0 copies; use {base}+8bit, "
+                           f"or 4bit over a fixed plan (static, early_exit)")
   return base, overlays
 
 
@@ -170,6 +179,15 @@ class DrafterFactory:
     if "int4_weights" in self.artefacts:
       return self.artefacts["int4_weights"]
     return quantize_mlp_weights(self.model.state, self.model.config.num_layers)
+
+  @functools.cached_property
+  def q4_weights(self):
+    """The Q4_0 copy every `4bit` name shares."""
+    from specjax.drafters.q4_weights import Q4WeightsDrafter
+
+    if "q4_weights" in self.artefacts:
+      return self.artefacts["q4_weights"]
+    return Q4WeightsDrafter.for_model(self.model).weights
 
   def draft_weights(self, bits: int | None):
     """The quantised copy a draft at `bits` weight bits reads; None: the target's own."""
@@ -387,6 +405,8 @@ class DrafterFactory:
     cfg = self.model.config
     if name == "8bit":
       return Int8WeightsDrafter(weights=self.int8_weights, base=base, **kw)
+    if name == "4bit":
+      return Q4WeightsDrafter(weights=self.q4_weights, base=base, **kw)
     if name == "quantspec":
       from specjax.quant_kv_cache import QuantKV
 

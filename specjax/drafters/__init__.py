@@ -10,6 +10,7 @@ from specjax.drafters.frspec import FRSpecDrafter
 from specjax.drafters.int8_weights import Int8WeightsDrafter
 from specjax.drafters.knapspec import KnapSpecDrafter
 from specjax.drafters.knn import KNNDrafter
+from specjax.drafters.q4_weights import Q4WeightsDrafter
 from specjax.drafters.quantspec import QuantSpecDrafter
 from specjax.drafters.self_sd import SelfSDDrafter
 from specjax.drafters.static import StaticDrafter
@@ -19,7 +20,7 @@ from specjax.errors import SpecjaxError
 DRAFTERS: dict[str, type[Drafter]] = {
     d.name: d for d in (StaticDrafter, EarlyExitDrafter, SelfSDDrafter, SwiftDrafter,
                         ClaspDrafter, KnapSpecDrafter, KNNDrafter, QuantSpecDrafter, FRSpecDrafter,
-                        DynaSpecDrafter, Int8WeightsDrafter)
+                        DynaSpecDrafter, Int8WeightsDrafter, Q4WeightsDrafter)
 }
 
 
@@ -36,5 +37,5 @@ def drafter_class(name: str) -> type[Drafter]:
 
 __all__ = ["DRAFTERS", "ClaspDrafter", "Drafter", "DynaSpecDrafter", "EarlyExitDrafter",
            "FRSpecDrafter", "Int8WeightsDrafter", "KNNDrafter", "KnapSpecDrafter",
-           "QuantSpecDrafter", "SelfSDDrafter", "StaticDrafter", "SwiftDrafter",
+           "Q4WeightsDrafter", "QuantSpecDrafter", "SelfSDDrafter", "StaticDrafter", "SwiftDrafter",
            "UnknownDrafterError", "drafter_class"]

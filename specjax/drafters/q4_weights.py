@@ -1,0 +1,58 @@
+"""`4bit`: any drafter's plan, its matmuls reading Q4_0 copies of the target's weights.
+
+Every matrix the draft multiplies by — the q/k/v and output projections, the MLP and the
+LM head — is read as GGUF Q4_0 blocks (32 weights, one half-float scale: 0.56 bytes a
+weight) through `cpu_kernels.gguf_matmul`, which dequantises them in registers. The point
+is a target that reads its own GGUF blocks (`--dtype gguf`): its Q5_0-Q8_0 blocks take
+0.69-1.06 bytes a weight, so `8bit`'s copies (1 byte) read about as much as the target
+does, while Q4_0 reads less and is the kernel's fastest type. Verification reads the
+target's own weights, so the output is unchanged. CPU only, as the kernel is.
+
+With no base drafter the draft is the whole model at 4 bits; an FR-Spec or DynaSpec head
+on top reads its shortlist's rows as Q4_0 blocks too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+
+from specjax import cpu_kernels
+from specjax.drafters.base import Drafter
+from specjax.drafters.overlay import OverlayDrafter
+from specjax.errors import ConfigError
+from specjax.gguf_matrix import KINDS, GGUFMatrix
+from specjax.plan import DraftPlan, PlanError
+from specjax.quant import DraftWeights, quantize_weights_q4_0
+
+
+@dataclasses.dataclass(frozen=True)
+class Q4WeightsDrafter(OverlayDrafter):
+  name = "4bit"
+  fields = ("weights",)
+  # Alone, its drafts agree with the target on most tokens: draft a fixed γ.
+  early_stop: ClassVar[float] = 0.0
+  weights: DraftWeights  # Q4_0 copies of the target's matrices: `for_model`
+  base: Drafter | None = None
+
+  def __post_init__(self):
+    head = None if self.weights is None else self.weights.head
+    if not (isinstance(head, GGUFMatrix) and head.kinds == (KINDS["Q4_0"],)):
+      raise PlanError("Q4WeightsDrafter needs Q4_0 copies of the target's weights: build it "
+                      "with Q4WeightsDrafter.for_model(model, base=...)")
+
+  @classmethod
+  def for_model(cls, model, *, base: Drafter | None = None) -> Q4WeightsDrafter:
+    """Quantise the model's matrices once (gguf-py; seconds), held beside the target's."""
+    status = cpu_kernels.kernel_status("gguf_matmul")
+    if jax.default_backend() != "cpu" or status != "ready":
+      raise ConfigError(f"the 4bit draft reads Q4_0 blocks through the gguf_matmul CPU "
+                        f"kernel (backend {jax.default_backend()}, kernel {status}); "
+                        f"use 8bit elsewhere")
+    return cls(weights=quantize_weights_q4_0(model.state, model.config.num_layers), base=base)
+
+  def overlay_plan(self, session) -> DraftPlan:
+    L = session.config.num_layers
+    return DraftPlan.full(L).replace(weights=self.weights).check(L)
