@@ -49,6 +49,41 @@ def ar_tokens(arch: str = "llama", layers: int = 4, vocab: int = 97, n: int = 48
   return generate(graphdef, state, config, list(prompt), max_new_tokens=n, eos_ids=()).tokens
 
 
+def model_of(arch: str = "llama", layers: int = 4, vocab: int = 97):
+  """`target(...)` as the loaded model drafters' `for_model` takes (graphdef, state,
+  config)."""
+  import types
+
+  config, graphdef, state = target(arch, layers, vocab)
+  return types.SimpleNamespace(graphdef=graphdef, state=state, config=config)
+
+
+def assert_weights_overlay_is_lossless(overlay, arch: str, base: str) -> None:
+  """A weights overlay's class (`Int8WeightsDrafter`, `Q4WeightsDrafter`) built for a tiny
+  `arch` over a layer drafter (`base`: none, static, early_exit), decoded on both loops:
+  AR's tokens, the same acceptance, the plan reading its weights; a layer-skipping base's
+  drafts rejected in part."""
+  from specjax.decode.engine import speculative_generate
+  from specjax.drafters import EarlyExitDrafter, StaticDrafter
+  from specjax.plan import DraftPlan
+
+  model = model_of(arch)
+  layer = {"none": None, "early_exit": EarlyExitDrafter(k=2),
+           # weak enough that every tiny target rejects some of its drafts
+           "static": StaticDrafter(DraftPlan.from_skips(4, [1, 2], [1, 2]))}
+  drafter = overlay.for_model(model, base=layer[base])
+  outs = [speculative_generate(model.graphdef, model.state, model.config, PROMPT, drafter,
+                               max_new_tokens=48, gamma=4, threshold=0.0, eos_ids=(),
+                               loop=loop, record_rounds=loop == "host")
+          for loop in ("host", "device")]
+  for out in outs:
+    assert out.tokens == ar_tokens(arch)
+  assert outs[0].plans[0].weight_bits == drafter.weights.bits
+  if base != "none":  # alone, a quantised draft may agree with a tiny target on every token
+    assert_exercised(outs[1], deep=True)
+  assert outs[0].acceptance_rate == outs[1].acceptance_rate
+
+
 def assert_exercised(out, *, deep: bool = False) -> None:
   """The SSD run `out` tested acceptance for real: some drafts were rejected and some kept;
   with `deep`, some round drafted >= 2 tokens and kept part (not all, not none) of them."""
@@ -198,3 +233,28 @@ def assert_plan_keeps_the_target_distribution(state, graphdef, config, cache, fi
   f = int(first)
   return assert_round_distribution(out, p([f]), np.asarray(q1, np.float64),
                                    lambda t: p([f, t]), gamma=gamma)
+
+
+def assert_quantised_draft_keeps_the_target_distribution(quantize) -> dict:
+  """Rounds drafted from `quantize(state, L)`'s weights (a `quant.DraftWeights`) over a
+  plan that skips layer 1 (so q is far enough from p for the χ² test to see each classic
+  acceptance bug), verified by the float32 target: the first committed token ~ p, the
+  second ~ p(. | first)."""
+  import jax
+  import jax.numpy as jnp
+
+  from specjax.decode.generate import prefill_step
+  from specjax.kv_cache import KVCache
+  from specjax.plan import DraftPlan
+  from specjax.sampling import SamplingParams
+
+  config, graphdef, state = target("llama", 4, 12)
+  L, sampling = config.num_layers, SamplingParams(temperature=2.0, top_p=1.0)
+  prompt = jnp.asarray([[9, 8, 10, 4, 3, 11, 9, 5, 8, 3, 5, 8, 10, 4, 6, 3, 8, 11, 7, 10, 3,
+                         9, 8, 10, 4, 3, 11, 9, 5, 8]], jnp.int32)
+  cache = KVCache.create(config, 1, 64)
+  first, cache = prefill_step(state, cache, prompt, jnp.int32(30), DraftPlan.full(L),
+                              jax.random.key(0), graphdef=graphdef, sampling=sampling)
+  plan = DraftPlan.from_skips(L, [1], [1]).replace(weights=quantize(state, L))
+  return assert_plan_keeps_the_target_distribution(state, graphdef, config, cache, first[0],
+                                                   plan, sampling, vocab=12)

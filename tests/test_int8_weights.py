@@ -18,18 +18,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from targets import (
   PROMPT,
-  ar_tokens,
   assert_exercised,
-  assert_plan_keeps_the_target_distribution,
-  target,
+  assert_quantised_draft_keeps_the_target_distribution,
+  assert_weights_overlay_is_lossless,
+  model_of,
 )
 
 from specjax import cpu_kernels, quant
 from specjax.config import tiny_config
 from specjax.decode.engine import speculative_generate
-from specjax.decode.generate import generate, positions_for, prefill_step
+from specjax.decode.generate import generate, positions_for
 from specjax.drafters import (
-  EarlyExitDrafter,
   FRSpecDrafter,
   Int8WeightsDrafter,
   QuantSpecDrafter,
@@ -40,17 +39,11 @@ from specjax.model import apply, init_model
 from specjax.plan import DraftPlan, PlanError
 from specjax.quant import Int8Matrix
 from specjax.quant_kv_cache import QuantKV
-from specjax.sampling import SamplingParams
 
 # Drafts weak enough that every tiny target rejects some of their tokens on jax 0.10 and
 # 0.12 alike (the trained weights differ between them): skipping attention [1, 2] and MLP
 # [2] only, or exiting after three layers, drafted qwen2's or gemma3's every token on one.
 SKIP = DraftPlan.from_skips(4, [1, 2], [1, 2])
-
-
-def as_model(arch: str, **kw):
-  config, graphdef, state = target(arch, **kw)
-  return types.SimpleNamespace(graphdef=graphdef, state=state, config=config)
 
 
 # --- the kernel and the quantisation ---------------------------------------------------------
@@ -136,7 +129,7 @@ def test_per_channel_error_bound_and_exact_zero_channels():
 
 
 def test_draft_weights_cover_every_matmul_and_the_head():
-  model = as_model("gemma3")  # tied embedding: the head is the embedding's transpose
+  model = model_of("gemma3")  # tied embedding: the head is the embedding's transpose
   w = quant.quantize_weights_int8(model.state, model.config.num_layers)
   assert w.bits == 8 and len(w.layers) == model.config.num_layers
   assert all(m is not None for lw in w.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down))
@@ -151,23 +144,11 @@ def test_draft_weights_cover_every_matmul_and_the_head():
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("base", ["none", "static", "early_exit"])
 def test_8bit_drafts_are_lossless_on_both_loops(arch, base):
-  model = as_model(arch)
-  layer = {"none": None, "static": StaticDrafter(SKIP), "early_exit": EarlyExitDrafter(k=2)}
-  drafter = Int8WeightsDrafter.for_model(model, base=layer[base])
-  outs = [speculative_generate(model.graphdef, model.state, model.config, PROMPT, drafter,
-                               max_new_tokens=48, gamma=4, threshold=0.0, eos_ids=(),
-                               loop=loop, record_rounds=loop == "host")
-          for loop in ("host", "device")]
-  for out in outs:
-    assert out.tokens == ar_tokens(arch)
-  assert outs[0].plans[0].weight_bits == 8
-  if base != "none":  # alone, the 8-bit draft agrees with a tiny target on every token
-    assert_exercised(outs[1], deep=True)
-  assert outs[0].acceptance_rate == outs[1].acceptance_rate
+  assert_weights_overlay_is_lossless(Int8WeightsDrafter, arch, base)
 
 
 def test_quantspec_with_8bit_weights_is_lossless_on_its_cache():
-  model = as_model("qwen2")
+  model = model_of("qwen2")
   kv = QuantKV(group=8, residual=16)
   ar = generate(model.graphdef, model.state, model.config, PROMPT, max_new_tokens=48,
                 eos_ids=(), kv_cache=kv)
@@ -184,7 +165,7 @@ def test_quantspec_with_8bit_weights_is_lossless_on_its_cache():
 def test_overlays_over_quantspec_keep_its_cache_and_stay_lossless(outer):
   """An overlay passes its base's KV cache through: FR-Spec over QuantSpec used to build
   a full-precision cache and fail at trace time on the 4-bit read."""
-  model = as_model("qwen2")
+  model = model_of("qwen2")
   kv = QuantKV(group=8, residual=16)
   quantspec = QuantSpecDrafter.for_model(model, base=StaticDrafter(SKIP), weight_bits=4,
                                          weight_group=32, kv_cache=kv)
@@ -202,20 +183,7 @@ def test_overlays_over_quantspec_keep_its_cache_and_stay_lossless(outer):
 
 
 def test_8bit_sampling_round_keeps_the_target_distribution():
-  """Rounds drafted at 8-bit weights over a plan that skips layer 1 (so q is far enough
-  from p for the test to see each classic acceptance bug), verified by the fp32 target:
-  the first committed token ~ p, the second ~ p(. | first)."""
-  config, graphdef, state = target("llama", 4, 12)
-  L, sampling = config.num_layers, SamplingParams(temperature=2.0, top_p=1.0)
-  prompt = jnp.asarray([[9, 8, 10, 4, 3, 11, 9, 5, 8, 3, 5, 8, 10, 4, 6, 3, 8, 11, 7, 10, 3,
-                         9, 8, 10, 4, 3, 11, 9, 5, 8]], jnp.int32)
-  cache = KVCache.create(config, 1, 64)
-  first, cache = prefill_step(state, cache, prompt, jnp.int32(30), DraftPlan.full(L),
-                              jax.random.key(0), graphdef=graphdef, sampling=sampling)
-  plan = DraftPlan.from_skips(L, [1], [1]).replace(
-      weights=quant.quantize_weights_int8(state, L))
-  assert_plan_keeps_the_target_distribution(state, graphdef, config, cache, first[0], plan,
-                                            sampling, vocab=12)
+  assert_quantised_draft_keeps_the_target_distribution(quant.quantize_weights_int8)
 
 
 # --- bad input -------------------------------------------------------------------------------
@@ -228,7 +196,7 @@ def untrained(arch: str, **overrides):
 
 
 def test_weights_of_another_model_are_refused():
-  small = as_model("llama")
+  small = model_of("llama")
   other = untrained("llama", num_layers=4, vocab_size=61)  # same depth, another vocabulary
   drafter = Int8WeightsDrafter.for_model(other)
   with pytest.raises(PlanError, match="quantised from another model"):
@@ -241,7 +209,7 @@ def test_weights_of_another_model_are_refused():
 
 
 def test_weights_only_in_a_draft_and_only_8_bit_ones_in_the_overlay():
-  model = as_model("llama")
+  model = model_of("llama")
   w8 = quant.quantize_weights_int8(model.state, model.config.num_layers)
   cache = KVCache.create(model.config, 1, 64)
   tokens = jnp.asarray([[3, 4, 5]], jnp.int32)
@@ -265,7 +233,7 @@ def test_draft_cost_counts_the_bytes_an_8bit_draft_reads():
   saves the same share at either precision."""
   from specjax.selection.cost import draft_cost
 
-  model = as_model("qwen2")
+  model = model_of("qwen2")
   cfg, L = model.config, model.config.num_layers
   w8 = quant.quantize_weights_int8(model.state, L)
   full = DraftPlan.from_skips(L)
@@ -282,7 +250,7 @@ def test_draft_cost_counts_the_bytes_an_8bit_draft_reads():
 def test_self_sd_search_for_an_8bit_draft_scores_and_costs_it_at_8_bits():
   from specjax.offline import self_sd_search
 
-  model = as_model("qwen2")
+  model = model_of("qwen2")
   w8 = quant.quantize_weights_int8(model.state, model.config.num_layers)
   args = (model.graphdef, model.state, model.config, [PROMPT])
   kw = dict(iterations=4, init_points=4, new_tokens=8, verbose=False)

@@ -6,40 +6,25 @@ distribution, and clear errors for weights it cannot use. Over a target in its o
 
 from __future__ import annotations
 
-import types
-
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from targets import (
   PROMPT,
   ar_tokens,
-  assert_exercised,
-  assert_plan_keeps_the_target_distribution,
-  target,
+  assert_quantised_draft_keeps_the_target_distribution,
+  assert_weights_overlay_is_lossless,
+  model_of,
 )
 
 from specjax import cpu_kernels, quant
 from specjax.decode.engine import speculative_generate
-from specjax.decode.generate import prefill_step
-from specjax.drafters import EarlyExitDrafter, FRSpecDrafter, Q4WeightsDrafter, StaticDrafter
+from specjax.drafters import FRSpecDrafter, Q4WeightsDrafter
 from specjax.errors import ConfigError
 from specjax.gguf_matrix import KINDS, GGUFMatrix
-from specjax.kv_cache import KVCache
-from specjax.plan import DraftPlan, PlanError
-from specjax.sampling import SamplingParams
-
-SKIP = DraftPlan.from_skips(4, [1, 2], [1, 2])
-
-
-def as_model(arch: str, **kw):
-  config, graphdef, state = target(arch, **kw)
-  return types.SimpleNamespace(graphdef=graphdef, state=state, config=config)
-
+from specjax.plan import PlanError
 
 def test_q4_0_copies_cover_every_matrix():
-  model = as_model("qwen2")
+  model = model_of("qwen2")
   config, L = model.config, model.config.num_layers
   w = quant.quantize_weights_q4_0(model.state, L)
   matrices = [m for lw in w.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)] + [w.head]
@@ -61,25 +46,13 @@ def test_q4_0_copies_cover_every_matrix():
 @pytest.mark.parametrize("arch, base", [("llama", "none"), ("qwen2", "static"),
                                         ("gemma3", "early_exit")])
 def test_4bit_drafts_are_lossless_on_both_loops(arch, base):
-  model = as_model(arch)
-  layer = {"none": None, "static": StaticDrafter(SKIP), "early_exit": EarlyExitDrafter(k=2)}
-  drafter = Q4WeightsDrafter.for_model(model, base=layer[base])
-  outs = [speculative_generate(model.graphdef, model.state, model.config, PROMPT, drafter,
-                               max_new_tokens=48, gamma=4, threshold=0.0, eos_ids=(),
-                               loop=loop, record_rounds=loop == "host")
-          for loop in ("host", "device")]
-  for out in outs:
-    assert out.tokens == ar_tokens(arch)
-  assert outs[0].plans[0].weight_bits == 4
-  if base != "none":  # alone, the Q4_0 draft may agree with a tiny target on every token
-    assert_exercised(outs[1], deep=True)
-  assert outs[0].acceptance_rate == outs[1].acceptance_rate
+  assert_weights_overlay_is_lossless(Q4WeightsDrafter, arch, base)
 
 
 def test_4bit_under_a_shortlisted_head_scores_its_q4_0_rows():
   """FR-Spec over the Q4_0 copy reads the shortlist's head rows as Q4_0 blocks, not the
   target's, and stays lossless."""
-  model = as_model("llama")
+  model = model_of("llama")
   q4 = Q4WeightsDrafter.for_model(model)
   short = np.arange(0, model.config.vocab_size, 2)
   out = speculative_generate(model.graphdef, model.state, model.config, PROMPT,
@@ -94,23 +67,11 @@ def test_4bit_under_a_shortlisted_head_scores_its_q4_0_rows():
 
 
 def test_4bit_sampling_round_keeps_the_target_distribution():
-  """Rounds drafted from Q4_0 weights over a plan that skips layer 1, verified by the
-  float32 target: the first committed token ~ p, the second ~ p(. | first)."""
-  config, graphdef, state = target("llama", 4, 12)
-  L, sampling = config.num_layers, SamplingParams(temperature=2.0, top_p=1.0)
-  prompt = jnp.asarray([[9, 8, 10, 4, 3, 11, 9, 5, 8, 3, 5, 8, 10, 4, 6, 3, 8, 11, 7, 10, 3,
-                         9, 8, 10, 4, 3, 11, 9, 5, 8]], jnp.int32)
-  cache = KVCache.create(config, 1, 64)
-  first, cache = prefill_step(state, cache, prompt, jnp.int32(30), DraftPlan.full(L),
-                              jax.random.key(0), graphdef=graphdef, sampling=sampling)
-  plan = DraftPlan.from_skips(L, [1], [1]).replace(
-      weights=quant.quantize_weights_q4_0(state, L))
-  assert_plan_keeps_the_target_distribution(state, graphdef, config, cache, first[0], plan,
-                                            sampling, vocab=12)
+  assert_quantised_draft_keeps_the_target_distribution(quant.quantize_weights_q4_0)
 
 
 def test_4bit_refuses_other_weights_and_other_backends(monkeypatch):
-  model = as_model("llama")
+  model = model_of("llama")
   int8 = quant.quantize_weights_int8(model.state, model.config.num_layers)
   with pytest.raises(PlanError, match="needs Q4_0 copies"):
     Q4WeightsDrafter(weights=int8)
