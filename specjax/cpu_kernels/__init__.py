@@ -211,6 +211,15 @@ def runs_here(kernel: str) -> bool:
   return jax.default_backend() == "cpu" and kernel_status(kernel) == "ready"
 
 
+def unavailable(kernel: str) -> str | None:
+  """None where `kernel` runs now (`runs_here`), else why not, for an error message: what
+  needs it (`--dtype gguf`, the `4bit` draft) has no XLA path to fall back on."""
+  status = kernel_status(kernel)
+  if jax.default_backend() == "cpu" and status == "ready":
+    return None
+  return f"backend {jax.default_backend()}, kernel {status}"
+
+
 def int4_matmul(x: jax.Array, codes: jax.Array, lo: jax.Array, scale: jax.Array) -> jax.Array:
   """x[..., I] times a 4-bit matrix stored output-major (`quant.Int4Matrix`): codes
   uint8[O, I/2], lo and scale float32[O, I/G] -> [..., O] in float32. Only where

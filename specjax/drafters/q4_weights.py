@@ -17,8 +17,6 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax
-
 from specjax import cpu_kernels
 from specjax.drafters.base import Drafter
 from specjax.drafters.overlay import OverlayDrafter
@@ -46,11 +44,10 @@ class Q4WeightsDrafter(OverlayDrafter):
   @classmethod
   def for_model(cls, model, *, base: Drafter | None = None) -> Q4WeightsDrafter:
     """Quantise the model's matrices once (gguf-py; seconds), held beside the target's."""
-    status = cpu_kernels.kernel_status("gguf_matmul")
-    if jax.default_backend() != "cpu" or status != "ready":
+    why = cpu_kernels.unavailable("gguf_matmul")
+    if why:
       raise ConfigError(f"the 4bit draft reads Q4_0 blocks through the gguf_matmul CPU "
-                        f"kernel (backend {jax.default_backend()}, kernel {status}); "
-                        f"use 8bit elsewhere")
+                        f"kernel ({why}); use 8bit elsewhere")
     return cls(weights=quantize_weights_q4_0(model.state, model.config.num_layers), base=base)
 
   def overlay_plan(self, session) -> DraftPlan:

@@ -110,10 +110,9 @@ def with_gguf_blocks(m: LoadedModel, verbose: bool = True) -> LoadedModel:
   """`m` (float32) with its matrices replaced by its GGUF file's blocks; a tiny model's,
   which has no file, quantised to Q8_0 by gguf-py. CPU only: elsewhere, or without a C++
   compiler, a `ConfigError` saying why."""
-  status = cpu_kernels.kernel_status("gguf_matmul")
-  if jax.default_backend() != "cpu" or status != "ready":
-    raise ConfigError(f"--dtype gguf needs a CPU backend and the gguf_matmul kernel "
-                      f"(backend {jax.default_backend()}, kernel {status})")
+  why = cpu_kernels.unavailable("gguf_matmul")
+  if why:
+    raise ConfigError(f"--dtype gguf needs a CPU backend and the gguf_matmul kernel ({why})")
   spec = get_spec(m.name)
   if spec.is_tiny:
     blocks = quantized_blocks(m.state, m.config, GGUFMatrix.KIND_Q8_0)
