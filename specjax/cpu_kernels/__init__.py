@@ -208,12 +208,12 @@ def _int8_xla(x, codes, scale):
 
 def runs_here(kernel: str) -> bool:
   """Whether `kernel` is the path to take now: a CPU backend, and the kernel built."""
-  return jax.default_backend() == "cpu" and kernel_status(kernel) == "ready"
+  return unavailable(kernel) is None
 
 
 def unavailable(kernel: str) -> str | None:
-  """None where `kernel` runs now (`runs_here`), else why not, for an error message: what
-  needs it (`--dtype gguf`, the `4bit` draft) has no XLA path to fall back on."""
+  """None where `kernel` runs now, else why not, for an error message: what needs it
+  (`--dtype gguf`, the `4bit` draft) has no XLA path to fall back on."""
   status = kernel_status(kernel)
   if jax.default_backend() == "cpu" and status == "ready":
     return None
