@@ -282,19 +282,22 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
 
 def quantised_profile_lines(model, args) -> list[str]:
   """The profiles KnapSpec selected with under quantised draft weights, for the names that
-  ran (`knapspec+8bit`, `knapspec+quantspec`): their sub-layers at 8- or 4-bit times."""
+  ran (`knapspec+8bit`, `knapspec+4bit`, `knapspec+quantspec`): their sub-layers at the
+  copy's times."""
+  from specjax.quant import WEIGHT_KINDS
+
   factory = DrafterFactory(model, gamma=args.gamma, verbose=False)
-  users: dict[int, list[str]] = {}
+  users: dict[str, list[str]] = {}
   for name in (d for d in args.drafters if d.startswith("knapspec")):
-    bits = factory.draft_bits("knapspec" if name == "knapspec-fixed" else name)
-    if bits is not None:
-      users.setdefault(bits, []).append(f"`{name}`")
+    kind = factory.draft_kind("knapspec" if name == "knapspec-fixed" else name)
+    if kind is not None:
+      users.setdefault(kind, []).append(f"`{name}`")
   lines = []
-  for bits, names in sorted(users.items(), reverse=True):
-    lines += [f"The same with the draft steps reading the {bits}-bit weights (what "
+  for kind, names in sorted(users.items()):
+    lines += [f"The same with the draft steps reading {WEIGHT_KINDS[kind]} (what "
               f"{', '.join(names)} prices its sub-layers by; `specjax profile "
-              f"--draft-weights int{bits}`):", "",
-              profiler.table(factory.latency_profile_for(bits)), ""]
+              f"--draft-weights {kind}`):", "",
+              profiler.table(factory.latency_profile_for(kind)), ""]
   return lines
 
 

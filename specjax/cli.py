@@ -181,7 +181,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
   if args.draft_weights != "target":
     from specjax.bench.drafter_factory import DrafterFactory
 
-    weights = DrafterFactory(model, verbose=False).draft_weights(int(args.draft_weights[3:]))
+    weights = DrafterFactory(model, verbose=False).draft_weights(args.draft_weights)
   prof = profiler.measure(model, lengths=lengths, gamma=args.gamma, repeats=args.repeats,
                           draft_weights=weights, loop_steps=args.loop_steps)
   path = profiler.save_profile(prof, args.out)
@@ -366,10 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
                  "(default 16, draft_length.LOOP_STEPS); 0 times each step as a call from the "
                  "host, as the host loop runs them")
   p.add_argument("--out", help="profile file (default: the specjax cache, per model/device)")
-  p.add_argument("--draft-weights", choices=("target", "int8", "int4"), default="target",
+  p.add_argument("--draft-weights", choices=("target", "int8", "int4", "q4_0"),
+                 default="target",
                  help="the weights the timed draft steps read: int8 prices sub-layers for "
                  "knapspec+8bit (and knapspec+quantspec at 8 weight bits), int4 for "
-                 "knapspec+quantspec at QuantSpec's 4-bit weights")
+                 "knapspec+quantspec at QuantSpec's 4-bit weights, q4_0 for knapspec+4bit "
+                 "(CPU only)")
   add_dtype_arg(p)
   p.set_defaults(func=_cmd_profile)
 

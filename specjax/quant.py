@@ -294,6 +294,17 @@ class LayerWeights:
   down: Int8Matrix | Int4Matrix | GGUFMatrix | None = None  # [F, D]
 
 
+# The quantised copies a draft can read, by `DraftWeights.kind`, named as reports say them:
+# int8, every matmul and the head (`8bit`; QuantSpec at 8 bits); int4, the MLP matrices in
+# groups of 128 rows (QuantSpec at 4 bits, the paper's); q4_0, GGUF blocks of every matmul
+# and the head (`4bit`).
+WEIGHT_KINDS = {
+    "int8": "the 8-bit weights",
+    "int4": "QuantSpec's 4-bit MLP weights",
+    "q4_0": "the Q4_0 weights",
+}
+
+
 @flax.struct.dataclass
 class DraftWeights:
   """Quantised copies of the target's matrices that a draft reads instead of its own
@@ -302,7 +313,11 @@ class DraftWeights:
   layers: tuple[LayerWeights, ...]
   # the LM head [D, V] (the embedding's transpose if tied)
   head: Int8Matrix | GGUFMatrix | None = None
-  bits: int = flax.struct.field(pytree_node=False, default=8)
+  bits: int = flax.struct.field(pytree_node=False, default=8)  # per weight, for reports
+  # which copy this is (`WEIGHT_KINDS`): what latency profiles and searched plans are
+  # made for, since two copies of the same bits cost differently (QuantSpec's 4-bit MLP
+  # matrices are not `4bit`'s Q4_0 blocks)
+  kind: str = flax.struct.field(pytree_node=False, default="int8")
 
   @property
   def nbytes(self) -> int:
@@ -332,7 +347,7 @@ def quantize_mlp_weights(state, num_layers: int, group: int = 128) -> DraftWeigh
   for l, name, w in model_matrices(state, num_layers):
     if name in ("gate_up", "down"):
       layers[l][name] = Int4Matrix.quantize(w, group)
-  return DraftWeights(tuple(LayerWeights(**kw) for kw in layers), bits=4)
+  return DraftWeights(tuple(LayerWeights(**kw) for kw in layers), bits=4, kind="int4")
 
 
 def quantize_weights_int8(state, num_layers: int) -> DraftWeights:
@@ -347,7 +362,7 @@ def quantize_weights_int8(state, num_layers: int) -> DraftWeights:
     head = Int8Matrix.quantize(table)
   else:
     head = Int8Matrix.quantize(table, output_major=True)
-  return DraftWeights(tuple(LayerWeights(**kw) for kw in layers), head=head, bits=8)
+  return DraftWeights(tuple(LayerWeights(**kw) for kw in layers), head=head, bits=8, kind="int8")
 
 
 def quantize_weights_q4_0(state, num_layers: int) -> DraftWeights:
@@ -366,4 +381,5 @@ def quantize_weights_q4_0(state, num_layers: int) -> DraftWeights:
   else:  # lm_head is stored [D, V], a tied embedding [V, D]
     rows = table.T if "lm_head" in state else table
   head = GGUFMatrix.quantize(np.asarray(rows, np.float32), kind)
-  return DraftWeights(tuple(LayerWeights(**kw) for kw in layers), head=head, bits=4)
+  return DraftWeights(tuple(LayerWeights(**kw) for kw in layers), head=head, bits=4,
+                      kind="q4_0")

@@ -50,12 +50,13 @@ def ar_tokens(arch: str = "llama", layers: int = 4, vocab: int = 97, n: int = 48
 
 
 def model_of(arch: str = "llama", layers: int = 4, vocab: int = 97):
-  """`target(...)` as the loaded model drafters' `for_model` takes (graphdef, state,
-  config)."""
+  """`target(...)` as a loaded model (name, graphdef, state, config): what drafters'
+  `for_model`, the factory and the profiler take."""
   import types
 
   config, graphdef, state = target(arch, layers, vocab)
-  return types.SimpleNamespace(graphdef=graphdef, state=state, config=config)
+  return types.SimpleNamespace(name=f"tiny-{arch}", graphdef=graphdef, state=state,
+                               config=config)
 
 
 def assert_weights_overlay_is_lossless(overlay, arch: str, base: str) -> None:

@@ -28,9 +28,9 @@ def test_profile_prints_the_profile_it_saved(capsys, tmp_path):
   assert main(["profile", "--model", "tiny-llama", "--lengths", "64,128", "--repeats", "2",
                "--draft-weights", "int4", "--out", str(out)]) == 0
   line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-  assert line["path"] == str(out) and line["draft"] == "4bit"
+  assert line["path"] == str(out) and line["draft"] == "int4"
   printed = profiler.LatencyProfile.from_json(line)
-  assert printed == profiler.load_profile("tiny-llama", printed.num_layers, out, draft="4bit")
+  assert printed == profiler.load_profile("tiny-llama", printed.num_layers, out, draft="int4")
 
 
 def test_bad_input_exits_2_with_a_message(capsys):

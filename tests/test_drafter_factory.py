@@ -17,7 +17,6 @@ from specjax.bench import harness
 from specjax.bench.drafter_factory import (
   BASES,
   OVERLAYS,
-  SEARCHED,
   DrafterFactory,
   DrafterNameError,
   parse,
@@ -28,6 +27,7 @@ from specjax.drafters.static import save_plan
 from specjax.errors import ConfigError
 from specjax.plan import DraftPlan
 from specjax.quant_kv_cache import QuantKV
+from specjax.selection import profiler
 
 KV = QuantKV(group=8, residual=16)
 SETTINGS = RunSettings(max_new_tokens=24, gamma=4)
@@ -51,8 +51,9 @@ def factory(plan_path: str) -> DrafterFactory:
                "quantspec": {"group": KV.group, "residual": KV.residual},
                "frspec": {"size": 48}, "swift": {"trials": 4, "bo_every": 4, "window": 8}},
       artefacts={"profile": synthetic_profile(4), "library": tiny_library("llama"),
-                 "int8_profile": synthetic_profile(4, c=1e-4, draft="8bit"),
-                 "int4_profile": synthetic_profile(4, c=2e-4, draft="4bit"),
+                 "int8_profile": synthetic_profile(4, c=1e-4, draft="int8"),
+                 "int4_profile": synthetic_profile(4, c=2e-4, draft="int4"),
+                 "q4_0_profile": synthetic_profile(4, c=5e-5, draft="q4_0"),
                  "counts": counts, "bundle": bundle("llama")[0], "self_sd_plan": skip})
 
 
@@ -64,8 +65,7 @@ def plan_file(tmp_path_factory):
 
 
 def matrix() -> list[str]:
-  names = [f"{b}+{o}" for b in BASES for o in OVERLAYS
-           if not (b in SEARCHED and o == "4bit")] + list(OVERLAYS)
+  names = [f"{b}+{o}" for b in BASES for o in OVERLAYS] + list(OVERLAYS)
   pairs = [("8bit", "frspec"), ("8bit", "dynaspec"), ("4bit", "frspec"), ("4bit", "dynaspec"),
            ("quantspec", "frspec"), ("quantspec", "dynaspec")]
   names += [f"{a}+{b}" for a, b in pairs] + [f"{b}+{a}" for a, b in pairs]
@@ -94,20 +94,24 @@ def test_compositions_set_the_fields_of_each_part(plan_file):
   d = f.make("knapspec+8bit+dynaspec")
   assert (d.name, d.base.name, d.base.base.name) == ("dynaspec", "8bit", "knapspec")
   assert d.own_gamma and d.wants_residuals  # KnapSpec's policy passes through
-  assert d.base.base.profile.draft == "8bit"  # priced at the 8-bit sub-layer times
+  assert d.base.base.profile.draft == "int8"  # priced at the 8-bit sub-layer times
   assert f.make("knapspec+dynaspec").base.profile.draft == "target"
   # QuantSpec prices KnapSpec at the times of the weights it drafts with (8 bits, the
   # CPU default, or the paper's 4), and its drafter, profile and search share one copy
-  for bits, draft in ((8, "8bit"), (4, "4bit"), (16, "target")):
+  for bits, kind in ((8, "int8"), (4, "int4"), (16, None)):
     g = DrafterFactory(model(), gamma=4, verbose=False,
                        options={"quantspec": {"weight_bits": bits}}, artefacts=f.artefacts)
     d = g.make("knapspec+quantspec")
-    assert d.base.profile.draft == draft
-    assert d.weights is g.draft_weights(None if bits == 16 else bits)
-    assert d.weights is None or d.weights.bits == bits
-    assert g.draft_bits("self_sd+quantspec") == (None if bits == 16 else bits)
-  assert [f.draft_bits(n) for n in ("knapspec", "knapspec+dynaspec", "8bit+frspec")] == [
-      None, None, 8]
+    assert d.base.profile.draft == profiler.draft_label(kind)
+    assert d.weights is g.draft_weights(kind)
+    assert d.weights is None or (d.weights.bits, d.weights.kind) == (bits, kind)
+    assert g.draft_kind("self_sd+quantspec") == kind
+  names = ("knapspec", "knapspec+dynaspec", "8bit+frspec", "self_sd+4bit+frspec")
+  assert [f.draft_kind(n) for n in names] == [None, None, "int8", "q4_0"]
+  # under 4bit, KnapSpec prices its sub-layers at their Q4_0 times
+  assert f.make("knapspec+4bit+frspec").base.base.profile.draft == "q4_0"
+  with pytest.raises(ConfigError, match="unknown draft weights 'int5'"):
+    f.draft_weights("int5")
   five = DrafterFactory(model(), verbose=False, options={"quantspec": {"weight_bits": 5}})
   with pytest.raises(ConfigError, match="4, 8 or 16 bits, got 5"):
     five.make("knapspec+quantspec")
@@ -116,7 +120,8 @@ def test_compositions_set_the_fields_of_each_part(plan_file):
   assert f.make("8bit").weights is f.make("self_sd+8bit").weights  # one int8 copy
   assert f.make("quantspec").weights is f.make("8bit").weights  # 8-bit on a CPU
   assert f.make("4bit").weights is f.make("early_exit+4bit+frspec").base.weights  # one Q4_0
-  assert f.make("4bit").weights.bits == 4
+  assert f.make("4bit").weights is f.make("knapspec+4bit").weights
+  assert (f.make("4bit").weights.bits, f.make("4bit").weights.kind) == (4, "q4_0")
 
 
 def test_dynaspec_core_is_the_most_frequent_tokens(plan_file):
@@ -145,8 +150,6 @@ def test_dynaspec_core_is_the_most_frequent_tokens(plan_file):
     ("quantspec+8bit", "quantspec and 8bit both set the draft's weights"),
     ("8bit+8bit", "8bit and 8bit both set"),
     ("4bit+8bit", "4bit and 8bit both set the draft's weights"),
-    ("self_sd+4bit", "self_sd's plans are searched for the target's, 8-bit or QuantSpec's"),
-    ("knapspec+4bit+frspec", "knapspec's plans are searched"),
 ])
 def test_bad_names_are_refused_with_the_reason(name, message):
   with pytest.raises((DrafterNameError, UnknownDrafterError)) as err:
@@ -237,12 +240,10 @@ def test_frspec_counts_its_tokens_without_training_a_router(tmp_path, monkeypatc
 def test_knapspec_under_8bit_measures_its_own_profile_once(tmp_path, monkeypatch):
   """With no profiles saved, `knapspec+8bit` measures one timed with the int8 weights and
   saves it; a new factory finds that one (not the target's) and measures nothing."""
-  from specjax.selection import profiler
-
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
   first = DrafterFactory(model(), gamma=2, verbose=False).make("knapspec+8bit")
-  assert first.base.profile.draft == "8bit"
-  assert profiler.profile_path("tiny-llama", draft="8bit").exists()
+  assert first.base.profile.draft == "int8"
+  assert profiler.profile_path("tiny-llama", draft="int8").exists()
   assert not profiler.profile_path("tiny-llama").exists()
   monkeypatch.setattr(profiler, "measure", None)  # a second measurement would fail
   again = DrafterFactory(model(), gamma=2, verbose=False).make("knapspec+8bit")
@@ -254,8 +255,6 @@ def test_a_bfloat16_models_profile_is_found_again(tmp_path, monkeypatch):
   own once and finds it again (it was saved as bfloat16 but looked up as float32, so it
   was measured on every run), and never takes a float32 one."""
   from specjax.models.loader import at_precision
-  from specjax.selection import profiler
-
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
   config, graphdef, state = at_precision(model().config, model().state, "bfloat16")
   bf16 = types.SimpleNamespace(name="tiny-llama", config=config, graphdef=graphdef,

@@ -186,12 +186,12 @@ def test_long_context_shows_the_quantised_profile_each_knapspec_selected_with(tm
   from specjax.selection import profiler
 
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
-  profiler.save_profile(synthetic_profile(4, c=1e-4, draft="8bit"))
+  profiler.save_profile(synthetic_profile(4, c=1e-4, draft="int8"))
   args = types.SimpleNamespace(gamma=4, drafters=["knapspec", "knapspec-fixed", "self_sd+8bit",
                                                   "knapspec+8bit", "knapspec+quantspec"])
   lines = bench_long_context.quantised_profile_lines(model(), args)
   assert len(lines) == 4 and "8-bit weights (what `knapspec+8bit`, `knapspec+quantspec`" in (
       lines[0])
-  assert lines[2] == profiler.table(synthetic_profile(4, c=1e-4, draft="8bit"))
+  assert lines[2] == profiler.table(synthetic_profile(4, c=1e-4, draft="int8"))
   args.drafters = ["knapspec", "self_sd+8bit"]
   assert bench_long_context.quantised_profile_lines(model(), args) == []

@@ -260,18 +260,36 @@ def test_int8_draft_profile_is_timed_with_the_8bit_weights_and_kept_apart(tmp_pa
   weights = quantize_weights_int8(state, config.num_layers)
   p = profiler.measure(m, lengths=(64,), gamma=2, repeats=2, verbose=False,
                        draft_weights=weights, loop_steps=0)  # host calls, as the host loop
-  assert p.draft == "8bit" and all(t > 0 for t in p.base + p.verify + p.step)
+  assert p.draft == "int8" and all(t > 0 for t in p.base + p.verify + p.step)
   assert p.loop_steps == 0
-  assert profiler.profile_path("m", "cpu") != profiler.profile_path("m", "cpu", draft="8bit")
+  assert profiler.profile_path("m", "cpu") != profiler.profile_path("m", "cpu", draft="int8")
   path = profiler.save_profile(p, tmp_path / "p8.json")
-  assert profiler.load_profile("tiny-llama", 4, path, draft="8bit") == p
-  with pytest.raises(ProfileMismatchError, match="reading 8bit weights, not target"):
+  assert profiler.load_profile("tiny-llama", 4, path, draft="int8") == p
+  with pytest.raises(ProfileMismatchError, match="reading int8 weights, not target"):
     profiler.load_profile("tiny-llama", 4, path)  # asked for the target-weight draft
   path.write_text(json.dumps({**p.to_json(), "draft": "target"}))
   with pytest.raises(ProfileMismatchError, match="--draft-weights int8"):
-    profiler.load_profile("tiny-llama", 4, path, draft="8bit")
-  with pytest.raises(ProfileMismatchError, match="--draft-weights int4"):
-    profiler.load_profile("tiny-llama", 4, path, draft=profiler.draft_label(4))
+    profiler.load_profile("tiny-llama", 4, path, draft="int8")
+  for kind in ("int4", "q4_0"):
+    with pytest.raises(ProfileMismatchError, match=f"--draft-weights {kind}"):
+      profiler.load_profile("tiny-llama", 4, path, draft=profiler.draft_label(kind))
+  with pytest.raises(ConfigError, match="unknown draft weights 'int5'"):
+    profiler.draft_label("int5")
+
+
+def test_profiles_saved_under_bit_labels_still_load(tmp_path, monkeypatch):
+  """Before copies were named by kind, the int8 and QuantSpec int4 profiles were labelled
+  "8bit" and "4bit" (in the file and its name): they load as "int8" and "int4", and a
+  "4bit" profile is never taken for the Q4_0 copy's."""
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  for old, kind in (("8bit", "int8"), ("4bit", "int4")):
+    p = synthetic_profile(4, draft=kind)
+    path = profiler.profile_path("tiny-llama", draft=old)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**p.to_json(), "draft": old}))
+    assert profiler.load_profile("tiny-llama", 4, draft=kind) == p
+  with pytest.raises(profiler.MissingProfileError, match="--draft-weights q4_0"):
+    profiler.load_profile("tiny-llama", 4, draft="q4_0")
 
 
 def test_bad_settings_are_clear_errors():

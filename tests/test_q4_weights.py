@@ -78,3 +78,24 @@ def test_4bit_refuses_other_weights_and_other_backends(monkeypatch):
   monkeypatch.setattr(cpu_kernels, "kernel_status", lambda name: "no C++ compiler")
   with pytest.raises(ConfigError, match="gguf_matmul CPU kernel .*no C\\+\\+ compiler"):
     Q4WeightsDrafter.for_model(model)
+
+
+def test_searches_under_4bit_score_and_price_the_q4_0_copy():
+  """`self_sd+4bit` searches with the Q4_0 copy (the same candidates, each costed in the
+  bytes it reads: under an int8 copy's), and `knapspec+4bit`'s profile times draft steps
+  that read it, labelled by its kind, never as QuantSpec's 4-bit MLP copy."""
+  from specjax.offline import self_sd_search
+  from specjax.selection import profiler
+
+  model = model_of("qwen2")
+  L = model.config.num_layers
+  q4 = quant.quantize_weights_q4_0(model.state, L)
+  w8 = quant.quantize_weights_int8(model.state, L)
+  args = (model.graphdef, model.state, model.config, [PROMPT])
+  kw = dict(iterations=4, init_points=4, new_tokens=8, verbose=False)
+  int8, q4_0 = (self_sd_search.search(*args, weights=w, **kw) for w in (w8, q4))
+  for a, b in zip(int8.history, q4_0.history):
+    assert a["skipped"] == b["skipped"] and b["cost"] < 0.7 * a["cost"]
+  prof = profiler.measure(model, lengths=(64,), gamma=2, repeats=2, verbose=False,
+                          draft_weights=q4, loop_steps=0)
+  assert prof.draft == "q4_0" and prof.draft != profiler.draft_label("int4")

@@ -8,11 +8,12 @@ right, each on top of the drafter before it; two overlays that set the same plan
 
 Artefacts are found where specjax keeps them, or built (and kept) on first use: the
 Self-SD skip set (searched on prompts outside the evaluation), KnapSpec's latency
-profile (under `8bit` or `quantspec`, one timed with the draft's 8- or 4-bit weights), the
-KNN-SSD library, FR-Spec's token counts and DynaSpec's router, and one int8, one 4-bit MLP
-(QuantSpec's) and one Q4_0 copy of the model (`4bit`'s), each shared by every name that
-reads it. Searched layer plans (Self-SD, KnapSpec) are priced and scored for the target's,
-8-bit or QuantSpec's weights; under `4bit` they are refused, not priced wrongly.
+profile, the KNN-SSD library, FR-Spec's token counts and DynaSpec's router, and one int8,
+one 4-bit MLP (QuantSpec's) and one Q4_0 copy of the model (`4bit`'s), each shared by every
+name that reads it. A searched layer plan (Self-SD, KnapSpec) is searched for the weights
+its draft reads: under `8bit`, `4bit` or `quantspec`, it is scored with that copy and
+priced by that copy's bytes or measured times (a profile and a skip set per copy kind,
+`quant.WEIGHT_KINDS`).
 
 Options per part (`options={"knapspec": {"tau": 0.3}, "frspec": {"size": 16384}}`) are the
 drafter's constructor fields, plus the artefact settings in `ARTEFACT_OPTIONS`; every
@@ -50,7 +51,6 @@ from specjax.errors import ConfigError, SpecjaxError
 
 BASES = ("static", "early_exit", "self_sd", "swift", "clasp", "knapspec", "knn")
 OVERLAYS = ("8bit", "4bit", "quantspec", "frspec", "dynaspec")
-SEARCHED = ("self_sd", "knapspec")  # layer drafters whose plans are priced per weight type
 _CLASSES: dict[str, type[Drafter]] = {
     "static": StaticDrafter, "early_exit": EarlyExitDrafter, "self_sd": SelfSDDrafter,
     "swift": SwiftDrafter, "clasp": ClaspDrafter, "knapspec": KnapSpecDrafter,
@@ -69,8 +69,8 @@ ARTEFACT_OPTIONS: dict[str, dict[str, Any]] = {
     # scored beside the routed clusters (0: none)
     "dynaspec": {"clusters": 1024, "core": 0},
 }
-ARTEFACTS = ("profile", "int8_profile", "int4_profile", "library", "counts", "bundle",
-             "self_sd_plan", "int8_weights", "int4_weights", "q4_weights")
+ARTEFACTS = ("profile", "int8_profile", "int4_profile", "q4_0_profile", "library", "counts",
+             "bundle", "self_sd_plan", "int8_weights", "int4_weights", "q4_weights")
 # Constructor fields the factory fills itself (artefacts), not options.
 _FILLED = {"fixed", "profile", "library", "weights", "base", "kv_cache", "shortlist", "bundle",
            "core"}
@@ -104,10 +104,6 @@ def parse(name: str) -> tuple[str | None, list[str]]:
         raise DrafterNameError(f"{name!r}: {owner[field]} and {p} both set the draft's "
                                f"{field}; keep one")
       owner[field] = p
-  if base in SEARCHED and "4bit" in overlays:
-    raise DrafterNameError(f"{name!r}: {base}'s plans are searched for the target's, 8-bit or "
-                           f"QuantSpec's weights, not 4bit's Q4_0 copies; use {base}+8bit, "
-                           f"or 4bit over a fixed plan (static, early_exit)")
   return base, overlays
 
 
@@ -189,9 +185,15 @@ class DrafterFactory:
       return self.artefacts["q4_weights"]
     return Q4WeightsDrafter.for_model(self.model).weights
 
-  def draft_weights(self, bits: int | None):
-    """The quantised copy a draft at `bits` weight bits reads; None: the target's own."""
-    return {None: None, 8: self.int8_weights, 4: self.int4_weights}[bits]
+  def draft_weights(self, kind: str | None):
+    """The quantised copy of this kind (`quant.WEIGHT_KINDS`) a draft reads; None: the
+    target's own weights."""
+    if kind is None:
+      return None
+    copies = {"int8": "int8_weights", "int4": "int4_weights", "q4_0": "q4_weights"}
+    if kind not in copies:
+      raise ConfigError(f"unknown draft weights {kind!r}; known: {', '.join(copies)}")
+    return getattr(self, copies[kind])
 
   @property
   def latency_profile(self):
@@ -202,32 +204,32 @@ class DrafterFactory:
   @property
   def int8_latency_profile(self):
     """The profile KnapSpec selects with under `8bit`: its sub-layers at their 8-bit times."""
-    return self.latency_profile_for(8)
+    return self.latency_profile_for("int8")
 
-  def latency_profile_for(self, bits: int | None):
-    """The profile of draft steps that read the weights at `bits` (None: the target's),
-    kept for this factory: KnapSpec under QuantSpec's 4-bit weights prices a sub-layer at
-    what its 4-bit MLP costs, not at the target's time."""
-    if bits not in self._profiles:
-      self._profiles[bits] = self._profile(bits)
-    return self._profiles[bits]
+  def latency_profile_for(self, kind: str | None):
+    """The profile of draft steps that read the copy of this kind (None: the target's
+    weights), kept for this factory: KnapSpec under QuantSpec's 4-bit weights prices a
+    sub-layer at what its 4-bit MLP costs, not at the target's time."""
+    if kind not in self._profiles:
+      self._profiles[kind] = self._profile(kind)
+    return self._profiles[kind]
 
-  def _profile(self, bits: int | None):
+  def _profile(self, kind: str | None):
     from specjax.decode.generate import precision_name
     from specjax.selection import profiler
 
-    artefact = "profile" if bits is None else f"int{bits}_profile"
+    artefact = "profile" if kind is None else f"{kind}_profile"
     if artefact in self.artefacts:
       return self.artefacts[artefact]
     try:  # a profile of the precision the model runs at (a bfloat16 step costs less)
       return profiler.load_profile(self.model.name, self.model.config.num_layers,
                                    dtype=precision_name(self.model.config, self.model.state),
-                                   draft=profiler.draft_label(bits))
+                                   draft=profiler.draft_label(kind))
     except profiler.MissingProfileError as err:
       self._say(f"{err}\nrunning the profiler now")
       # the quantised copy is made only to measure (a saved profile needs none)
       prof = profiler.measure(self.model, gamma=self.gamma, verbose=self.verbose,
-                              draft_weights=self.draft_weights(bits))
+                              draft_weights=self.draft_weights(kind))
       profiler.save_profile(prof)
       return prof
 
@@ -303,10 +305,10 @@ class DrafterFactory:
                            seed=self.seed, verbose=self.verbose,
                            embeddings=knn_build.parts_dir(default))
 
-  def self_sd_plan(self, bits: int | None = None):
+  def self_sd_plan(self, kind: str | None = None):
     """A Self-SD skip set searched on `search_prompts`, kept in `work_dir` under a name
-    that says what it was searched with (a resumed run reuses it). `bits`: searched for a
-    draft that reads the 8- or 4-bit weights (scored with them, costed in their bytes)."""
+    that says what it was searched with (a resumed run reuses it). `kind`: searched for a
+    draft that reads that quantised copy (scored with it, costed in its bytes)."""
     from specjax.bench.harness import prompt_ids
     from specjax.drafters.static import load_plan, save_plan
     from specjax.models.registry import cache_root
@@ -327,7 +329,7 @@ class DrafterFactory:
     key = hashlib.sha256(json.dumps([f"v{self_sd.OBJECTIVE_VERSION}", iterations, self.gamma,
                                      self.seed, ids]
                                     + ([] if precision == "float32" else [precision])).encode()
-                         ).hexdigest()[:10] + ("" if bits is None else f"-{bits}bit")
+                         ).hexdigest()[:10] + _plan_suffix(kind)
     folder = Path(self.work_dir) if self.work_dir else cache_root() / "searches" / self.model.name
     path = folder / f"self_sd_plan-{key}.json"
     if path.exists():
@@ -335,7 +337,7 @@ class DrafterFactory:
     m = self.model
     res = self_sd.search(m.graphdef, m.state, m.config, ids, iterations=iterations,
                          gamma=self.gamma, seed=self.seed,
-                         weights=self.draft_weights(bits),
+                         weights=self.draft_weights(kind),
                          target_bits=weight_bits(m.state))
     folder.mkdir(parents=True, exist_ok=True)
     save_plan(path, res.plan, model=m.name, objective=res.objective, alpha=res.alpha,
@@ -349,8 +351,8 @@ class DrafterFactory:
 
   def _base(self, name: str, overlays: Sequence[str] = ()) -> Drafter:
     """The layer drafter; a search-based one is searched for the draft the overlays make
-    of it (under 8- or 4-bit weights, from `8bit` or `quantspec`, Self-SD costs and scores
-    its candidates with those weights and KnapSpec prices its sub-layers at their times)."""
+    of it (under a quantised copy, from `8bit`, `4bit` or `quantspec`, Self-SD costs and
+    scores its candidates with that copy and KnapSpec prices its sub-layers at its times)."""
     kw = self._kwargs(name)
     L = self.model.config.num_layers
     if name == "static":
@@ -364,13 +366,13 @@ class DrafterFactory:
       return EarlyExitDrafter(**{"k": L // 2, **kw})
     if name == "swift":
       return SwiftDrafter(**{"seed": self.seed, **kw})
-    bits = self._draft_bits_under(overlays)
+    kind = self._draft_kind_under(overlays)
     if name == "self_sd":
-      return SelfSDDrafter(self.self_sd_plan(bits), **kw)
+      return SelfSDDrafter(self.self_sd_plan(kind), **kw)
     if name == "clasp":
       return ClaspDrafter(**kw)
     if name == "knapspec":
-      return KnapSpecDrafter(profile=self.latency_profile_for(bits),
+      return KnapSpecDrafter(profile=self.latency_profile_for(kind),
                              **{"max_gamma": self.gamma, **kw})
     if name == "knn":
       return KNNDrafter(self.knn_library(), **kw)
@@ -386,19 +388,24 @@ class DrafterFactory:
       raise ConfigError(f"QuantSpec's draft weights are 4, 8 or 16 bits, got {bits}")
     return bits
 
-  def draft_bits(self, name: str) -> int | None:
-    """The weight bits the draft of a composed name reads (8 or 4; None: the target's own),
-    which its KnapSpec profile and Self-SD search are made with."""
-    return self._draft_bits_under(parse(name)[1])
+  def draft_kind(self, name: str) -> str | None:
+    """The kind of quantised copy (`quant.WEIGHT_KINDS`) the draft of a composed name
+    reads, None for the target's own weights: what its KnapSpec profile and Self-SD
+    search are made with."""
+    return self._draft_kind_under(parse(name)[1])
 
-  def _draft_bits_under(self, overlays: Sequence[str]) -> int | None:
-    """The weight bits the overlays make the draft read (8: `8bit`, or `quantspec` at 8
-    weight bits; 4: `quantspec` at 4), None for the target's own: a searched layer plan is
-    priced and scored with those weights."""
+  def _draft_kind_under(self, overlays: Sequence[str]) -> str | None:
+    """The copy the overlays make the draft read: "int8" (`8bit`, or `quantspec` at 8
+    weight bits), "q4_0" (`4bit`), "int4" (`quantspec` at 4); None: the target's own
+    (no weights overlay, or `quantspec` at 16 bits). `parse` lets one overlay at most set
+    the weights."""
     if "8bit" in overlays:
-      return 8
-    bits = self._quantspec_weight_bits() if "quantspec" in overlays else None
-    return bits if bits in (4, 8) else None
+      return "int8"
+    if "4bit" in overlays:
+      return "q4_0"
+    if "quantspec" in overlays:
+      return {4: "int4", 8: "int8", 16: None}[self._quantspec_weight_bits()]
+    return None
 
   def _overlay(self, name: str, base: Drafter | None) -> Drafter:
     kw = self._kwargs(name)
@@ -412,8 +419,7 @@ class DrafterFactory:
 
       o = self._opts("quantspec")
       kv = QuantKV(group=o["group"], residual=o["residual"])
-      bits = self._quantspec_weight_bits()
-      weights = self.draft_weights(None if bits == 16 else bits)  # the shared copies
+      weights = self.draft_weights(self._draft_kind_under(["quantspec"]))  # the shared copy
       return QuantSpecDrafter(weights=weights, base=base, kv_cache=kv, **kw)
     if name == "frspec":
       from specjax.offline.token_counts import frequent_shortlist
@@ -439,6 +445,15 @@ class DrafterFactory:
   def _say(self, text: str) -> None:
     if self.verbose:
       print(text, file=sys.stderr)
+
+
+def _plan_suffix(kind: str | None) -> str:
+  """The file-name suffix of a Self-SD skip set searched under this copy; the int8 and
+  QuantSpec int4 ones keep the names they had when copies were named by bits (a resumed
+  run finds its plan)."""
+  if kind is None:
+    return ""
+  return "-" + {"int8": "8bit", "int4": "4bit"}.get(kind, kind)
 
 
 def check_options(options: Mapping[str, Mapping[str, Any]]) -> None:

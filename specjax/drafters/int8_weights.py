@@ -33,7 +33,7 @@ class Int8WeightsDrafter(OverlayDrafter):
   base: Drafter | None = None
 
   def __post_init__(self):
-    if self.weights is None or self.weights.bits != 8:
+    if self.weights is None or self.weights.kind != "int8":
       raise PlanError("Int8WeightsDrafter needs 8-bit weights of the target: build it with "
                       "Int8WeightsDrafter.for_model(model, base=...)")
 

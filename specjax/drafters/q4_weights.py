@@ -9,7 +9,9 @@ does, while Q4_0 reads less and is the kernel's fastest type. Verification reads
 target's own weights, so the output is unchanged. CPU only, as the kernel is.
 
 With no base drafter the draft is the whole model at 4 bits; an FR-Spec or DynaSpec head
-on top reads its shortlist's rows as Q4_0 blocks too.
+on top reads its shortlist's rows as Q4_0 blocks too. Over a searched layer drafter
+(`self_sd+4bit`, `knapspec+4bit`) the search scores and prices its plans with these copies
+(`DraftWeights.kind` "q4_0"), as it does under `8bit`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from specjax import cpu_kernels
 from specjax.drafters.base import Drafter
 from specjax.drafters.overlay import OverlayDrafter
 from specjax.errors import ConfigError
-from specjax.gguf_matrix import KINDS, GGUFMatrix
 from specjax.plan import DraftPlan, PlanError
 from specjax.quant import DraftWeights, quantize_weights_q4_0
 
@@ -36,8 +37,7 @@ class Q4WeightsDrafter(OverlayDrafter):
   base: Drafter | None = None
 
   def __post_init__(self):
-    head = None if self.weights is None else self.weights.head
-    if not (isinstance(head, GGUFMatrix) and head.kinds == (KINDS["Q4_0"],)):
+    if self.weights is None or self.weights.kind != "q4_0":
       raise PlanError("Q4WeightsDrafter needs Q4_0 copies of the target's weights: build it "
                       "with Q4WeightsDrafter.for_model(model, base=...)")
 

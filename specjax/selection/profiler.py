@@ -15,11 +15,12 @@ and wait included, against 0.003-0.023 ms per sub-layer; the device loop pays no
 step, so a profile of calls overprices every draft there (by how much on a GPU is not
 measured yet).
 
-A draft that reads quantised copies of the weights (`8bit`; QuantSpec's 8- or 4-bit
-weights) costs a fraction of the full step per sub-layer, so a selection under it must
-price its sub-layers by their quantised times: `measure(..., draft_weights=...)` times the
-draft steps with those weights (the profile's `draft` is then "8bit" or "4bit"), and such
-a profile is stored and loaded apart.
+A draft that reads quantised copies of the weights (`8bit`, `4bit`; QuantSpec's 8- or
+4-bit weights) costs a fraction of the full step per sub-layer, so a selection under it
+must price its sub-layers by their quantised times: `measure(..., draft_weights=...)` times
+the draft steps with those weights (the profile's `draft` is then the copy's kind,
+`quant.WEIGHT_KINDS`: "int8", "int4" or "q4_0"), and such a profile is stored and loaded
+apart.
 
 Each is the median of several repeats after warm-up, round-robin, at several cache sizes n,
 and fit: `t_attn(n) = a·n + b`, `t_mlp = c`, base and verification linear in n. n is the
@@ -81,7 +82,7 @@ class LatencyProfile:
   base: tuple[float, ...]  # draft step running no sub-layer
   verify: tuple[float, ...]  # verification of `verify_tokens` tokens
   step: tuple[float, ...]  # one AR step (T = 1)
-  draft: str = "target"  # the weights the draft steps read: `draft_label(bits)`
+  draft: str = "target"  # the weights the draft steps read: `draft_label(kind)`
   loop_steps: int = 0  # steps chained per timed jitted loop; 0: each step a host call
 
   @property
@@ -158,18 +159,29 @@ class LatencyProfile:
     required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
     if not required <= set(obj):
       raise ProfileMismatchError(f"not a latency profile: missing {sorted(required - set(obj))}")
+    obj = {**obj, "draft": _LEGACY_DRAFTS.get(obj.get("draft"), obj.get("draft", "target"))}
     return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in obj.items()
                   if k in fields})
 
 
-def draft_label(bits: int | None) -> str:
-  """A profile's `draft` for draft steps reading weights at `bits` (None: the target's)."""
-  return "target" if bits is None else f"{bits}bit"
+# Labels of draft weights before they were named by kind: 8 and 4 bits, when the only
+# 4-bit copy was QuantSpec's. Profiles saved under them still load.
+_LEGACY_DRAFTS = {"8bit": "int8", "4bit": "int4"}
+
+
+def draft_label(kind: str | None) -> str:
+  """A profile's `draft` for draft steps reading the copy of this kind
+  (`quant.WEIGHT_KINDS`; None: the target's own weights)."""
+  from specjax.quant import WEIGHT_KINDS
+
+  if kind is not None and kind not in WEIGHT_KINDS:
+    raise ConfigError(f"unknown draft weights {kind!r}; known: {', '.join(WEIGHT_KINDS)}")
+  return "target" if kind is None else kind
 
 
 def _draft_flag(draft: str) -> str:
   """The `specjax profile` flag that measures a profile of this `draft`."""
-  return "" if draft == "target" else f" --draft-weights int{draft.removesuffix('bit')}"
+  return "" if draft == "target" else f" --draft-weights {draft}"
 
 
 def profile_path(model: str, device: str | None = None, dtype: str = "float32",
@@ -178,6 +190,15 @@ def profile_path(model: str, device: str | None = None, dtype: str = "float32",
 
   suffix = "" if draft == "target" else f"__draft-{draft}"
   return cache_root() / "profiles" / f"{model}__{device or device_name()}__{dtype}{suffix}.json"
+
+
+def _saved_path(model: str, dtype: str, draft: str) -> Path:
+  """Where this profile is saved: its path, or the one an older specjax saved it at."""
+  path = profile_path(model, dtype=dtype, draft=draft)
+  legacy = {v: k for k, v in _LEGACY_DRAFTS.items()}.get(draft)
+  if legacy and not path.exists() and profile_path(model, dtype=dtype, draft=legacy).exists():
+    return profile_path(model, dtype=dtype, draft=legacy)
+  return path
 
 
 def save_profile(profile: LatencyProfile, path: Path | None = None) -> Path:
@@ -194,7 +215,7 @@ def load_profile(model: str, num_layers: int, path: Path | None = None,
                  dtype: str = "float32", draft: str = "target") -> LatencyProfile:
   """The saved profile for this model on this device (and draft weights); a clear error if
   there is none or it was made for another model, device or draft."""
-  path = Path(path or profile_path(model, dtype=dtype, draft=draft))
+  path = Path(path or _saved_path(model, dtype, draft))
   command = f"`specjax profile --model {model}{_draft_flag(draft)}`"
   if not path.exists():
     raise MissingProfileError(
@@ -241,7 +262,7 @@ def measure(model, lengths=(256, 1024, 2048, 4096), gamma: int = 4, repeats: int
             verbose: bool = True, draft_weights=None, loop_steps: int | None = None
             ) -> LatencyProfile:
   """Profile a loaded model (`loader.LoadedModel`) at the given cache sizes;
-  `draft_weights` (`quant.DraftWeights`, 8- or 4-bit): the draft steps read them;
+  `draft_weights` (`quant.DraftWeights` of any kind): the draft steps read them;
   `loop_steps`: steps chained per timed loop (default `LOOP_STEPS`; 0: host calls)."""
   from tqdm.auto import tqdm
 
@@ -269,7 +290,7 @@ def measure(model, lengths=(256, 1024, 2048, 4096), gamma: int = 4, repeats: int
   return LatencyProfile(model=model.name, device=device_name(), dtype=precision_name(cfg, state),
                         num_layers=L, verify_tokens=gamma + 1, lengths=lengths,
                         draft=draft_label(None if draft_weights is None
-                                          else draft_weights.bits),
+                                          else draft_weights.kind),
                         loop_steps=loop, **{k: tuple(v) for k, v in rows.items()})
 
 
