@@ -19,7 +19,14 @@ from specjax import cpu_kernels
 from specjax.config import tiny_config
 from specjax.decode.engine import speculative_generate
 from specjax.decode.generate import generate
-from specjax.drafters import FRSpecDrafter, Int8WeightsDrafter, Q4WeightsDrafter, StaticDrafter
+from specjax.drafters import (
+  ClaspDrafter,
+  FRSpecDrafter,
+  Int8WeightsDrafter,
+  KnapSpecDrafter,
+  Q4WeightsDrafter,
+  StaticDrafter,
+)
 from specjax.errors import ConfigError
 from specjax.gguf_matrix import KINDS, GGUFMatrix, GGUFMatrixError
 from specjax.model import init_model
@@ -93,8 +100,13 @@ def test_matrix_parts_and_their_errors():
 
 
 def _in_blocks(config, state):
-  """A tiny model's state with every matrix in Q8_0 blocks (gguf-py's quantisation)."""
-  return with_values(state, quantized_blocks(state, config, KINDS["Q8_0"]))
+  """A tiny model's state with every matrix in Q8_0 blocks (gguf-py's quantisation) but
+  layer 1's MLP, in Q5_0: block types that differ between layers, as a Q4_K_M file's do
+  (its Q6_K rows in some layers' MLPs), so layers' states differ in static metadata."""
+  q8 = dict(quantized_blocks(state, config, KINDS["Q8_0"]))
+  q5 = dict(quantized_blocks(state, config, KINDS["Q5_0"]))
+  mixed = {name: q5[name] if name.startswith("blocks/1/mlp/") else m for name, m in q8.items()}
+  return with_values(state, list(mixed.items()))
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -129,8 +141,11 @@ def test_tiny_model_in_blocks_is_its_dequantised_twin(tiny_blocks):
 
 def test_tiny_model_in_blocks_decodes_losslessly(tiny_blocks):
   """Greedy SSD == greedy AR on the blocks: a layer-skipping draft (the target's own
-  blocks), 8-bit and Q4_0 drafts quantised from them, and the layer-skipping and Q4_0
-  drafts over a shortlisted head whose rows stay blocks."""
+  blocks), 8-bit and Q4_0 drafts quantised from them, the layer-skipping and Q4_0 drafts
+  over a shortlisted head whose rows stay blocks, and the per-round DPs over layers
+  (CLaSp; KnapSpec over the Q4_0 copy), whose scan reads layers of unequal block types."""
+  from test_knapspec import synthetic_profile
+
   config, graphdef, _, blocks, _ = tiny_blocks
   L = config.num_layers
   ids = [1, 5, 9, 14, 3, 7]
@@ -139,8 +154,11 @@ def test_tiny_model_in_blocks_decodes_losslessly(tiny_blocks):
   skip = StaticDrafter(DraftPlan.from_skips(L, skip_attn=[1], skip_mlp=[2]))
   short = np.arange(0, config.vocab_size, 2, dtype=np.int32)  # the head's rows kept in blocks
   q4 = Q4WeightsDrafter.for_model(model)
+  knapspec = KnapSpecDrafter(profile=synthetic_profile(L, draft="q4_0"), interval=4, window=2,
+                             selection_budget=None)
+  dps = (ClaspDrafter(interval=4, skip=1), Q4WeightsDrafter(q4.weights, knapspec))
   for drafter in (skip, Int8WeightsDrafter.for_model(model), FRSpecDrafter(short, skip), q4,
-                  FRSpecDrafter(short, q4)):
+                  FRSpecDrafter(short, q4), *dps):
     ssd = speculative_generate(graphdef, blocks, config, ids, drafter, max_new_tokens=24,
                                eos_ids=(), gamma=3)
     assert ssd.tokens == ar, drafter.name
@@ -200,7 +218,13 @@ def test_blocks_have_their_own_precision_name_and_bits(tiny_blocks):
 
   config, _, state, blocks, _ = tiny_blocks
   assert precision_name(config, blocks) == "gguf" and precision_name(config, state) == "float32"
-  assert weight_bits(blocks) == pytest.approx(34 * 8 / 32) and weight_bits(state) == 32
+  assert weight_bits(state) == 32
+  # Q8_0 (34 bytes a block of 32) but layer 1's MLP in Q5_0 (22): the mean over weights
+  flat = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(blocks)}
+  weights = {name: np.prod(m.shape) for name, m in flat.items() if isinstance(m, GGUFMatrix)}
+  q5 = sum(n for name, n in weights.items() if name.startswith("blocks/1/mlp/"))
+  total = sum(weights.values())
+  assert weight_bits(blocks) == pytest.approx((34 * (total - q5) + 22 * q5) * 8 / 32 / total)
 
 
 def test_blocks_need_the_cpu_kernel(monkeypatch):

@@ -81,10 +81,13 @@ def _advance(table: _Table, run: jax.Array, target: jax.Array, window: Window,
 
 
 def _segments(model: Transformer) -> list[tuple[int, ...]]:
-  """Runs of consecutive layers whose blocks share one graph definition: all layers of
-  most models, gemma3's runs of local layers and each global layer apart (their window
-  and rope base are static attributes)."""
-  defs = [nnx.graphdef(block) for block in model.blocks]
+  """Runs of consecutive layers whose blocks share one graph definition and one state
+  structure: all layers of most models, gemma3's runs of local layers and each global
+  layer apart (their window and rope base are static attributes), and, for a target in
+  its GGUF blocks, runs of layers whose matrices have the same block types (a Q4_K_M file
+  gives some layers Q6_K rows where others have Q4_K: static metadata of their leaves)."""
+  defs = [(nnx.graphdef(block), jax.tree.structure(nnx.state(block)))
+          for block in model.blocks]
   runs = [[0]]
   for l in range(1, len(defs)):
     if defs[l] == defs[l - 1]:
