@@ -41,7 +41,11 @@ from specjax.decode.generate import generate  # noqa: E402
 from specjax.models.loader import GGUF, load_model  # noqa: E402
 from specjax.models.registry import get_spec  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402
-from specjax.quant import quantize_mlp_weights, quantize_weights_int8  # noqa: E402
+from specjax.quant import (  # noqa: E402
+  quantize_mlp_weights,
+  quantize_weights_int8,
+  quantize_weights_q4_0,
+)
 
 PROMPT = "Explain why the sky is blue to a ten-year-old, in a few short paragraphs."
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)
@@ -56,6 +60,16 @@ def random_plan(L: int, frac: float, rng: np.random.Generator) -> DraftPlan:
   return DraftPlan.from_bits(on)
 
 
+def q4_0_inputs() -> tuple[str, ...]:
+  """How this machine's `4bit` drafts can read their Q4_0 copies: x as floats
+  (`gguf_matmul`), and at 8 bits (`q4_0_int8_matmul`) where its VNNI loop runs."""
+  from specjax import cpu_kernels
+
+  if not cpu_kernels.runs_here("gguf_matmul"):
+    return ()
+  return ("float x", "8-bit x") if cpu_kernels.q4_0_int8_fast() else ("float x",)
+
+
 def with_shortlist_head(m, plan: DraftPlan, size: int, rng: np.random.Generator
                         ) -> DraftPlan:
   """`plan` scoring `size` head rows, gathered once as the engine does for FR-Spec. The
@@ -65,7 +79,7 @@ def with_shortlist_head(m, plan: DraftPlan, size: int, rng: np.random.Generator
   cfg = m.config
   ids = rng.choice(cfg.vocab_size, min(size, cfg.vocab_size), replace=False)
   plan = plan.with_shortlist(ids, cfg.vocab_size)
-  rows = nnx.merge(m.graphdef, m.state).shortlist_rows(plan.vocab)
+  rows = nnx.merge(m.graphdef, m.state).shortlist_rows(plan.vocab, plan.weights)
   return plan.replace(head_rows=rows)
 
 
@@ -114,6 +128,14 @@ def step_ratios(m, context: int, rounds: int, steps: int, gamma: int = 4,
                      for p in plans[1.0]]
   # The 50 % plans scoring a shortlist (FR-Spec's drafts, `self_sd+frspec`)
   plans[(0.5, "shortlist")] = [with_shortlist_head(m, p, shortlist, rng) for p in plans[0.5]]
+  # Every sub-layer reading Q4_0 copies (`4bit`), alone and scoring a shortlist
+  # (`4bit+frspec`), x as floats and at 8 bits: the two in one run.
+  for inputs in q4_0_inputs():
+    q4 = quantize_weights_q4_0(m.state, cfg.num_layers, int8_inputs=inputs == "8-bit x")
+    full = [p.replace(weights=q4) for p in plans[1.0]]
+    plans[(1.0, inputs)] = full
+    plans[(1.0, inputs, "shortlist")] = [with_shortlist_head(m, p, shortlist, rng)
+                                         for p in full]
   t = step_times(m.graphdef, m.state, cfg, plans, gammas=(gamma,), context=context,
                  repeats=rounds * steps)
   dense = read_bytes(m, DraftPlan.full(cfg.num_layers))
@@ -125,6 +147,8 @@ def step_ratios(m, context: int, rounds: int, steps: int, gamma: int = 4,
           "int8_draft_over_ar": {f: t.drafts[(f, 8)] / t.ar for f in INT8_FRACTIONS},
           "int4_mlp_draft_over_ar": t.drafts[(1.0, 4)] / t.ar,
           "shortlist_draft_over_ar": t.drafts[(0.5, "shortlist")] / t.ar,
+          "q4_0_draft_over_ar": {key[1:]: t.drafts[key] / t.ar for key in plans
+                                 if isinstance(key, tuple) and key[1] in q4_0_inputs()},
           "floor": floor, "gamma": gamma,
           "head_share": read_bytes(m, DraftPlan.from_bits(np.zeros(2 * cfg.num_layers, bool)))
                         / dense}
@@ -266,6 +290,10 @@ def main() -> None:
   shortlist = min(SHORTLIST, m.config.vocab_size)
   step_rows.append([f"draft step, 50 % of {2 * L} sub-layers, head over {shortlist} tokens",
                     r["shortlist_draft_over_ar"], floor[(0.5, "shortlist")]])
+  for key, ratio in r["q4_0_draft_over_ar"].items():
+    head = f", head over {shortlist} tokens" if len(key) > 1 else ""
+    step_rows.append([f"draft step, 100 % of {2 * L} sub-layers, Q4_0 weights ({key[0]}){head}",
+                      ratio, floor[(1.0, *key)]])
   step_header = ["step", "time ÷ AR step", "weight bytes ÷ AR step's"]
   print(report.markdown_table(step_header, step_rows))
   print(f"  AR step: {r['ar_ms']:.2f} ms, verify: {r['verify_ms']:.2f} ms")
@@ -314,6 +342,8 @@ def main() -> None:
       "int4_mlp_draft_step_over_ar": {"100": round(r["int4_mlp_draft_over_ar"], 4)},
       "shortlist_draft_step_over_ar": {"50": round(r["shortlist_draft_over_ar"], 4),
                                        "shortlist": shortlist},
+      "q4_0_draft_step_over_ar": {" ".join(("100", *key)): round(v, 4)
+                                  for key, v in r["q4_0_draft_over_ar"].items()},
       "draft_step_bytes_over_ar": {str(int(f * 100)): round(floor[f], 4) for f in FRACTIONS},
       "head_share_of_bytes": round(r["head_share"], 4),
       "int8_kernel": kernel_status(),

@@ -40,6 +40,10 @@ class GGUFMatrix:
   parts: tuple[jax.Array, ...]
   kinds: tuple[int, ...] = flax.struct.field(pytree_node=False)
   inputs: int = flax.struct.field(pytree_node=False)  # In
+  # A draft's Q4_0 copy (`4bit`): a step's x quantised to 8 bits per block of 32 and
+  # multiplied as integers (`cpu_kernels.q4_0_int8_matmul`), close to the float product
+  # but not equal to it, so never a target's matrix.
+  int8_inputs: bool = flax.struct.field(pytree_node=False, default=False)
 
   @classmethod
   def from_rows(cls, rows: list[tuple[np.ndarray, int]]) -> GGUFMatrix:
@@ -66,13 +70,18 @@ class GGUFMatrix:
   KIND_Q8_0 = KINDS["Q8_0"]
 
   @classmethod
-  def quantize(cls, w_oi: jax.Array | np.ndarray, kind: int) -> GGUFMatrix:
+  def quantize(cls, w_oi: jax.Array | np.ndarray, kind: int, *,
+               int8_inputs: bool = False) -> GGUFMatrix:
     """A float matrix [Out, In] quantised by gguf-py to ggml type `kind` (those it can
-    quantise: Q4_0, Q4_1, Q5_0, Q8_0), as a GGUF writer would store it."""
+    quantise: Q4_0, Q4_1, Q5_0, Q8_0), as a GGUF writer would store it; `int8_inputs`
+    (Q4_0 only): a draft's copy, multiplied with x at 8 bits."""
     import gguf
 
+    if int8_inputs and kind != KINDS["Q4_0"]:
+      raise GGUFMatrixError("only Q4_0 matrices take 8-bit inputs (q4_0_int8_matmul)")
     w = np.asarray(w_oi, np.float32)
-    return cls.from_rows([(gguf.quants.quantize(w, gguf.GGMLQuantizationType(kind)), kind)])
+    m = cls.from_rows([(gguf.quants.quantize(w, gguf.GGMLQuantizationType(kind)), kind)])
+    return m.replace(int8_inputs=int8_inputs)
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -95,8 +104,11 @@ class GGUFMatrix:
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
     if rows > cpu_kernels.FEW_ROWS:
       return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), self.dequantize())
-    outs = [cpu_kernels.gguf_matmul(x, blocks, kind)
-            for blocks, kind in zip(self.parts, self.kinds)]
+    if self.int8_inputs:
+      outs = [cpu_kernels.q4_0_int8_matmul(x, blocks) for blocks in self.parts]
+    else:
+      outs = [cpu_kernels.gguf_matmul(x, blocks, kind)
+              for blocks, kind in zip(self.parts, self.kinds)]
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-1)
 
   def dequantize(self) -> jax.Array:
@@ -109,7 +121,7 @@ class GGUFMatrix:
     a draft then reads at the file's bytes (as float32 rows, 32k of SmolLM2's tokens cost
     more than its whole Q8_0 head)."""
     self._one_part()
-    return GGUFMatrix((jnp.take(self.parts[0], ids, axis=0),), self.kinds, self.inputs)
+    return self.replace(parts=(jnp.take(self.parts[0], ids, axis=0),))
 
   def _one_part(self) -> None:
     if len(self.parts) != 1:

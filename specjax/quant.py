@@ -365,21 +365,25 @@ def quantize_weights_int8(state, num_layers: int) -> DraftWeights:
   return DraftWeights(tuple(LayerWeights(**kw) for kw in layers), head=head, bits=8, kind="int8")
 
 
-def quantize_weights_q4_0(state, num_layers: int) -> DraftWeights:
+def quantize_weights_q4_0(state, num_layers: int, *,
+                          int8_inputs: bool | None = None) -> DraftWeights:
   """Q4_0 copies of every matmul the draft runs, as gguf-py quantises them: 0.56 bytes a
   weight, under a GGUF target's own Q5_0-Q8_0 blocks (0.69-1.06), which 8-bit copies are
-  not. Read by `cpu_kernels.gguf_matmul` (CPU only), at its fastest type."""
+  not. Read with x at 8 bits by `cpu_kernels.q4_0_int8_matmul` where its VNNI loop runs
+  (`int8_inputs` None: `q4_0_int8_fast()`), else by `gguf_matmul` (CPU only)."""
   from specjax.gguf_matrix import KINDS
 
-  kind = KINDS["Q4_0"]
+  if int8_inputs is None:
+    int8_inputs = cpu_kernels.q4_0_int8_fast()
+  quantize = functools.partial(GGUFMatrix.quantize, kind=KINDS["Q4_0"], int8_inputs=int8_inputs)
   layers = [dict() for _ in range(num_layers)]
   for l, name, w in model_matrices(state, num_layers):
-    layers[l][name] = GGUFMatrix.quantize(np.asarray(w).T, kind)  # blocks along inputs
+    layers[l][name] = quantize(np.asarray(w).T)  # blocks along inputs
   table = state["lm_head" if "lm_head" in state else "embedding"].get_value()
   if isinstance(table, GGUFMatrix):  # the file's [V, D] rows
     rows = table.dequantize()
   else:  # lm_head is stored [D, V], a tied embedding [V, D]
     rows = table.T if "lm_head" in state else table
-  head = GGUFMatrix.quantize(np.asarray(rows, np.float32), kind)
+  head = quantize(np.asarray(rows, np.float32))
   return DraftWeights(tuple(LayerWeights(**kw) for kw in layers), head=head, bits=4,
                       kind="q4_0")

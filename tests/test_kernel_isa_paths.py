@@ -25,7 +25,8 @@ PATHS = {
 }
 # kernel -> its exported handlers, as `cpu_kernels._KERNELS` names them
 KERNELS = {"f32_matmul": ("F32MatmulIO", "F32MatmulOI"), "int8_matmul": ("Int8Matmul",),
-           "int4_matmul": ("Int4Matmul",), "gguf_matmul": ("GgufMatmul", "GgufDequantize")}
+           "int4_matmul": ("Int4Matmul",), "gguf_matmul": ("GgufMatmul", "GgufDequantize"),
+           "q4_0_int8_matmul": ("Q4_0Int8Matmul",)}
 SHAPES = [(1, 576, 300), (5, 200, 70), (9, 128, 17), (3, 64, 5)]  # rows, inputs, outputs
 
 
@@ -118,3 +119,21 @@ def test_gguf_matmul_paths(path):
     _close(many, x.astype(np.float64) @ w.T.astype(np.float64), 256)
     np.testing.assert_array_equal(call(targets["GgufMatmul"], (1, 24), x[4:5], blocks)[0],
                                   many[4])
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_q4_0_int8_matmul_paths(path):
+  """The VNNI loop (AVX-512 machines that have it) and the scalar one (the rest) give the
+  same integer sums of x's 8-bit codes, the same product up to float32 rounding."""
+  import gguf
+  from test_q4_0_int8_matmul import SHAPES, reference
+
+  targets = _targets("q4_0_int8_matmul", path)
+  rng = np.random.default_rng(4)
+  for rows, inner, outer in SHAPES:
+    x = rng.normal(size=(rows, inner)).astype(np.float32)
+    w = rng.normal(size=(outer, inner)).astype(np.float32)
+    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0)
+    want = reference(x, blocks)
+    got = _call(targets["Q4_0Int8Matmul"], (rows, outer), x, blocks)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

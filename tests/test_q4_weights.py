@@ -49,6 +49,27 @@ def test_4bit_drafts_are_lossless_on_both_loops(arch, base):
   assert_weights_overlay_is_lossless(Q4WeightsDrafter, arch, base)
 
 
+@pytest.mark.parametrize("int8_inputs", [False, True])
+def test_4bit_is_lossless_with_x_as_floats_and_at_8_bits(int8_inputs):
+  """Both ways of reading the copies, whichever this CPU would choose (the 8-bit one runs
+  its scalar loop where VNNI is missing): every matrix says which, and the target's tokens
+  come out."""
+  from specjax.drafters import StaticDrafter
+  from specjax.plan import DraftPlan
+
+  model = model_of("qwen2")
+  drafter = Q4WeightsDrafter.for_model(
+      model, base=StaticDrafter(DraftPlan.from_skips(4, [1], [2])), int8_inputs=int8_inputs)
+  w = drafter.weights
+  assert all(m.int8_inputs == int8_inputs
+             for lw in w.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down, w.head))
+  out = speculative_generate(model.graphdef, model.state, model.config, PROMPT, drafter,
+                             max_new_tokens=48, gamma=4, threshold=0.0, eos_ids=())
+  assert out.tokens == ar_tokens("qwen2")
+  default = quant.quantize_weights_q4_0(model.state, model.config.num_layers)
+  assert default.head.int8_inputs == cpu_kernels.q4_0_int8_fast()
+
+
 def test_4bit_under_a_shortlisted_head_scores_its_q4_0_rows():
   """FR-Spec over the Q4_0 copy reads the shortlist's head rows as Q4_0 blocks, not the
   target's, and stays lossless."""

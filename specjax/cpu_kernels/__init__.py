@@ -1,6 +1,6 @@
 """C++ kernels that XLA:CPU lacks, compiled on first use and called through `jax.ffi`.
 
-Seven kernels:
+Eight kernels:
 
 * `int8_matmul`, a matmul against int8 weights with one scale per output channel, for
   8-bit drafts. XLA:CPU widens an int8 matrix to float32 in memory before its dot (31 ms
@@ -35,6 +35,9 @@ Seven kernels:
   gives, bit for bit, and met there by every row of the call (up to 8 a pass). The float32
   target read 4 bytes a weight; the file's blocks hold 0.56 (Q4_1) to 1.06 (Q8_0): SmolLM2's
   AR decoding went from 48 to 130 tokens/s, Qwen2.5-Coder-0.5B's from 13 to 33 (Intel Xeon).
+* `q4_0_int8_matmul`, a draft's matmul against Q4_0 blocks (`4bit`) with x quantised to 8
+  bits per 32 inputs and each block's products summed as integers by AVX-512 VNNI, where
+  `gguf_matmul` computes every weight's float (a draft's numbers need only be close).
 
 Each source is compiled once per machine with the host's C++ compiler (`$CXX`, else
 g++) for its own CPU (`-march=native`) and cached under `cache_root()/kernels`, keyed by
@@ -77,6 +80,7 @@ _KERNELS = {
     "quant_attention": ("quant_attention.cc", {"specjax_quant_partials": "QuantPartials"}),
     "gguf_matmul": ("gguf_matmul.cc", {"specjax_gguf_matmul": "GgufMatmul",
                                        "specjax_gguf_dequantize": "GgufDequantize"}),
+    "q4_0_int8_matmul": ("q4_0_int8_matmul.cc", {"specjax_q4_0_int8_matmul": "Q4_0Int8Matmul"}),
 }
 _SOURCE = Path(__file__).with_name(_KERNELS["int8_matmul"][0])
 # The most rows `f32_matmul` takes: verification forwards (γ ≤ 8, so T ≤ 9) and a little
@@ -94,7 +98,8 @@ COMPILE_FLAGS = ("-O3", "-march=native", *_REASSOCIATE, "-std=c++17")
 # AR step's. With it GCC reordered `f32_matmul`'s one-row and five-row dot products
 # differently (the tied head's logits differed in their last bits), and may split a
 # loop's sum by its trip count, which `f32_attention` must not let depend on T.
-_IN_ORDER = frozenset({"f32_matmul.cc", "f32_attention.cc", "gguf_matmul.cc"})
+_IN_ORDER = frozenset({"f32_matmul.cc", "f32_attention.cc", "gguf_matmul.cc",
+                       "q4_0_int8_matmul.cc"})
 # Sources whose float expressions must round as written: GCC contracts a*b + c into an
 # FMA (one rounding) by default, even under -std=c++17; `gguf_matmul` must compute
 # gguf-py's (d * q) + m, two roundings, to give the file's float32 weights exactly.
@@ -300,6 +305,48 @@ def gguf_dequantize(blocks: jax.Array, kind: int) -> jax.Array:
   return flat.reshape(out.shape)
 
 
+def q4_0_int8_matmul(x: jax.Array, blocks: jax.Array) -> jax.Array:
+  """x[..., I] times a matrix of Q4_0 blocks uint8[O, I / 32 · 18] -> [..., O] in float32,
+  with x quantised to 8 bits per block of 32 inputs (ggml's Q8_0) and each block's products
+  summed as integers: close to `gguf_matmul`'s product, not equal to it, so for drafts
+  only. A row's result depends on that row alone. Only where `runs_here("q4_0_int8_matmul")`;
+  fast where `q4_0_int8_fast()`."""
+  _require("q4_0_int8_matmul")
+  xla = lambda x, blocks: _q4_0_int8_xla(x, blocks)
+  return _by_rows(_q4_0_int8_kernel, xla)(x.astype(jnp.float32), blocks)
+
+
+def _q4_0_int8_kernel(x, blocks):
+  out = jax.ShapeDtypeStruct(x.shape[:-1] + (blocks.shape[0],), jnp.float32)
+  return jax.ffi.ffi_call("specjax_q4_0_int8_matmul", out)(x, blocks)
+
+
+def _q4_0_int8_xla(x, blocks):
+  """The kernel's product in XLA's ops (a vmap's batch past FEW_ROWS): x on its 8-bit grid
+  per block, times the dequantised weights."""
+  I = x.shape[-1]
+  xb = x.reshape(*x.shape[:-1], I // 32, 32)
+  d = jnp.max(jnp.abs(xb), axis=-1, keepdims=True) / 127.0
+  inv = jnp.where(d != 0, 1.0 / jnp.where(d != 0, d, 1.0), 0.0)
+  grid = (jnp.clip(jnp.rint(xb * inv), -128, 127) * d).reshape(x.shape)
+  return jnp.einsum("...i,oi->...o", grid, gguf_dequantize(blocks, _Q4_0))
+
+
+_Q4_0 = 2  # ggml's type number of Q4_0
+
+
+@functools.cache
+def q4_0_int8_fast() -> bool:
+  """Whether `q4_0_int8_matmul` runs here with its AVX-512 VNNI loop. Elsewhere it takes a
+  scalar loop (the same integers, slower than `gguf_matmul`'s float path), so drafts keep
+  float inputs there."""
+  if unavailable("q4_0_int8_matmul"):
+    return False
+  source = Path(__file__).with_name(_KERNELS["q4_0_int8_matmul"][0])
+  lib = ctypes.cdll.LoadLibrary(str(_build(source, os.environ.get("CXX", "g++"))))
+  return bool(lib.Q4_0Int8Fast())
+
+
 def few_rows(x: jax.Array, w: jax.Array) -> bool:
   """Whether `x @ w` should take `f32_matmul`: float32 on a CPU backend, 1 to FEW_ROWS
   rows, the kernel built. One row included: the kernel streams an AR or draft step's
@@ -487,4 +534,4 @@ def f32_argmax(logits: jax.Array, probability: bool = False) -> tuple[jax.Array,
 
 __all__ = ["FEW_ROWS", "KernelBuildError", "attends_here", "f32_argmax", "f32_attention",
            "f32_matmul", "few_rows", "gguf_dequantize", "gguf_matmul", "int4_matmul", "int8_matmul", "kernel_status",
-           "quant_partials", "reads_codes", "runs_here"]
+           "q4_0_int8_fast", "q4_0_int8_matmul", "quant_partials", "reads_codes", "runs_here"]

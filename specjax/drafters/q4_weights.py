@@ -2,7 +2,10 @@
 
 Every matrix the draft multiplies by — the q/k/v and output projections, the MLP and the
 LM head — is read as GGUF Q4_0 blocks (32 weights, one half-float scale: 0.56 bytes a
-weight) through `cpu_kernels.gguf_matmul`, which dequantises them in registers. The point
+weight). Where the CPU has AVX-512 VNNI a step's x is quantised to 8 bits per 32 inputs
+and each block's products are summed as integers (`cpu_kernels.q4_0_int8_matmul`, as
+llama.cpp multiplies Q4_0 by Q8_0); elsewhere `cpu_kernels.gguf_matmul` dequantises the
+blocks in registers and meets x as floats. The point
 is a target that reads its own GGUF blocks (`--dtype gguf`): its Q5_0-Q8_0 blocks take
 0.69-1.06 bytes a weight, so `8bit`'s copies (1 byte) read about as much as the target
 does, while Q4_0 reads less and is the kernel's fastest type. Verification reads the
@@ -42,13 +45,17 @@ class Q4WeightsDrafter(OverlayDrafter):
                       "with Q4WeightsDrafter.for_model(model, base=...)")
 
   @classmethod
-  def for_model(cls, model, *, base: Drafter | None = None) -> Q4WeightsDrafter:
-    """Quantise the model's matrices once (gguf-py; seconds), held beside the target's."""
+  def for_model(cls, model, *, base: Drafter | None = None,
+                int8_inputs: bool | None = None) -> Q4WeightsDrafter:
+    """Quantise the model's matrices once (gguf-py; seconds), held beside the target's;
+    `int8_inputs`: whether a step's x meets them at 8 bits (`quant.quantize_weights_q4_0`;
+    None: where that is the faster path)."""
     why = cpu_kernels.unavailable("gguf_matmul")
     if why:
       raise ConfigError(f"the 4bit draft reads Q4_0 blocks through the gguf_matmul CPU "
                         f"kernel ({why}); use 8bit elsewhere")
-    return cls(weights=quantize_weights_q4_0(model.state, model.config.num_layers), base=base)
+    return cls(weights=quantize_weights_q4_0(model.state, model.config.num_layers,
+                                             int8_inputs=int8_inputs), base=base)
 
   def overlay_plan(self, session) -> DraftPlan:
     L = session.config.num_layers
