@@ -42,7 +42,8 @@ Eight kernels:
 Each source is compiled once per machine with the host's C++ compiler (`$CXX`, else
 g++) for its own CPU (`-march=native`) and cached under `cache_root()/kernels`, keyed by
 the source and the headers beside it (`workers.h`: how the kernels share work with XLA's
-threads; `float_vectors.h`: vector types and exp), the jax version and the CPU's flags.
+threads; `float_vectors.h`: vector types and exp; `half.h`: GGUF blocks' half-float
+scales), the jax version and the CPU's flags.
 Where no compiler is found, or `SPECJAX_CPU_KERNELS=0`, the kernels fall back to the XLA
 path (the same numbers up to float32 rounding, slower) and `kernel_status()` says why;
 `SPECJAX_CPU_KERNELS` may also list the kernels to use (`int8_matmul,f32_matmul`), to

@@ -27,6 +27,7 @@
 #include <immintrin.h>
 #endif
 
+#include "half.h"
 #include "simd.h"
 #include "workers.h"
 #include "xla/ffi/api/ffi.h"
@@ -49,31 +50,7 @@ constexpr int64_t kChunksPerWorker = 2;
 constexpr int64_t kMinRows = 16;
 constexpr int kTile = 4;  // rows of x per pass over a weight row
 
-float Half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = uint32_t{h & 0x8000u} << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-  uint32_t bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (man << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {
-    int shift = 0;
-    uint32_t m = man;
-    while (!(m & 0x400)) m <<= 1, ++shift;
-    bits = sign | ((113 - shift) << 23) | ((m & 0x3FF) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-#endif
-}
+using specjax::Half;
 
 // One row of x, quantised: for each block b, 32 codes, d_x (eight times, one per int32
 // lane of the vector loop's sums) and −8 · Σ of each 4 codes (vpdpbusd's int32 lanes sum
