@@ -60,14 +60,17 @@ def random_plan(L: int, frac: float, rng: np.random.Generator) -> DraftPlan:
   return DraftPlan.from_bits(on)
 
 
+Q4_0_INPUTS = ("float x", "8-bit x")  # how a `4bit` draft's x meets its Q4_0 copies
+
+
 def q4_0_inputs() -> tuple[str, ...]:
-  """How this machine's `4bit` drafts can read their Q4_0 copies: x as floats
-  (`gguf_matmul`), and at 8 bits (`q4_0_int8_matmul`) where its VNNI loop runs."""
+  """Those of Q4_0_INPUTS this machine runs: x as floats (`gguf_matmul`), and at 8 bits
+  (`q4_0_int8_matmul`) where its VNNI loop runs."""
   from specjax import cpu_kernels
 
   if not cpu_kernels.runs_here("gguf_matmul"):
     return ()
-  return ("float x", "8-bit x") if cpu_kernels.q4_0_int8_fast() else ("float x",)
+  return Q4_0_INPUTS if cpu_kernels.q4_0_int8_fast() else Q4_0_INPUTS[:1]
 
 
 def with_shortlist_head(m, plan: DraftPlan, size: int, rng: np.random.Generator
@@ -131,7 +134,7 @@ def step_ratios(m, context: int, rounds: int, steps: int, gamma: int = 4,
   # Every sub-layer reading Q4_0 copies (`4bit`), alone and scoring a shortlist
   # (`4bit+frspec`), x as floats and at 8 bits: the two in one run.
   for inputs in q4_0_inputs():
-    q4 = quantize_weights_q4_0(m.state, cfg.num_layers, int8_inputs=inputs == "8-bit x")
+    q4 = quantize_weights_q4_0(m.state, cfg.num_layers, int8_inputs=inputs == Q4_0_INPUTS[1])
     full = [p.replace(weights=q4) for p in plans[1.0]]
     plans[(1.0, inputs)] = full
     plans[(1.0, inputs, "shortlist")] = [with_shortlist_head(m, p, shortlist, rng)
@@ -148,7 +151,7 @@ def step_ratios(m, context: int, rounds: int, steps: int, gamma: int = 4,
           "int4_mlp_draft_over_ar": t.drafts[(1.0, 4)] / t.ar,
           "shortlist_draft_over_ar": t.drafts[(0.5, "shortlist")] / t.ar,
           "q4_0_draft_over_ar": {key[1:]: t.drafts[key] / t.ar for key in plans
-                                 if isinstance(key, tuple) and key[1] in q4_0_inputs()},
+                                 if isinstance(key, tuple) and key[1] in Q4_0_INPUTS},
           "floor": floor, "gamma": gamma,
           "head_share": read_bytes(m, DraftPlan.from_bits(np.zeros(2 * cfg.num_layers, bool)))
                         / dense}

@@ -102,10 +102,10 @@ class GGUFMatrix:
     them; a prompt's many rows dequantise the matrix and take XLA's dot, which reuses
     each weight across them."""
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
-    if rows > cpu_kernels.FEW_ROWS:
-      return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), self.dequantize())
-    if self.int8_inputs:
+    if self.int8_inputs:  # its own XLA path past a few rows: the same 8-bit product
       outs = [cpu_kernels.q4_0_int8_matmul(x, blocks) for blocks in self.parts]
+    elif rows > cpu_kernels.FEW_ROWS:
+      return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), self.dequantize())
     else:
       outs = [cpu_kernels.gguf_matmul(x, blocks, kind)
               for blocks, kind in zip(self.parts, self.kinds)]

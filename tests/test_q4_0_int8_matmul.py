@@ -88,13 +88,19 @@ def test_distance_from_the_float_product_is_what_quantising_x_allows():
   assert np.abs(got - exact).max() > 0  # not the float product: the test can fail
 
 
-def test_a_vmap_past_the_few_rows_takes_the_same_product_in_xla():
+def test_past_the_few_rows_xla_takes_the_same_product():
+  """A vmap's batch and a prompt's rows past FEW_ROWS: XLA's dot, the same 8-bit product
+  (through `GGUFMatrix.matmul` too, which must not fall back to the float product)."""
   x, blocks = _case(1, 160, 24, seed=5)
   xs = jnp.asarray(np.random.default_rng(6).normal(size=(cpu_kernels.FEW_ROWS + 3, 160)),
                    jnp.float32)
-  got = jax.vmap(lambda row: cpu_kernels.q4_0_int8_matmul(row, jnp.asarray(blocks)))(xs)
   want = reference(np.asarray(xs), blocks)
-  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  close = lambda got: np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5,
+                                                 atol=1e-5 * np.abs(want).max())
+  close(jax.vmap(lambda row: cpu_kernels.q4_0_int8_matmul(row, jnp.asarray(blocks)))(xs))
+  close(cpu_kernels.q4_0_int8_matmul(xs, jnp.asarray(blocks)))
+  m = GGUFMatrix.from_rows([(blocks, Q4_0)]).replace(int8_inputs=True)
+  close(m.matmul(xs))
 
 
 def test_only_q4_0_matrices_take_8_bit_inputs_and_keep_them():

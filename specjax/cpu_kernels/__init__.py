@@ -162,6 +162,10 @@ def _build(source: Path, compiler: str, extra_flags: tuple[str, ...] = ()) -> Pa
   return out
 
 
+# Each built kernel's library, kept for the functions it exports besides its FFI handlers.
+_LIBRARIES: dict[str, ctypes.CDLL] = {}
+
+
 @functools.cache
 def kernel_status(kernel: str = "int8_matmul") -> str:
   """'ready', or why `kernel` takes the XLA path on this machine."""
@@ -179,6 +183,7 @@ def kernel_status(kernel: str = "int8_matmul") -> str:
                   f"XLA path:\n{err}", stacklevel=2)
     errors = [line for line in str(err).splitlines() if "error" in line] or [repr(err)]
     return f"build failed: {errors[0]}"
+  _LIBRARIES[kernel] = lib
   for target, symbol in targets.items():
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                 platform="cpu")
@@ -311,10 +316,13 @@ def q4_0_int8_matmul(x: jax.Array, blocks: jax.Array) -> jax.Array:
   with x quantised to 8 bits per block of 32 inputs (ggml's Q8_0) and each block's products
   summed as integers: close to `gguf_matmul`'s product, not equal to it, so for drafts
   only. A row's result depends on that row alone. Only where `runs_here("q4_0_int8_matmul")`;
-  fast where `q4_0_int8_fast()`."""
+  fast where `q4_0_int8_fast()`. Past FEW_ROWS rows (a prompt) the same product takes
+  XLA's dot, which reuses each weight across them."""
   _require("q4_0_int8_matmul")
-  xla = lambda x, blocks: _q4_0_int8_xla(x, blocks)
-  return _by_rows(_q4_0_int8_kernel, xla)(x.astype(jnp.float32), blocks)
+  x = x.astype(jnp.float32)
+  if x.size // x.shape[-1] > FEW_ROWS:
+    return _q4_0_int8_xla(x, blocks)
+  return _by_rows(_q4_0_int8_kernel, _q4_0_int8_xla)(x, blocks)
 
 
 def _q4_0_int8_kernel(x, blocks):
@@ -330,10 +338,9 @@ def _q4_0_int8_xla(x, blocks):
   d = jnp.max(jnp.abs(xb), axis=-1, keepdims=True) / 127.0
   inv = jnp.where(d != 0, 1.0 / jnp.where(d != 0, d, 1.0), 0.0)
   grid = (jnp.clip(jnp.rint(xb * inv), -128, 127) * d).reshape(x.shape)
-  return jnp.einsum("...i,oi->...o", grid, gguf_dequantize(blocks, _Q4_0))
+  from gguf.constants import GGMLQuantizationType
 
-
-_Q4_0 = 2  # ggml's type number of Q4_0
+  return jnp.einsum("...i,oi->...o", grid, gguf_dequantize(blocks, GGMLQuantizationType.Q4_0))
 
 
 @functools.cache
@@ -343,9 +350,7 @@ def q4_0_int8_fast() -> bool:
   float inputs there."""
   if unavailable("q4_0_int8_matmul"):
     return False
-  source = Path(__file__).with_name(_KERNELS["q4_0_int8_matmul"][0])
-  lib = ctypes.cdll.LoadLibrary(str(_build(source, os.environ.get("CXX", "g++"))))
-  return bool(lib.Q4_0Int8Fast())
+  return bool(_LIBRARIES["q4_0_int8_matmul"].Q4_0Int8Fast())
 
 
 def few_rows(x: jax.Array, w: jax.Array) -> bool:
