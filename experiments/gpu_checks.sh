@@ -3,9 +3,14 @@
 # under the 600 s a call may run). Run through a bundle (experiments/gpu_bundle.py), which
 # sets SPECJAX_CACHE and SPECJAX_DATA_DIR; results go to $OUT (8 files at most come back).
 #
-#   bash experiments/gpu_checks.sh STEP [STEP ...]     STEP: fixed, cmdbuf, profile,
+#   bash experiments/gpu_checks.sh STEP [STEP ...]     STEP: forward, fixed, cmdbuf, profile,
 #                                                      adaptive, loops, conditionals, all
 #
+#   forward   issue 17's step-cost table in bf16 (experiments/bench_gpu.py, steps timed as host
+#             calls and inside a jitted loop, AR decoding against the HBM roofline) for
+#             FORWARD_MODELS (default: SmolLM2's real weights, random-init 1.5B and 8B
+#             shapes). The shapes need no bundle, so they can run in the call that carries
+#             the bundle's first part (FORWARD_MODELS=shape:llama-8b,shape:qwen2-1.5b)
 #   fixed     the device-loop drafters end to end in --dtype mixed: 0 mismatches now that
 #             float32 dots ask for HIGHEST precision (efe3747), and FR-Spec's selection
 #             share now that its head rows are gathered once (a94978f)
@@ -28,7 +33,7 @@
 #             call that carries the bundle's first part
 #
 # Each step's time limit in seconds can be lowered to fit a lease: FIXED_S, CMDBUF_S,
-# PROFILE_S, ADAPTIVE_S, LOOPS_S, CONDITIONALS_S (per flag setting).
+# PROFILE_S, ADAPTIVE_S, LOOPS_S, CONDITIONALS_S (per flag setting), FORWARD_S.
 set -uo pipefail
 MODEL=${MODEL:-smollm2-135m-instruct}
 OUT=${OUT:-/tmp/gpu-checks}
@@ -51,19 +56,26 @@ bench() {  # NAME DRAFTERS SECONDS
   return 0
 }
 
-forward() {  # NAME XLA_FLAGS
-  log "bench_gpu $1 (XLA_FLAGS=$2)"
-  XLA_FLAGS="$2" timeout "${CMDBUF_S:-200}" python3 experiments/bench_gpu.py --models "$MODEL" \
-    --repeats 5 --chain 10 --loop-steps 32 --out "$OUT/forward-$1.jsonl" 2>&1 \
-    | tail -n 15 | tee -a "$OUT/checks.log"
+forward() {  # NAME XLA_FLAGS MODELS SECONDS
+  log "bench_gpu $1: $3 (XLA_FLAGS=$2)"
+  # specjax from this checkout: without a bundle, nothing else puts it on the path
+  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_FLAGS="$2" timeout "$4" \
+    python3 experiments/bench_gpu.py --models "$3" --repeats 5 --chain 10 --loop-steps 32 \
+    --out "$OUT/forward-$1.jsonl" 2>&1 | grep -v '%|' | tail -n 45 | tee -a "$OUT/checks.log"
 }
 
 step() {
   case "$1" in
     fixed) bench fixed "${FIXED:-8bit,frspec,dynaspec,self_sd,early_exit}" "${FIXED_S:-420}" ;;
+    forward)
+      nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw,memory.used \
+        --format=csv 2>&1 | tee -a "$OUT/checks.log"
+      forward bf16 "" "${FORWARD_MODELS:-$MODEL,shape:qwen2-1.5b,shape:llama-8b}" \
+        "${FORWARD_S:-420}" ;;
     cmdbuf)
-      forward default ""
-      forward cmdbuf "--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE" ;;
+      forward default "" "$MODEL" "${CMDBUF_S:-200}"
+      forward cmdbuf "--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE" "$MODEL" \
+        "${CMDBUF_S:-200}" ;;
     profile)
       if [ -n "${PROFILE_FROM:-}" ]; then
         log "profile from $PROFILE_FROM"
@@ -91,7 +103,7 @@ print(p.save_profile(p.LatencyProfile.from_json(json.loads(line))))' "$PROFILE_F
       PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 experiments/gpu_conditionals.py --timeout "${CONDITIONALS_S:-150}" \
         --out "$OUT/conditionals.jsonl" 2>&1 | tail -n 12 | tee -a "$OUT/checks.log" ;;
     all) step fixed; step cmdbuf; step adaptive ;;
-    *) echo "unknown step '$1' (fixed, cmdbuf, profile, adaptive, loops, conditionals, all)" >&2
+    *) echo "unknown step '$1' (forward, fixed, cmdbuf, profile, adaptive, loops, conditionals, all)" >&2
        exit 2 ;;
   esac
 }
