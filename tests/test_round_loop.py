@@ -272,6 +272,23 @@ def test_device_loop_copies_no_cache_layer():
     assert _layer_copies(hlo, config, 512) == []
 
 
+@pytest.mark.parametrize("threshold, trip_count", [(0.0, 4), (0.5, None)])
+def test_a_draft_without_early_stop_is_a_loop_of_known_length(threshold, trip_count):
+  """8bit, 4bit and quantspec draft γ tokens, no early stop: the draft loop inside the
+  round's body then has a trip count XLA knows (a GPU runs a loop of unknown length with a
+  host round trip per step for its predicate). An early stop keeps the predicate."""
+  import re
+
+  config, graphdef, state = target("llama")
+  carry = Decoding.start(KVCache.create(config, 1, 192), jnp.asarray([1]), jax.random.key(0),
+                         64)
+  hlo = decode_rounds.lower(state, carry, SKIP, jnp.int32(40), jnp.asarray([-1]),
+                            jnp.int32(8), graphdef=graphdef, vocab=config.vocab_size, gamma=4,
+                            threshold=threshold, sampling=SamplingParams()).compile().as_text()
+  counts = [int(n) for n in re.findall(r'known_trip_count":\{"n":"(\d+)"', hlo)]
+  assert (4 in counts) == (trip_count == 4)
+
+
 @pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
 def test_ar_chunks_change_no_token(sampling):
   config, graphdef, state = target("qwen2")

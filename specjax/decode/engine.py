@@ -50,15 +50,21 @@ class RoundOut:
 
 def _draft(state, cache, last, plan, key, limit, *, graphdef, vocab, gamma, threshold,
            sampling):
-  """Up to min(γ, limit) draft steps under `plan`; stop after a token whose top-1 prob
-  < threshold. The cache is only read; the drafted tokens' K/V live in a `DraftBuffer`."""
+  """Up to min(γ, limit) draft steps under `plan` (`limit` None: γ); stop after a token
+  whose top-1 prob < threshold. The cache is only read; the drafted tokens' K/V live in a
+  `DraftBuffer`.
+
+  With no early stop and no traced limit the loop runs exactly γ steps, and says so: XLA
+  then knows its trip count. On a GPU a while loop whose condition depends on data copies
+  the predicate to the host and waits for it before every step, so a fixed-length draft
+  (8bit, 4bit, quantspec) would pay γ + 1 host round trips a round for nothing."""
   drafts = jnp.zeros((gamma,), jnp.int32)
   conf = jnp.zeros((gamma,), jnp.float32)
   q_rows = None if sampling.greedy else jnp.zeros((gamma + 1, vocab), jnp.float32)
 
   def cond(carry):
     i, *_, go, _ = carry
-    return (i < jnp.minimum(gamma, limit)) & go
+    return (i < (gamma if limit is None else jnp.minimum(gamma, limit))) & go
 
   def body(carry):
     i, buffer, token, drafts, conf, q_rows, _, key = carry
@@ -80,7 +86,11 @@ def _draft(state, cache, last, plan, key, limit, *, graphdef, vocab, gamma, thre
 
   init = (jnp.int32(0), DraftBuffer.like(cache, gamma), last, drafts, conf, q_rows,
           jnp.bool_(True), key)
-  n, _, _, drafts, conf, q_rows, _, _ = jax.lax.while_loop(cond, body, init)
+  if limit is None and threshold <= 0.0:  # every draft's confidence is >= 0: no early stop
+    final = jax.lax.fori_loop(0, gamma, lambda _, carry: body(carry), init)
+  else:
+    final = jax.lax.while_loop(cond, body, init)
+  n, _, _, drafts, conf, q_rows, _, _ = final
   return n, drafts, conf, q_rows
 
 
@@ -187,8 +197,7 @@ def draft_fn(state, cache, last, plan, key, limit=None, *, graphdef, vocab, gamm
              sampling) -> Draft:
   """Draft up to min(γ, limit) tokens under `plan`, reading the verified cache (never
   writing it). `limit` is traced: drafters that choose the draft length per round (KnapSpec)
-  share one executable."""
-  limit = jnp.int32(gamma) if limit is None else limit
+  share one executable. None drafts γ, a length XLA then knows when nothing stops early."""
   n, drafts, conf, q_rows = _draft(state, cache, last, plan, key, limit,
                                    graphdef=graphdef, vocab=vocab, gamma=gamma,
                                    threshold=threshold, sampling=sampling)

@@ -99,8 +99,8 @@ def decode_rounds(state: nnx.State, carry: Decoding, plan: DraftPlan, budget: ja
 
   def body(c: Decoding) -> Decoding:
     key, k_draft, k_accept = jax.random.split(c.key, 3)
-    draft = draft_fn(state, c.cache, c.last, plan, k_draft, jnp.int32(gamma), graphdef=graphdef,
-                     vocab=vocab, gamma=gamma, threshold=threshold, sampling=sampling)
+    draft = draft_fn(state, c.cache, c.last, plan, k_draft, graphdef=graphdef, vocab=vocab,
+                     gamma=gamma, threshold=threshold, sampling=sampling)
     out, cache = verify_fn(state, c.cache, c.last, draft, full, k_accept, graphdef=graphdef,
                            sampling=sampling, residuals=c.window is not None)
     keep, done = _commit(out.tokens, out.n_commit, c.count, budget, eos)
