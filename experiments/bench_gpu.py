@@ -7,8 +7,10 @@
 Per model, at context `--context`, as ratios to the AR step (the dense model, T = 1):
 verification of γ + 1 = 5 tokens; a draft step under random plans with 25 / 50 / 75 % of
 the 2L sub-layers on, frozen into the executable (the device loop's GPU default, no
-conditional) and, at 50 %, traced (one `lax.cond` per sub-layer, the host loop's plans);
-and a draft step with every sub-layer on reading 8-bit weights (every matmul and the LM
+conditional) and, at 50 %, traced (one `lax.cond` per sub-layer, the host loop's plans)
+and frozen in a draft loop of unknown length (as a drafter with an early stop loops: on a
+GPU its predicate is a host round trip per step, which a fixed-length draft, the other
+rows, no longer pays); and a draft step with every sub-layer on reading 8-bit weights (every matmul and the LM
 head, `quantize_weights_int8`) or QuantSpec's 4-bit MLP weights (`quantize_mlp_weights`):
 which of the two a GPU draft should default to. Timed two ways: each step a call from
 the host (`--chain` calls dispatched back to back, one wait: what the host loop pays,
@@ -66,9 +68,11 @@ SHAPES = {
     "tiny": tiny_config("llama"),  # a CPU smoke run (tests/test_bench_gpu_script.py)
 }
 FRACTIONS = (0.25, 0.5, 0.75)
+EARLY_STOP = "0.5 early stop"
 DRAFT_LABELS = [("0.25", "draft, 25 % of sub-layers, frozen"),
                 ("0.5", "draft, 50 %, frozen"), ("0.75", "draft, 75 %, frozen"),
                 ("traced 0.5", "draft, 50 %, traced (`lax.cond` per sub-layer)"),
+                ("0.5 early stop", "draft, 50 %, frozen, in a loop of unknown length"),
                 ("8-bit", "draft, all sub-layers, 8-bit weights"),
                 ("4-bit MLP", "draft, all sub-layers, 4-bit MLP weights")]
 
@@ -97,6 +101,7 @@ def draft_plans(m: Model) -> tuple[dict, float]:
   full = DraftPlan.full(L)
   plans = {str(f): [random_plan(L, f, rng).freeze()] for f in FRACTIONS}
   plans["traced 0.5"] = [random_plan(L, 0.5, rng)]
+  plans[EARLY_STOP] = plans["0.5"]  # the same draft, as an early-stopping drafter loops
   t0 = time.perf_counter()
   plans["8-bit"] = [full.replace(weights=quantize_weights_int8(m.state, L)).freeze()]
   plans["4-bit MLP"] = [full.replace(weights=quantize_mlp_weights(m.state, L)).freeze()]
@@ -109,7 +114,7 @@ def step_costs(m: Model, plans: dict, context: int, repeats: int, chain: int,
   the host loop runs them): see the module docstring."""
   t0 = time.perf_counter()
   t = step_times(m.graphdef, m.state, m.config, plans, gammas=(gamma,), context=context,
-                 repeats=repeats, chain=chain)
+                 repeats=repeats, chain=chain, early_stop=(EARLY_STOP,))
   return {"ar_ms": t.ar * 1e3, "verify_ms": t.verify[gamma] * 1e3,
           "verify_over_ar": t.verify[gamma] / t.ar,
           "draft_over_ar": {k: v / t.ar for k, v in t.drafts.items()},
@@ -123,7 +128,7 @@ def loop_costs(m: Model, plans: dict, context: int, repeats: int, steps: int,
   device time per step, no host dispatch. Medians of `repeats` loops."""
   t0 = time.perf_counter()
   t = step_times(m.graphdef, m.state, m.config, plans, gammas=(gamma,), context=context,
-                 repeats=repeats, loop=steps)
+                 repeats=repeats, loop=steps, early_stop=(EARLY_STOP,))
   return {"loop_ar_ms": t.ar * 1e3, "loop_verify_over_ar": t.verify[gamma] / t.ar,
           "loop_draft_over_ar": {k: v / t.ar for k, v in t.drafts.items()},
           "loop_steps": steps, "loop_compile_and_time_s": time.perf_counter() - t0}
@@ -175,11 +180,11 @@ def section(rows: list[dict], bench: list[dict] | None = None, bench_command: st
   steps = [["AR step (ms)"] + [f"{r['ar_ms']:.3f}" for r in rows],
            ["verify γ + 1 = 5 ÷ AR"] + [f"{r['verify_over_ar']:.3f}" for r in rows]]
   for key, label in DRAFT_LABELS:
-    steps.append([label + " ÷ AR"] + [f"{r['draft_over_ar'][key]:.3f}" for r in rows])
+    steps.append([label + " ÷ AR"] + [_ratio(r["draft_over_ar"], key) for r in rows])
   looped = [r for r in rows if "loop_ar_ms" in r]
   in_loop = [["AR step (ms)"] + [f"{r['loop_ar_ms']:.3f}" for r in looped],
              ["verify γ + 1 = 5 ÷ AR"] + [f"{r['loop_verify_over_ar']:.3f}" for r in looped]]
-  in_loop += [[label + " ÷ AR"] + [f"{r['loop_draft_over_ar'][key]:.3f}" for r in looped]
+  in_loop += [[label + " ÷ AR"] + [_ratio(r["loop_draft_over_ar"], key) for r in looped]
               for key, label in DRAFT_LABELS]
   decode = [["decode tok/s"] + [f"{r['decode_tok_s']:.1f}" for r in rows],
             ["ms per token in the loop"] + [f"{1e3 / r['decode_tok_s']:.3f}" for r in rows],
@@ -226,6 +231,11 @@ def section(rows: list[dict], bench: list[dict] | None = None, bench_command: st
               "",
               _overall_table(metrics.summarize(bench))]
   return "\n".join(parts)
+
+
+def _ratio(ratios: dict, key: str) -> str:
+  """A table cell: "–" where a run predates the row."""
+  return f"{ratios[key]:.3f}" if key in ratios else "–"
 
 
 def _card(machine: str) -> str:

@@ -23,13 +23,19 @@ def test_smoke_run_measures_every_step_and_renders_its_section(tmp_path):
           "--loop-steps", "2", "--tokens", "8", "--runs", "1", "--out", str(lines))
   (row,) = [json.loads(line) for line in lines.read_text().splitlines()]
   assert row["model"] == "shape:tiny" and row["dtype"] == "mixed"
-  assert set(row["draft_over_ar"]) == {"0.25", "0.5", "0.75", "traced 0.5", "8-bit",
-                                       "4-bit MLP"}
+  assert set(row["draft_over_ar"]) == {"0.25", "0.5", "0.75", "traced 0.5", "0.5 early stop",
+                                       "8-bit", "4-bit MLP"}
   assert set(row["loop_draft_over_ar"]) == set(row["draft_over_ar"])
   assert row["ar_ms"] > 0 and row["loop_ar_ms"] > 0 and row["decode_tok_s"] > 0
   out = _script("--report", str(lines))
   assert json.loads(out[-1])["models"] == [row]
   assert any(line.startswith("| draft, 50 %, frozen ÷ AR |") for line in out)
+  # a run from before the early-stop row still renders, that cell marked as missing
+  old = {**row, "draft_over_ar": {k: v for k, v in row["draft_over_ar"].items()
+                                  if k != "0.5 early stop"}}
+  lines.write_text(json.dumps(old) + "\n")
+  out = _script("--report", str(lines))
+  assert "| draft, 50 %, frozen, in a loop of unknown length ÷ AR | – |" in out
 
 
 def test_conditionals_check_measures_under_the_command_buffer_flags(tmp_path):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -223,8 +223,8 @@ class StepTimes:
 
 
 def step_times(graphdef, state, config, plans: dict, *, gammas: Sequence[int] = (4,),
-               context: int = 256, repeats: int = 7, chain: int = 1, loop: int = 0
-               ) -> StepTimes:
+               context: int = 256, repeats: int = 7, chain: int = 1, loop: int = 0,
+               early_stop: Collection[str] = ()) -> StepTimes:
   """Time the AR step, verification at each γ in `gammas` and a draft step under every plan
   of `plans` ({key: [DraftPlan, ...]}) at `context`, round-robin so that machine noise hits
   them alike. Compiled ahead (one draft executable per plan structure, one per plan when
@@ -237,12 +237,13 @@ def step_times(graphdef, state, config, plans: dict, *, gammas: Sequence[int] = 
   two differ by the launch and the wait of a call (measured on an H100: SmolLM2's AR step
   2.50 ms a call, 1.25 ms in a loop). A draft step is a draft of γ = 1 without early stop,
   a loop of known length (as 8bit, 4bit and quantspec draft): on a GPU an early-stopping
-  draft pays one host round trip more per step, for its loop's predicate."""
+  draft pays one host round trip more per step, for its loop's predicate: the plans named
+  in `early_stop` are timed in such a loop (of length 1, its limit traced)."""
   from specjax.decode.generate import compute_dtype
 
   cache = KVCache.create(config, 1, context + max(gammas) + 2 + loop,
                          compute_dtype(config, state)).with_length(context)
-  steps = _Steps(graphdef, config, cache, context, tuple(gammas))
+  steps = _Steps(graphdef, config, cache, context, tuple(gammas), frozenset(early_stop))
   calls = steps.looped(state, plans, loop) if loop else steps.from_host(state, plans)
   times: dict = {}
   per_sample = loop or chain
@@ -265,7 +266,12 @@ class _Steps:
   cache: KVCache  # at `context`, with room for what the steps write
   context: int
   gammas: tuple[int, ...]
+  early_stop: frozenset[str] = frozenset()  # plans drafted in a loop of unknown length
   greedy: SamplingParams = SamplingParams()
+
+  def limit(self, name: str) -> jax.Array | None:
+    """The draft's limit: traced for an early-stopping draft, None (γ) otherwise."""
+    return jnp.int32(1) if name in self.early_stop else None
 
   @property
   def full(self) -> DraftPlan:
@@ -301,16 +307,17 @@ class _Steps:
         return out
       return run
 
-    def drafting(plan):
-      exe = compiled(draft_step, state, self.cache, last, plan, key, None, graphdef=gd,
+    def drafting(name, plan):
+      limit = self.limit(name)
+      exe = compiled(draft_step, state, self.cache, last, plan, key, limit, graphdef=gd,
                      vocab=self.config.vocab_size, gamma=1, threshold=0.0, sampling=greedy)
-      return lambda: exe(state, holder["cache"], last, plan, key, None).n
+      return lambda: exe(state, holder["cache"], last, plan, key, limit).n
 
     calls = [("ar", writes(lambda c: step(state, c, tok, full, key)))]
     calls += [(("verify", g), writes(lambda c, g=g: verifiers[g](state, c, last, protos[g],
                                                                    full, key)))
               for g in self.gammas]
-    return calls + [(("draft", name), drafting(plan)) for name, group in plans.items()
+    return calls + [(("draft", name), drafting(name, plan)) for name, group in plans.items()
                     for plan in group]
 
   def looped(self, state, plans: dict, n: int) -> list:
@@ -336,9 +343,9 @@ class _Steps:
         return out.tokens[0], c.with_length(context)
       return jax.lax.fori_loop(0, n, body, (jnp.int32(1), cache))[0]
 
-    def draft(state, cache, plan):
+    def draft(state, cache, plan, limit):
       def body(_, last):
-        return draft_step(state, cache, last, plan, key, None, graphdef=gd,
+        return draft_step(state, cache, last, plan, key, limit, graphdef=gd,
                           vocab=self.config.vocab_size, gamma=1, threshold=0.0,
                           sampling=greedy).tokens[0]
       return jax.lax.fori_loop(0, n, body, jnp.int32(1))
@@ -353,7 +360,7 @@ class _Steps:
 
     calls = [("ar", ahead(ar, state, cache))]
     calls += [(("verify", g), ahead(verify, state, cache, self.proto(g))) for g in self.gammas]
-    return calls + [(("draft", name), ahead(draft, state, cache, plan))
+    return calls + [(("draft", name), ahead(draft, state, cache, plan, self.limit(name)))
                     for name, group in plans.items() for plan in group]
 
 
