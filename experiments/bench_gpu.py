@@ -10,9 +10,9 @@ the 2L sub-layers on, frozen into the executable (the device loop's GPU default,
 conditional) and, at 50 %, traced (one `lax.cond` per sub-layer, the host loop's plans)
 and frozen in a draft loop of unknown length (as a drafter with an early stop loops: on a
 GPU its predicate is a host round trip per step, which a fixed-length draft, the other
-rows, no longer pays); and a draft step with every sub-layer on reading 8-bit weights (every matmul and the LM
-head, `quantize_weights_int8`) or QuantSpec's 4-bit MLP weights (`quantize_mlp_weights`):
-which of the two a GPU draft should default to. Timed two ways: each step a call from
+rows, no longer pays); and a draft step with every sub-layer on reading 8-bit weights
+(every matmul and the LM head, `quantize_weights_int8`) or QuantSpec's 4-bit MLP weights
+(`quantize_mlp_weights`): which of the two a GPU draft should default to. Timed two ways: each step a call from
 the host (`--chain` calls dispatched back to back, one wait: what the host loop pays,
 dispatch included), and `--loop-steps` steps chained inside one jitted loop (what the
 device loop pays: device time alone). Then greedy AR decoding of `--tokens` tokens
