@@ -107,6 +107,21 @@ def test_the_checks_script_parses_and_refuses_an_unknown_step(tmp_path):
   assert out.returncode == 2 and "unknown step 'nope'" in out.stderr
 
 
+def test_the_forward_step_runs_bench_gpu_without_a_bundle(tmp_path):
+  """`forward` on a random-init shape: specjax found from the checkout (no bundle sets its
+  path), the model's JSON line written under $OUT, and the script's own JSON last."""
+  env = {**os.environ, "OUT": str(tmp_path), "FORWARD_MODELS": "shape:tiny",
+         "FORWARD_S": "300", "PYTHONPATH": "",
+         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # ours
+  out = subprocess.run(["bash", str(ROOT / "experiments" / "gpu_checks.sh"), "forward"],
+                       check=False, capture_output=True, text=True, env=env, cwd=ROOT)
+  assert out.returncode == 0, out.stderr
+  (row,) = [json.loads(line) for line in (tmp_path / "forward-bf16.jsonl").read_text()
+            .splitlines()]
+  assert row["model"] == "shape:tiny" and row["loop_ar_ms"] > 0
+  assert json.loads(out.stdout.strip().splitlines()[-1])["steps"] == ["forward"]
+
+
 def test_the_profile_step_saves_a_printed_profile_where_knapspec_looks(tmp_path):
   """PROFILE_FROM: the last line `specjax profile` printed on an earlier run (its log),
   saved into the cache instead of measuring again on the GPU's clock."""

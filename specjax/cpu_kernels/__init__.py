@@ -333,13 +333,13 @@ def _q4_0_int8_kernel(x, blocks):
 def _q4_0_int8_xla(x, blocks):
   """The kernel's product in XLA's ops (a vmap's batch past FEW_ROWS): x on its 8-bit grid
   per block, times the dequantised weights."""
+  from gguf.constants import GGMLQuantizationType
+
   I = x.shape[-1]
   xb = x.reshape(*x.shape[:-1], I // 32, 32)
   d = jnp.max(jnp.abs(xb), axis=-1, keepdims=True) / 127.0
   inv = jnp.where(d != 0, 1.0 / jnp.where(d != 0, d, 1.0), 0.0)
   grid = (jnp.clip(jnp.rint(xb * inv), -128, 127) * d).reshape(x.shape)
-  from gguf.constants import GGMLQuantizationType
-
   return jnp.einsum("...i,oi->...o", grid, gguf_dequantize(blocks, GGMLQuantizationType.Q4_0))
 
 
