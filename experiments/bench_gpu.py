@@ -19,8 +19,9 @@ device loop pays: device time alone). Then greedy AR decoding of `--tokens` toke
 (`generate`, the on-device loop), decode tokens/s against the HBM roofline: weight bytes
 per token over the bandwidth a jitted reduction reaches here. `shape:NAME` models are
 random-init at a real model's shapes (`SHAPES`): timing does not depend on the weights'
-values, and no 8B checkpoint fits this project. Every model's figures are appended to
-`--out` as they finish; the last line of the output is JSON.
+values, and no 8B checkpoint fits this project. `--drafts` times some of the draft rows
+(compiling dominates a GPU run: each model's compiles are counted and timed apart). Every
+model's figures are appended to `--out` as they finish; the last line of the output is JSON.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ import argparse
 import json
 import os
 import re
+import shlex
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import jax
@@ -75,6 +78,8 @@ DRAFT_LABELS = [("0.25", "draft, 25 % of sub-layers, frozen"),
                 ("0.5 early stop", "draft, 50 %, frozen, in a loop of unknown length"),
                 ("8-bit", "draft, all sub-layers, 8-bit weights"),
                 ("4-bit MLP", "draft, all sub-layers, 4-bit MLP weights")]
+DRAFT_KEYS = tuple(key for key, _ in DRAFT_LABELS)
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax's, since 0.4
 
 
 class Model:
@@ -93,9 +98,10 @@ class Model:
       self.ids = m.tokenizer.encode_prompt(PROMPT)
 
 
-def draft_plans(m: Model) -> tuple[dict, float]:
-  """{name: [plan]} of the measured drafts (see the module docstring), and the seconds
-  quantising the weights took."""
+def draft_plans(m: Model, keys: Collection[str] = DRAFT_KEYS) -> tuple[dict, float]:
+  """{name: [plan]} of the measured drafts named in `keys` (see the module docstring), and
+  the seconds quantising the weights took. The random plans are the same whichever are
+  asked for."""
   L = m.config.num_layers
   rng = np.random.default_rng(0)
   full = DraftPlan.full(L)
@@ -103,9 +109,30 @@ def draft_plans(m: Model) -> tuple[dict, float]:
   plans["traced 0.5"] = [random_plan(L, 0.5, rng)]
   plans[EARLY_STOP] = plans["0.5"]  # the same draft, as an early-stopping drafter loops
   t0 = time.perf_counter()
-  plans["8-bit"] = [full.replace(weights=quantize_weights_int8(m.state, L)).freeze()]
-  plans["4-bit MLP"] = [full.replace(weights=quantize_mlp_weights(m.state, L)).freeze()]
-  return plans, time.perf_counter() - t0
+  if "8-bit" in keys:
+    plans["8-bit"] = [full.replace(weights=quantize_weights_int8(m.state, L)).freeze()]
+  if "4-bit MLP" in keys:
+    plans["4-bit MLP"] = [full.replace(weights=quantize_mlp_weights(m.state, L)).freeze()]
+  return {k: v for k, v in plans.items() if k in keys}, time.perf_counter() - t0
+
+
+class CompileTimer:
+  """The XLA compiles made while it is entered, counted and timed (jax.monitoring), so a
+  model's figures give compile time apart from timing: on the H200 a model's steps took
+  43-81 s to compile and time per mode, which decides what fits in a lease."""
+
+  def __enter__(self) -> "CompileTimer":
+    self.seconds, self.count = 0.0, 0
+    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+    return self
+
+  def _on_event(self, event: str, seconds: float, **_) -> None:
+    if event == BACKEND_COMPILE_EVENT:
+      self.seconds += seconds
+      self.count += 1
+
+  def __exit__(self, *exc) -> None:
+    jax.monitoring.unregister_event_duration_listener(self._on_event)
 
 
 def step_costs(m: Model, plans: dict, context: int, repeats: int, chain: int,
@@ -113,13 +140,15 @@ def step_costs(m: Model, plans: dict, context: int, repeats: int, chain: int,
   """Step times in ms and as ratios to the AR step, each step a call from the host (as
   the host loop runs them): see the module docstring."""
   t0 = time.perf_counter()
-  t = step_times(m.graphdef, m.state, m.config, plans, gammas=(gamma,), context=context,
-                 repeats=repeats, chain=chain, early_stop=(EARLY_STOP,))
+  with CompileTimer() as compiles:
+    t = step_times(m.graphdef, m.state, m.config, plans, gammas=(gamma,), context=context,
+                   repeats=repeats, chain=chain, early_stop=(EARLY_STOP,))
   return {"ar_ms": t.ar * 1e3, "verify_ms": t.verify[gamma] * 1e3,
           "verify_over_ar": t.verify[gamma] / t.ar,
           "draft_over_ar": {k: v / t.ar for k, v in t.drafts.items()},
           "draft_ms": {k: v * 1e3 for k, v in t.drafts.items()},
-          "gamma": gamma, "compile_and_time_s": time.perf_counter() - t0}
+          "gamma": gamma, "compile_and_time_s": time.perf_counter() - t0,
+          "compile_s": compiles.seconds, "compiles": compiles.count}
 
 
 def loop_costs(m: Model, plans: dict, context: int, repeats: int, steps: int,
@@ -127,11 +156,13 @@ def loop_costs(m: Model, plans: dict, context: int, repeats: int, steps: int,
   """The same steps, `steps` of each chained inside one jitted loop (`step_times(loop=)`):
   device time per step, no host dispatch. Medians of `repeats` loops."""
   t0 = time.perf_counter()
-  t = step_times(m.graphdef, m.state, m.config, plans, gammas=(gamma,), context=context,
-                 repeats=repeats, loop=steps, early_stop=(EARLY_STOP,))
+  with CompileTimer() as compiles:
+    t = step_times(m.graphdef, m.state, m.config, plans, gammas=(gamma,), context=context,
+                   repeats=repeats, loop=steps, early_stop=(EARLY_STOP,))
   return {"loop_ar_ms": t.ar * 1e3, "loop_verify_over_ar": t.verify[gamma] / t.ar,
           "loop_draft_over_ar": {k: v / t.ar for k, v in t.drafts.items()},
-          "loop_steps": steps, "loop_compile_and_time_s": time.perf_counter() - t0}
+          "loop_steps": steps, "loop_compile_and_time_s": time.perf_counter() - t0,
+          "loop_compile_s": compiles.seconds, "loop_compiles": compiles.count}
 
 
 def ar_decode(m: Model, tokens: int, runs: int) -> dict:
@@ -154,19 +185,20 @@ def measure(name: str, args) -> dict:
              "machine": report.machine(),
              # a copy of the tree without .git (a lent GPU machine) names it in the environment
              "commit": report.git_revision() or os.environ.get("SPECJAX_COMMIT", "unknown"),
-             "command": "python experiments/bench_gpu.py " + " ".join(sys.argv[1:]),
+             "command": "python experiments/bench_gpu.py " + shlex.join(sys.argv[1:]),
              "load_s": time.perf_counter() - t0}
   print(f"{name}: loaded in {figures['load_s']:.1f} s; step costs", flush=True)
-  plans, figures["quantize_s"] = draft_plans(m)
+  plans, figures["quantize_s"] = draft_plans(m, args.drafts)
   figures |= step_costs(m, plans, args.context, args.repeats, args.chain)
   if args.loop_steps:
     figures |= loop_costs(m, plans, args.context, args.repeats, args.loop_steps)
     print(f"{name}: in the loop, AR {figures['loop_ar_ms']:.3f} ms, verify ÷ AR "
           f"{figures['loop_verify_over_ar']:.3f}, drafts ÷ AR "
-          f"{ {k: round(v, 3) for k, v in figures['loop_draft_over_ar'].items()} }", flush=True)
+          f"{ {k: round(v, 3) for k, v in figures['loop_draft_over_ar'].items()} } "
+          f"({figures['loop_compiles']} compiles, {figures['loop_compile_s']:.1f} s)", flush=True)
   print(f"{name}: AR {figures['ar_ms']:.3f} ms, verify ÷ AR {figures['verify_over_ar']:.3f}, "
-        f"drafts ÷ AR { {k: round(v, 3) for k, v in figures['draft_over_ar'].items()} }",
-        flush=True)
+        f"drafts ÷ AR { {k: round(v, 3) for k, v in figures['draft_over_ar'].items()} } "
+        f"({figures['compiles']} compiles, {figures['compile_s']:.1f} s)", flush=True)
   figures |= ar_decode(m, args.tokens, args.runs)
   print(f"{name}: decode {figures['decode_tok_s']:.1f} tok/s, "
         f"{figures['share_of_roofline']:.0%} of the roofline", flush=True)
@@ -260,6 +292,9 @@ def main() -> None:
   ap.add_argument("--chain", type=int, default=20)
   ap.add_argument("--loop-steps", type=int, default=32,
                   help="steps chained in one jitted loop per sample (0: skip that timing)")
+  ap.add_argument("--drafts", default=",".join(DRAFT_KEYS),
+                  help="the draft rows to time, comma-separated (fewer compile sooner): "
+                       + ", ".join(DRAFT_KEYS))
   ap.add_argument("--tokens", type=int, default=128)
   ap.add_argument("--runs", type=int, default=3)
   ap.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
@@ -272,6 +307,9 @@ def main() -> None:
   ap.add_argument("--docs-section", default="gpu-forward",
                   help="with --write-docs: the section to write (one per card: gpu-forward-h200)")
   args = ap.parse_args()
+  args.drafts = [key.strip() for key in args.drafts.split(",") if key.strip()]
+  if unknown := [key for key in args.drafts if key not in DRAFT_KEYS]:
+    ap.error(f"unknown draft row {unknown[0]!r}; known: {', '.join(DRAFT_KEYS)}")
 
   if args.report:
     rows = [json.loads(line) for line in args.report.read_text().splitlines() if line.strip()]

@@ -10,7 +10,9 @@
 #             calls and inside a jitted loop, AR decoding against the HBM roofline) for
 #             FORWARD_MODELS (default: SmolLM2's real weights, random-init 1.5B and 8B
 #             shapes). The shapes need no bundle, so they can run in the call that carries
-#             the bundle's first part (FORWARD_MODELS=shape:llama-8b,shape:qwen2-1.5b)
+#             the bundle's first part (FORWARD_MODELS=shape:llama-8b,shape:qwen2-1.5b).
+#             FORWARD_DRAFTS names the draft rows to time (bench_gpu.py --drafts; fewer
+#             rows compile sooner: a model's rows took 74-81 s per timing mode on an H200)
 #   fixed     the device-loop drafters end to end in --dtype mixed: 0 mismatches now that
 #             float32 dots ask for HIGHEST precision (efe3747), and FR-Spec's selection
 #             share now that its head rows are gathered once (a94978f)
@@ -61,7 +63,7 @@ forward() {  # NAME XLA_FLAGS MODELS SECONDS
   # specjax from this checkout: without a bundle, nothing else puts it on the path
   PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_FLAGS="$2" timeout "$4" \
     python3 experiments/bench_gpu.py --models "$3" --repeats 5 --chain 10 --loop-steps 32 \
-    --out "$OUT/forward-$1.jsonl" 2>&1 | grep -v '%|' | tail -n 45 | tee -a "$OUT/checks.log"
+    ${FORWARD_DRAFTS:+--drafts "$FORWARD_DRAFTS"} --out "$OUT/forward-$1.jsonl" 2>&1 | grep -v '%|' | tail -n 45 | tee -a "$OUT/checks.log"
 }
 
 step() {

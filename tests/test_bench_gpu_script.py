@@ -27,6 +27,10 @@ def test_smoke_run_measures_every_step_and_renders_its_section(tmp_path):
                                        "8-bit", "4-bit MLP"}
   assert set(row["loop_draft_over_ar"]) == set(row["draft_over_ar"])
   assert row["ar_ms"] > 0 and row["loop_ar_ms"] > 0 and row["decode_tok_s"] > 0
+  # compile time is booked apart from timing, in both modes
+  assert row["compiles"] >= 9 and row["loop_compiles"] >= 9
+  assert 0 < row["compile_s"] < row["compile_and_time_s"]
+  assert 0 < row["loop_compile_s"] < row["loop_compile_and_time_s"]
   out = _script("--report", str(lines))
   assert json.loads(out[-1])["models"] == [row]
   assert any(line.startswith("| draft, 50 %, frozen ÷ AR |") for line in out)
@@ -36,6 +40,26 @@ def test_smoke_run_measures_every_step_and_renders_its_section(tmp_path):
   lines.write_text(json.dumps(old) + "\n")
   out = _script("--report", str(lines))
   assert "| draft, 50 %, frozen, in a loop of unknown length ÷ AR | – |" in out
+
+
+def test_a_subset_of_draft_rows_times_the_same_plans():
+  """`--drafts` trims what compiles (a lease's minutes) without changing the plans timed."""
+  sys.path.insert(0, str(ROOT / "experiments"))
+  import bench_gpu
+
+  m = bench_gpu.Model("shape:tiny", "mixed")
+  every, _ = bench_gpu.draft_plans(m)
+  some, _ = bench_gpu.draft_plans(m, ["0.75", "0.5 early stop"])
+  assert list(some) == ["0.75", "0.5 early stop"]
+  assert some["0.75"][0].frozen == every["0.75"][0].frozen
+  assert some["0.5 early stop"][0].frozen == every["0.5"][0].frozen
+
+
+def test_an_unknown_draft_row_is_named():
+  out = subprocess.run([sys.executable, "experiments/bench_gpu.py", "--drafts", "0.5,half"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 2
+  assert "unknown draft row 'half'; known: 0.25, 0.5, 0.75" in out.stderr
 
 
 def test_conditionals_check_measures_under_the_command_buffer_flags(tmp_path):

@@ -109,9 +109,10 @@ def test_the_checks_script_parses_and_refuses_an_unknown_step(tmp_path):
 
 def test_the_forward_step_runs_bench_gpu_without_a_bundle(tmp_path):
   """`forward` on a random-init shape: specjax found from the checkout (no bundle sets its
-  path), the model's JSON line written under $OUT, and the script's own JSON last."""
+  path), the draft rows FORWARD_DRAFTS names (one with a space) timed, the model's JSON
+  line written under $OUT, and the script's own JSON last."""
   env = {**os.environ, "OUT": str(tmp_path), "FORWARD_MODELS": "shape:tiny",
-         "FORWARD_S": "300", "PYTHONPATH": "",
+         "FORWARD_DRAFTS": "0.5,0.5 early stop", "FORWARD_S": "300", "PYTHONPATH": "",
          "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # ours
   out = subprocess.run(["bash", str(ROOT / "experiments" / "gpu_checks.sh"), "forward"],
                        check=False, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -119,6 +120,7 @@ def test_the_forward_step_runs_bench_gpu_without_a_bundle(tmp_path):
   (row,) = [json.loads(line) for line in (tmp_path / "forward-bf16.jsonl").read_text()
             .splitlines()]
   assert row["model"] == "shape:tiny" and row["loop_ar_ms"] > 0
+  assert set(row["loop_draft_over_ar"]) == {"0.5", "0.5 early stop"}
   assert json.loads(out.stdout.strip().splitlines()[-1])["steps"] == ["forward"]
 
 
