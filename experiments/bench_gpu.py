@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shlex
 import sys
@@ -183,8 +182,7 @@ def measure(name: str, args) -> dict:
   jax.block_until_ready(m.state)
   figures = {"model": name, "dtype": precision_name(m.config, m.state), "context": args.context,
              "machine": report.machine(),
-             # a copy of the tree without .git (a lent GPU machine) names it in the environment
-             "commit": report.git_revision() or os.environ.get("SPECJAX_COMMIT", "unknown"),
+             "commit": report.git_revision() or "unknown",
              "command": "python experiments/bench_gpu.py " + shlex.join(sys.argv[1:]),
              "load_s": time.perf_counter() - t0}
   print(f"{name}: loaded in {figures['load_s']:.1f} s; step costs", flush=True)

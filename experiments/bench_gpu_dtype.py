@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -92,7 +91,7 @@ def main() -> None:
 
   # a copy of the tree without .git (a lent GPU machine) names its commit in the environment
   machine = report.machine()
-  commit = report.git_revision() or os.environ.get("SPECJAX_COMMIT", "unknown")
+  commit = report.git_revision() or "unknown"
   rows = []
   for name in args.models.split(","):
     for dtype in args.dtypes.split(","):

@@ -71,6 +71,10 @@ def print_json(figures: dict) -> None:
 
 
 def git_revision() -> str:
+  """The commit of the code that runs: `SPECJAX_COMMIT` when set, since a copy of the tree
+  (a lent GPU machine's) can carry a .git whose HEAD is not the tree's; else git's HEAD."""
+  if named := os.environ.get("SPECJAX_COMMIT", "").strip():
+    return named
   try:
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True, cwd=DOCS.parent.parent).stdout.strip()

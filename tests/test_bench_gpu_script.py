@@ -130,3 +130,15 @@ def test_dtype_check_measures_each_dtype_and_tables_mixed_against_bf16(tmp_path,
   table = bench_gpu_dtype.table([row, mixed]).splitlines()
   assert table[2].split(" | ")[3] == "1.00" and table[3].split(" | ")[3] == "1.50"
   assert table[3].rstrip(" |").endswith("| 0.50")
+
+
+def test_the_commit_named_in_the_environment_wins_over_a_carried_git(monkeypatch):
+  """A lent GPU machine's copy of the tree carries a .git of the session's start, not of
+  the code that runs there: `SPECJAX_COMMIT` names that code."""
+  sys.path.insert(0, str(ROOT / "experiments"))
+  import report
+
+  monkeypatch.setenv("SPECJAX_COMMIT", "0123abc")
+  assert report.git_revision() == "0123abc"
+  monkeypatch.delenv("SPECJAX_COMMIT")
+  assert report.git_revision() not in ("0123abc", "")
