@@ -78,6 +78,8 @@ DRAFT_LABELS = [("0.25", "draft, 25 % of sub-layers, frozen"),
                 ("8-bit", "draft, all sub-layers, 8-bit weights"),
                 ("4-bit MLP", "draft, all sub-layers, 4-bit MLP weights")]
 DRAFT_KEYS = tuple(key for key, _ in DRAFT_LABELS)
+# HBM bandwidth in GB/s from NVIDIA's datasheets (H200: 4.8 TB/s; H100 SXM: 3.35 TB/s).
+DATASHEET_GB_S = {"NVIDIA H200": 4800.0, "NVIDIA H100 80GB HBM3": 3350.0}
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax's, since 0.4
 
 
@@ -223,7 +225,8 @@ def section(rows: list[dict], bench: list[dict] | None = None, bench_command: st
                                            for r in rows],
             ["reduction bandwidth (GB/s)"] + [f"{r['bandwidth_gb_s']:.0f}" for r in rows],
             ["roofline tok/s"] + [f"{r['roofline_tok_s']:.1f}" for r in rows],
-            ["share of the roofline"] + [f"{r['share_of_roofline']:.0%}" for r in rows]]
+            ["share of the roofline"] + [f"{r['share_of_roofline']:.0%}" for r in rows],
+            ["share of the card's datasheet bandwidth"] + [_datasheet_share(r) for r in rows]]
   header = ["", *[r["model"] for r in rows]]
   parts = [
       f"## GPU: step costs and AR decode speed ({_card(first['machine'])})",
@@ -266,6 +269,15 @@ def section(rows: list[dict], bench: list[dict] | None = None, bench_command: st
 def _ratio(ratios: dict, key: str) -> str:
   """A table cell: "–" where a run predates the row."""
   return f"{ratios[key]:.3f}" if key in ratios else "–"
+
+
+def _datasheet_share(row: dict) -> str:
+  """A table cell: the weight bytes AR reads per second over the card's published HBM
+  bandwidth ("–" for a card not in DATASHEET_GB_S). The reduction a run measures reached
+  2.4-3.1 TB/s on H200s, less than AR's own reads, so only this share is comparable
+  across leases."""
+  peak = DATASHEET_GB_S.get(_card(row["machine"]))
+  return f"{row['decode_tok_s'] * row['weight_mb'] / 1e3 / peak:.0%}" if peak else "–"
 
 
 def _card(machine: str) -> str:
