@@ -121,6 +121,20 @@ def test_threshold_follows_what_unsure_drafts_do():
     best_length_and_threshold(_rounds(True), c, 0)
 
 
+def test_an_early_stop_is_priced_at_its_own_draft_step():
+  """τ > 0 drafts in a loop of unknown length, dearer per step on a GPU (a predicate each
+  step): replay prices such rounds at that cost, τ = 0 at the known-length one, and a
+  dear enough early stop no longer pays where an equal price made τ = 0.4 win."""
+  plain = StepCosts(draft=0.4, verify={1: 1.1, 4: 1.3, 8: 1.5})
+  dear = StepCosts(draft=0.4, verify=plain.verify, draft_early_stop=0.6)
+  rounds = _rounds(False)
+  assert replay_tpt(rounds, 8, 0.0, dear) == replay_tpt(rounds, 8, 0.0, plain)
+  assert replay_tpt(rounds, 8, 0.4, dear) == replay_tpt(
+      rounds, 8, 0.4, StepCosts(draft=0.6, verify=plain.verify))
+  assert best_length_and_threshold(rounds, plain, 8)[1] == 0.4
+  assert best_length_and_threshold(rounds, dear, 8)[1] == 0.0
+
+
 @settings(max_examples=40, deadline=None)
 @given(rounds=st.lists(st.tuples(st.lists(st.floats(0, 1), min_size=4, max_size=4),
                                  st.integers(0, 4)), min_size=1, max_size=12),
@@ -175,6 +189,11 @@ def test_step_costs_measured_on_a_model_are_ratios_to_the_ar_step():
                                       repeats=3)
   assert set(c.verify) == {1, 4}
   assert 0 < c.draft < 10 and all(0 < v < 20 for v in c.verify.values())
+  assert 0 < c.draft_early_stop < 10  # the same draft in the loop an early stop runs
+  assert c.draft_at(0.0) == c.draft and c.draft_at(0.3) == c.draft_early_stop
+  alone = draft_length.measure_step_costs(graphdef, state, config, plan, gammas=(1,),
+                                          context=32, repeats=1, early_stop=False)
+  assert alone.draft_early_stop is None and alone.draft_at(0.3) == alone.draft
 
 
 def test_bench_auto_gamma_records_and_reuses_the_chosen_lengths(tmp_path, capsys):
@@ -189,6 +208,7 @@ def test_bench_auto_gamma_records_and_reuses_the_chosen_lengths(tmp_path, capsys
   assert saved["knapspec+8bit"]["gamma"] == 3  # KnapSpec picks its own γ: τ alone is fitted
   # the rounds of several held-out prompts, pooled (3 categories: a pilot from each)
   assert all(v["pilot_prompts"] == 3 and v["pilot_rounds"] >= 3 for v in saved.values())
+  assert all(v["draft_cost_early_stop"] > 0 for v in saved.values())  # τ > 0 was a choice
   records = [r for line in (out / "results.jsonl").read_text().splitlines()
              for r in json.loads(line)["records"]]
   assert records

@@ -189,18 +189,22 @@ def draft_lengths(model, drafters: dict, cfg: BenchConfig, pilot_prompts, out_di
     if name in saved or d.kv_cache is not None or (d.own_gamma and cfg.threshold is not None):
       continue
     pilot = draft_length.run_pilot(model.graphdef, model.state, model.config, d, prompts,
-                                   gamma=cfg.gamma, max_new_tokens=cfg.max_new_tokens)
+                                   gamma=cfg.gamma, max_new_tokens=cfg.max_new_tokens,
+                                   early_stop=any(t > 0 for t in thresholds))
     alpha, costs = pilot.alpha, pilot.costs
     gamma, tau = draft_length.best_length_and_threshold(pilot.tracks, costs, cfg.gamma,
                                                         thresholds, fixed_gamma=d.own_gamma)
     tpt = draft_length.replay_tpt(pilot.tracks, gamma, tau, costs)
     saved[name] = {"gamma": gamma, "threshold": tau, "replayed_tpt": round(tpt, 4),
                    "alpha": round(alpha, 4), "draft_cost": round(costs.draft, 4),
+                   "draft_cost_early_stop": (None if costs.draft_early_stop is None
+                                             else round(costs.draft_early_stop, 4)),
                    "verify_cost": {str(g): round(v, 4) for g, v in costs.verify.items()},
                    "pilot_prompts": len(prompts), "pilot_rounds": pilot.rounds}
     path.write_text(json.dumps(saved, indent=1, sort_keys=True))
     if verbose:
-      print(f"{name}: α {alpha:.3f}, draft step {costs.draft:.3f} AR steps -> γ = {gamma}, "
+      print(f"{name}: α {alpha:.3f}, draft step {costs.draft_at(tau):.3f} AR steps "
+            f"-> γ = {gamma}, "
             f"τ = {tau} (replayed {tpt:.2f} tokens per AR step)", file=sys.stderr)
   return {name: saved[name] for name in drafters if name in saved}
 
@@ -336,8 +340,10 @@ def _lengths_table(saved: dict) -> str:
   for name, r in sorted(saved.items()):
     verify = ", ".join(f"γ={g}: {v:.2f}" for g, v in
                        sorted(r["verify_cost"].items(), key=lambda kv: int(kv[0])))
+    stopping = r.get("draft_cost_early_stop")  # absent from fits before 2026-12-04
+    draft = f"{r['draft_cost']:.3f}" + (f" ({stopping:.3f} with τ > 0)" if stopping else "")
     lines.append(f"| {name} | {r.get('pilot_rounds', '–')} | {r['alpha']:.3f} | "
-                 f"{r['draft_cost']:.3f} | {verify} | "
+                 f"{draft} | {verify} | "
                  f"{r['gamma']} | {r.get('threshold', '–')} | "
                  + (f"{r['replayed_tpt']:.2f} |" if "replayed_tpt" in r else "– |"))
   return "\n".join(lines)

@@ -47,10 +47,24 @@ from specjax.sampling import SamplingParams
 
 @dataclasses.dataclass(frozen=True)
 class StepCosts:
-  """Costs in AR steps: one draft step, and verification of γ + 1 tokens at measured γs."""
+  """Costs in AR steps: one draft step, and verification of γ + 1 tokens at measured γs.
+
+  A draft with an early stop (τ > 0) loops until a traced condition, a draft without one
+  a known γ times, and the first costs more per step: on an H200 0.554 against 0.527 of a
+  Llama-3-8B-shaped step (0.58 against 0.53 at a 1.5B shape) in the jitted loop, where
+  XLA:GPU copies each predicate to the host and waits; on an AMD EPYC 0.641 against
+  0.616. `draft_early_stop` is that step where it was measured (else `draft` stands for
+  both), so a fit weighs τ > 0 at what it costs."""
 
   draft: float
   verify: dict[int, float]
+  draft_early_stop: float | None = None
+
+  def draft_at(self, threshold: float) -> float:
+    """d: a draft step's cost in the loop a draft of early-stop threshold τ runs."""
+    if threshold > 0 and self.draft_early_stop is not None:
+      return self.draft_early_stop
+    return self.draft
 
   def verify_at(self, gamma: int) -> float:
     """v(γ), linear between the measured γs (and beyond them, from the nearest two)."""
@@ -159,7 +173,7 @@ def replay_tpt(tracks: Sequence[PilotTrack], gamma: int, threshold: float,
     while t < len(track):
       n, c = round_at(track, t, gamma, threshold)
       committed += c
-      spent += n * costs.draft + costs.verify_at(gamma)
+      spent += n * costs.draft_at(threshold) + costs.verify_at(gamma)
       t += c
   return committed / spent if spent else 0.0
 
@@ -192,9 +206,10 @@ class Pilot:
 
 
 def run_pilot(graphdef, state, config, drafter, prompts: Sequence[Sequence[int]], *,
-              gamma: int, max_new_tokens: int) -> Pilot:
+              gamma: int, max_new_tokens: int, early_stop: bool = True) -> Pilot:
   """Decode each of `prompts` (token ids) with `drafter` at `gamma`, no early stop, rounds
-  recorded; then time its steps as its decode loop will pay them (`measure_step_costs`)."""
+  recorded; then time its steps as its decode loop will pay them (`measure_step_costs`;
+  `early_stop`: the draft step with an early stop too, for a fit that may choose τ > 0)."""
   from specjax.decode.engine import speculative_generate
 
   gens = [speculative_generate(graphdef, state, config, ids, drafter,
@@ -207,7 +222,8 @@ def run_pilot(graphdef, state, config, drafter, prompts: Sequence[Sequence[int]]
   on_device = not drafter.adaptive or drafter.chunked  # the loop its rounds will run in
   costs = measure_step_costs(graphdef, state, config, gens[0].plans[0],
                              gammas=sorted({1, max(1, gamma // 2), gamma}),
-                             device_loop=on_device, static_plan=not drafter.adaptive)
+                             device_loop=on_device, static_plan=not drafter.adaptive,
+                             early_stop=early_stop)
   return Pilot([PilotTrack.from_rounds(r) for r in rounds], sum(map(len, rounds)), alpha,
                costs)
 
@@ -370,7 +386,7 @@ LOOP_STEPS = 16  # steps per timed loop where costs are measured inside one
 def measure_step_costs(graphdef, state, config, plan: DraftPlan, *,
                        gammas: Sequence[int] = (1, 4, 8), context: int = 256,
                        repeats: int = 7, device_loop: bool = False,
-                       static_plan: bool = True) -> StepCosts:
+                       static_plan: bool = True, early_stop: bool = True) -> StepCosts:
   """One draft step under `plan` and verification at each γ in `gammas`, as ratios to the
   AR step, measured together (`step_times`). `device_loop`: the drafter's rounds will run
   in the device loop, which pays no call per step, so the steps are timed that way
@@ -379,10 +395,14 @@ def measure_step_costs(graphdef, state, config, plan: DraftPlan, *,
   chunked drafter's plans stay traced). For the host loop each step is a call. On a CPU the
   difference is not small: SmolLM2's 8-bit draft step costs 0.43-0.44 AR steps as calls
   and 0.33-0.38 in a loop (Intel Xeon), and timed as calls the fit chose γ = 5 where
-  γ = 8 ran fastest (`experiments/replay_vs_real.py`)."""
+  γ = 8 ran fastest (`experiments/replay_vs_real.py`). `early_stop`: also time the draft
+  step in the loop an early-stopping draft runs (`StepCosts.draft_early_stop`)."""
   loop = LOOP_STEPS if device_loop else 0
   if device_loop and static_plan and not conditionals_skip_cheaply():
     plan = plan.freeze()
-  t = step_times(graphdef, state, config, {"plan": [plan]}, gammas=gammas, context=context,
-                 repeats=repeats, loop=loop)
-  return StepCosts(draft=t.drafts["plan"] / t.ar, verify={g: v / t.ar for g, v in t.verify.items()})
+  plans = {"plan": [plan]} | ({"early stop": [plan]} if early_stop else {})
+  t = step_times(graphdef, state, config, plans, gammas=gammas, context=context,
+                 repeats=repeats, loop=loop, early_stop=("early stop",))
+  stopping = t.drafts["early stop"] / t.ar if early_stop else None
+  return StepCosts(draft=t.drafts["plan"] / t.ar, verify={g: v / t.ar for g, v in t.verify.items()},
+                   draft_early_stop=stopping)
