@@ -48,8 +48,7 @@ namespace {
 
 using Blocks = ffi::Buffer<ffi::U8, 2>;  // aliases: a comma would split the macro below
 
-constexpr int64_t kChunksPerWorker = 2;  // a helper that starts late costs at most one
-constexpr int64_t kMinRows = 16;         // output rows per chunk
+constexpr int64_t kMinRows = 16;  // output rows per chunk
 
 // ggml's type numbers (gguf.GGMLQuantizationType) and their blocks: weights, bytes.
 enum Kind : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
@@ -531,39 +530,6 @@ void MatmulRows(int64_t kind, const uint8_t* row, int64_t row_bytes, bool pair, 
 }
 #endif
 
-// Output rows [c·chunk, (c + 1)·chunk) of one call: each dequantised into `row`, then
-// either dotted with the M rows of x (y[M, O]) or copied out (x null: y[O, I]).
-class Work : public specjax::Job {
- public:
-  Work(int64_t kind, const uint8_t* blocks, int64_t row_bytes, const float* x, float* y,
-       int64_t M, int64_t I, int64_t O, int64_t chunk)
-      : Job((O + chunk - 1) / chunk), kind(kind), blocks(blocks), row_bytes(row_bytes), x(x),
-        y(y), M(M), I(I), O(O), chunk(chunk) {}
-
- protected:
-  void Chunk(int64_t c) override {
-    const int64_t end = std::min(O, (c + 1) * chunk);
-    if (x == nullptr) {
-      for (int64_t o = c * chunk; o < end; ++o)
-        DequantRow(kind, blocks + o * row_bytes, I, y + o * I);
-      return;
-    }
-    std::vector<float> scratch(I);
-    for (int64_t o = c * chunk; o < end; o += 2)
-      MatmulRows(kind, blocks + o * row_bytes, row_bytes, o + 1 < end, x, M, I, y + o, O,
-                 scratch.data());
-  }
-
- private:
-  const int64_t kind;
-  const uint8_t* blocks;
-  const int64_t row_bytes;
-  const float* x;
-  float* y;
-  const int64_t M, I, O;
-  const int64_t chunk;  // output rows per chunk
-};
-
 // I, the weights of a row of `row_bytes`, or 0 for a type or a length this kernel cannot read.
 int64_t Inputs(int64_t kind, int64_t row_bytes) {
   const Format f = FormatOf(kind);
@@ -574,14 +540,23 @@ const char kBadBlocks[] =
     "gguf_matmul: blocks must be rows of whole blocks of a supported ggml type (Q4_0, Q4_1, "
     "Q5_0, Q8_0, Q4_K, Q6_K)";
 
+// Each output row of `w` dequantised, then either dotted with the M rows of x (y[M, O]) or
+// copied out (x null: y[O, I]), row chunks shared over the pool.
 void Run(ffi::ThreadPool& pool, int64_t kind, const Blocks& w, const float* x, float* y,
          int64_t M, int64_t I) {
   const int64_t O = w.dimensions()[0], row_bytes = w.dimensions()[1];
-  const int64_t threads = specjax::ThreadsFor(O * row_bytes, pool.num_threads());
-  const int64_t pieces = kChunksPerWorker * threads;
-  const int64_t chunk = std::max(kMinRows, (O + pieces - 1) / pieces);
-  auto work = std::make_shared<Work>(kind, w.typed_data(), row_bytes, x, y, M, I, O, chunk);
-  specjax::RunOnPool(pool, work, threads);
+  const uint8_t* blocks = w.typed_data();
+  specjax::ParallelRows(pool, O, O * row_bytes, kMinRows, [=](int64_t begin, int64_t end) {
+    if (x == nullptr) {
+      for (int64_t o = begin; o < end; ++o)
+        DequantRow(kind, blocks + o * row_bytes, I, y + o * I);
+      return;
+    }
+    std::vector<float> scratch(I);
+    for (int64_t o = begin; o < end; o += 2)
+      MatmulRows(kind, blocks + o * row_bytes, row_bytes, o + 1 < end, x, M, I, y + o, O,
+                 scratch.data());
+  });
 }
 
 ffi::Error GgufMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Blocks w,

@@ -43,7 +43,6 @@ namespace {
 using Codes = ffi::Buffer<ffi::U8, 2>;  // aliases: a comma would split the macro below
 using Stats = ffi::Buffer<ffi::F32, 2>;
 
-constexpr int64_t kChunksPerWorker = 2;  // a helper that starts late costs at most one
 constexpr int64_t kMinChannels = 64;     // per chunk
 constexpr int kChannels = 4;             // output channels read side by side
 constexpr float kLevels = 32767.0f;      // int16 levels on each side of zero
@@ -109,22 +108,22 @@ inline void GroupDotsAny(const int16_t* q, const uint8_t* codes, int64_t stride,
   for (int r = 0; r < R; ++r) dot[r] = GroupDotScalar(q, codes + r * stride, half);
 }
 
-class Work : public specjax::Job {
+// One call: x quantised group by group (once, by the caller), then output channels
+// [begin, end) at a time (`Rows`, run on the pool's threads).
+class Matmul {
  public:
-  Work(const float* x, const uint8_t* codes, const float* lo, const float* scale, float* y,
-       int64_t M, int64_t I, int64_t O, int64_t groups, int64_t chunk)
-      : Job((O + chunk - 1) / chunk), codes(codes), lo(lo), scale(scale), y(y), M(M), I(I),
-        O(O), groups(groups), chunk(chunk), q(M * I), unit(M * groups), q_sum(M * groups) {
+  Matmul(const float* x, const uint8_t* codes, const float* lo, const float* scale, float* y,
+         int64_t M, int64_t I, int64_t O, int64_t groups)
+      : codes(codes), lo(lo), scale(scale), y(y), M(M), I(I), O(O), groups(groups), q(M * I),
+        unit(M * groups), q_sum(M * groups) {
     const int64_t G = I / groups;
     for (int64_t row_group = 0; row_group < M * groups; ++row_group)
       Quantize(x + row_group * G, G, q.data() + row_group * G, unit[row_group],
                q_sum[row_group]);
   }
 
- protected:
-  void Chunk(int64_t c) override {
-    const int64_t end = std::min(O, (c + 1) * chunk);
-    int64_t o = c * chunk;
+  void Rows(int64_t begin, int64_t end) {
+    int64_t o = begin;
     for (; o + kChannels <= end; o += kChannels) Channels<kChannels>(o);
     for (; o < end; ++o) Channels<1>(o);
   }
@@ -170,7 +169,6 @@ class Work : public specjax::Job {
   const float* scale;
   float* y;
   const int64_t M, I, O, groups;
-  const int64_t chunk;          // output channels per chunk
   std::vector<int16_t> q;       // [M, I]: x's levels
   std::vector<float> unit;      // [M, groups]: each group's step
   std::vector<int32_t> q_sum;   // [M, groups]: Σ levels, for the lo term
@@ -186,13 +184,10 @@ ffi::Error Int4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Codes c
       I % (2 * groups))
     return ffi::Error::InvalidArgument(
         "int4_matmul: x[..., I], codes[O, I/2], lo and scale [O, I/G] expected");
-  const int64_t threads = specjax::ThreadsFor(O * I / 2, pool.num_threads());
-  const int64_t pieces = kChunksPerWorker * threads;
-  const int64_t chunk = std::max(kMinChannels, (O + pieces - 1) / pieces);
-  auto work = std::make_shared<Work>(x.typed_data(), codes.typed_data(), lo.typed_data(),
-                                     scale.typed_data(), y->typed_data(),
-                                     x.element_count() / I, I, O, groups, chunk);
-  specjax::RunOnPool(pool, work, threads);
+  Matmul matmul(x.typed_data(), codes.typed_data(), lo.typed_data(), scale.typed_data(),
+                y->typed_data(), x.element_count() / I, I, O, groups);
+  specjax::ParallelRows(pool, O, O * I / 2, kMinChannels,
+                        [&matmul](int64_t begin, int64_t end) { matmul.Rows(begin, end); });
   return ffi::Error::Success();
 }
 

@@ -37,7 +37,6 @@ namespace {
 using Weights = ffi::Buffer<ffi::S8, 2>;  // aliases: a comma would split the macro below
 using Scales = ffi::Buffer<ffi::F32, 1>;
 
-constexpr int64_t kChunksPerWorker = 2;  // a helper that starts late costs at most one
 constexpr int64_t kMinChannels = 64;     // per chunk
 constexpr int kLine = 64;               // weights (bytes) per iteration: one cache line
 
@@ -83,42 +82,22 @@ inline float DotRow(const float* x, const int8_t* w, int64_t I) {
 }
 #endif
 
-class Work : public specjax::Job {
- public:
-  Work(const float* x, const int8_t* w, const float* scale, float* y, int64_t M, int64_t I,
-       int64_t O, int64_t chunk)
-      : Job((O + chunk - 1) / chunk), x(x), w(w), scale(scale), y(y), M(M), I(I), O(O),
-        chunk(chunk) {}
-
- protected:
-  void Chunk(int64_t c) override {
-    const int64_t end = std::min(O, (c + 1) * chunk);
-    for (int64_t o = c * chunk; o < end; ++o)
-      for (int64_t m = 0; m < M; ++m)  // the weight row stays in L1 across rows of x
-        y[m * O + o] = DotRow(x + m * I, w + o * I, I) * scale[o];
-  }
-
- private:
-  const float* x;
-  const int8_t* w;
-  const float* scale;
-  float* y;
-  const int64_t M, I, O;
-  const int64_t chunk;  // output channels per chunk
-};
-
 ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Weights w,
                           Scales scale, ffi::ResultBuffer<ffi::F32> y) {
   const int64_t O = w.dimensions()[0], I = w.dimensions()[1];
   auto xd = x.dimensions();
   if (xd.size() == 0 || xd[xd.size() - 1] != I || scale.dimensions()[0] != O)
     return ffi::Error::InvalidArgument("int8_matmul: x[..., I], w[O, I], scale[O] expected");
-  const int64_t threads = specjax::ThreadsFor(I * O, pool.num_threads());
-  const int64_t pieces = kChunksPerWorker * threads;
-  const int64_t chunk = std::max(kMinChannels, (O + pieces - 1) / pieces);
-  auto work = std::make_shared<Work>(x.typed_data(), w.typed_data(), scale.typed_data(),
-                                     y->typed_data(), x.element_count() / I, I, O, chunk);
-  specjax::RunOnPool(pool, work, threads);
+  const int64_t M = x.element_count() / I;
+  const float* xs = x.typed_data();
+  const int8_t* ws = w.typed_data();
+  const float* ss = scale.typed_data();
+  float* ys = y->typed_data();
+  specjax::ParallelRows(pool, O, I * O, kMinChannels, [=](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o)
+      for (int64_t m = 0; m < M; ++m)  // the weight row stays in L1 across rows of x
+        ys[m * O + o] = DotRow(xs + m * I, ws + o * I, I) * ss[o];
+  });
   return ffi::Error::Success();
 }
 

@@ -45,7 +45,6 @@ namespace {
 using Blocks = ffi::Buffer<ffi::U8, 2>;
 
 constexpr int64_t kBlock = 32, kBlockBytes = 18;  // Q4_0: a half-float d, 16 bytes of nibbles
-constexpr int64_t kChunksPerWorker = 2;
 constexpr int64_t kMinRows = 16;
 constexpr int kTile = 4;  // rows of x per pass over a weight row
 
@@ -203,27 +202,6 @@ void MatmulRow(const uint8_t* row, const std::vector<QuantRow>& x, int64_t I, fl
   }
 }
 
-class Work : public specjax::Job {
- public:
-  Work(const uint8_t* blocks, int64_t row_bytes, const std::vector<QuantRow>& x, float* y,
-       int64_t I, int64_t O, int64_t chunk)
-      : Job((O + chunk - 1) / chunk), blocks(blocks), row_bytes(row_bytes), x(x), y(y), I(I),
-        O(O), chunk(chunk) {}
-
- protected:
-  void Chunk(int64_t c) override {
-    const int64_t end = std::min(O, (c + 1) * chunk);
-    for (int64_t o = c * chunk; o < end; ++o) MatmulRow(blocks + o * row_bytes, x, I, y + o, O);
-  }
-
- private:
-  const uint8_t* blocks;
-  const int64_t row_bytes;
-  const std::vector<QuantRow>& x;
-  float* y;
-  const int64_t I, O, chunk;
-};
-
 ffi::Error Q4_0Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Blocks w,
                               ffi::ResultBuffer<ffi::F32> y) {
   const int64_t O = w.dimensions()[0], row_bytes = w.dimensions()[1];
@@ -236,12 +214,11 @@ ffi::Error Q4_0Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Blo
   const int64_t M = x.element_count() / I;
   std::vector<QuantRow> rows(M);  // quantised by the caller: M·I is small beside O·I
   for (int64_t m = 0; m < M; ++m) Quantize(x.typed_data() + m * I, I, rows[m]);
-  const int64_t threads = specjax::ThreadsFor(O * row_bytes, pool.num_threads());
-  const int64_t chunk = std::max(kMinRows, (O + kChunksPerWorker * threads - 1) /
-                                               (kChunksPerWorker * threads));
-  auto work = std::make_shared<Work>(w.typed_data(), row_bytes, rows, y->typed_data(), I, O,
-                                     chunk);
-  specjax::RunOnPool(pool, work, threads);
+  const uint8_t* blocks = w.typed_data();
+  float* ys = y->typed_data();
+  specjax::ParallelRows(pool, O, O * row_bytes, kMinRows, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) MatmulRow(blocks + o * row_bytes, rows, I, ys + o, O);
+  });
   return ffi::Error::Success();
 }
 

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <memory>
 #include <thread>
+#include <utility>
 
 namespace specjax {
 
@@ -123,6 +124,37 @@ template <typename Pool>
 void RunOnPool(Pool& pool, const std::shared_ptr<Job>& job, int64_t threads) {
   static auto* helpers = new Helpers;  // never destroyed: a helper may linger past exit
   helpers->Run(job, threads, [&pool](auto task) { pool.Schedule(std::move(task)); });
+}
+
+// A helper that starts late costs at most one chunk when there are this many per thread.
+constexpr int64_t kChunksPerThread = 2;
+
+// Output rows [0, rows) as chunks of `chunk` rows, each `rows_fn(begin, end)`.
+template <typename RowsFn>
+class RowsJob : public Job {
+ public:
+  RowsJob(int64_t rows, int64_t chunk, RowsFn rows_fn)
+      : Job((rows + chunk - 1) / chunk), rows_(rows), chunk_(chunk), rows_fn_(std::move(rows_fn)) {}
+
+ protected:
+  void Chunk(int64_t c) override { rows_fn_(c * chunk_, std::min(rows_, (c + 1) * chunk_)); }
+
+ private:
+  const int64_t rows_, chunk_;
+  RowsFn rows_fn_;
+};
+
+// The row-parallel loop of the matmul kernels: output rows [0, rows) of a call that streams
+// `bytes` of weights, in chunks of at least `min_rows` (about kChunksPerThread a thread),
+// each run as `rows_fn(begin, end)` on the caller or a helper. Returns once every chunk is
+// done, so `rows_fn` may hold references to the caller's locals (a helper left holding the
+// job finds no chunk to run).
+template <typename Pool, typename RowsFn>
+void ParallelRows(Pool& pool, int64_t rows, int64_t bytes, int64_t min_rows, RowsFn rows_fn) {
+  const int64_t threads = ThreadsFor(bytes, pool.num_threads());
+  const int64_t pieces = kChunksPerThread * threads;
+  const int64_t chunk = std::max(min_rows, (rows + pieces - 1) / pieces);
+  RunOnPool(pool, std::make_shared<RowsJob<RowsFn>>(rows, chunk, std::move(rows_fn)), threads);
 }
 
 }  // namespace specjax
