@@ -186,14 +186,19 @@ def test_step_costs_measured_on_a_model_are_ratios_to_the_ar_step():
   config, graphdef, state = target("llama")
   plan = DraftPlan.first_layers(config.num_layers, 3)
   c = draft_length.measure_step_costs(graphdef, state, config, plan, gammas=(1, 4), context=32,
-                                      repeats=3)
+                                      repeats=3, device_loop=True)
   assert set(c.verify) == {1, 4}
   assert 0 < c.draft < 10 and all(0 < v < 20 for v in c.verify.values())
   assert 0 < c.draft_early_stop < 10  # the same draft in the loop an early stop runs
   assert c.draft_at(0.0) == c.draft and c.draft_at(0.3) == c.draft_early_stop
   alone = draft_length.measure_step_costs(graphdef, state, config, plan, gammas=(1,),
-                                          context=32, repeats=1, early_stop=False)
+                                          context=32, repeats=1, device_loop=True,
+                                          early_stop=False)
   assert alone.draft_early_stop is None and alone.draft_at(0.3) == alone.draft
+  # the host loop drafts up to a traced limit, a loop of unknown length whatever τ
+  host = draft_length.measure_step_costs(graphdef, state, config, plan, gammas=(1,),
+                                         context=32, repeats=1, early_stop=False)
+  assert 0 < host.draft == host.draft_early_stop < 10
 
 
 def test_bench_auto_gamma_records_and_reuses_the_chosen_lengths(tmp_path, capsys):

@@ -395,14 +395,21 @@ def measure_step_costs(graphdef, state, config, plan: DraftPlan, *,
   chunked drafter's plans stay traced). For the host loop each step is a call. On a CPU the
   difference is not small: SmolLM2's 8-bit draft step costs 0.43-0.44 AR steps as calls
   and 0.33-0.38 in a loop (Intel Xeon), and timed as calls the fit chose γ = 5 where
-  γ = 8 ran fastest (`experiments/replay_vs_real.py`). `early_stop`: also time the draft
-  step in the loop an early-stopping draft runs (`StepCosts.draft_early_stop`)."""
+  γ = 8 ran fastest (`experiments/replay_vs_real.py`).
+
+  `early_stop`: also time the draft step in the loop of unknown length that a draft with
+  τ > 0 runs (`StepCosts.draft_early_stop`). The host loop passes each round's length as
+  a traced limit, so its drafts run such a loop whatever τ: there it is the only draft
+  step timed."""
   loop = LOOP_STEPS if device_loop else 0
   if device_loop and static_plan and not conditionals_skip_cheaply():
     plan = plan.freeze()
-  plans = {"plan": [plan]} | ({"early stop": [plan]} if early_stop else {})
+  plans = {"early stop": [plan]} if early_stop or not device_loop else {}
+  if device_loop:
+    plans["plan"] = [plan]
   t = step_times(graphdef, state, config, plans, gammas=gammas, context=context,
                  repeats=repeats, loop=loop, early_stop=("early stop",))
-  stopping = t.drafts["early stop"] / t.ar if early_stop else None
-  return StepCosts(draft=t.drafts["plan"] / t.ar, verify={g: v / t.ar for g, v in t.verify.items()},
+  stopping = t.drafts["early stop"] / t.ar if "early stop" in plans else None
+  return StepCosts(draft=t.drafts["plan"] / t.ar if device_loop else stopping,
+                   verify={g: v / t.ar for g, v in t.verify.items()},
                    draft_early_stop=stopping)
