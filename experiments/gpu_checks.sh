@@ -63,7 +63,8 @@ forward() {  # NAME XLA_FLAGS MODELS SECONDS
   # specjax from this checkout: without a bundle, nothing else puts it on the path
   PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_FLAGS="$2" timeout "$4" \
     python3 experiments/bench_gpu.py --models "$3" --repeats 5 --chain 10 --loop-steps 32 \
-    ${FORWARD_DRAFTS:+--drafts "$FORWARD_DRAFTS"} --out "$OUT/forward-$1.jsonl" 2>&1 | grep -v '%|' | tail -n 45 | tee -a "$OUT/checks.log"
+    ${FORWARD_DRAFTS:+--drafts "$FORWARD_DRAFTS"} --out "$OUT/forward-$1.jsonl" 2>&1 \
+    | grep -v '%|' | tail -n 45 | tee -a "$OUT/checks.log"
 }
 
 step() {

@@ -243,3 +243,13 @@ def test_expected_tokens_is_the_geometric_sum(alpha, gamma):
   assert 1.0 <= e <= gamma + 1
   assert float(expected_tokens(min(alpha + 0.01, 1.0), gamma)) >= e - 1e-12
   assert float(expected_tokens(alpha, gamma + 1)) >= e
+
+
+def test_the_lengths_table_shows_the_early_stop_price_where_a_fit_has_one():
+  from specjax.bench.runner import _lengths_table
+
+  fit = {"alpha": 0.9, "draft_cost": 0.5, "verify_cost": {"4": 1.2}, "gamma": 4,
+         "threshold": 0.3, "replayed_tpt": 2.0, "pilot_rounds": 7}
+  table = _lengths_table({"new": {**fit, "draft_cost_early_stop": 0.55}, "old": fit})
+  assert "| new | 7 | 0.900 | 0.500 (0.550 with τ > 0) | γ=4: 1.20 |" in table
+  assert "| old | 7 | 0.900 | 0.500 | γ=4: 1.20 |" in table  # fitted before 2026-12-04

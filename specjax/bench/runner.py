@@ -341,7 +341,7 @@ def _lengths_table(saved: dict) -> str:
     verify = ", ".join(f"γ={g}: {v:.2f}" for g, v in
                        sorted(r["verify_cost"].items(), key=lambda kv: int(kv[0])))
     stopping = r.get("draft_cost_early_stop")  # absent from fits before 2026-12-04
-    draft = f"{r['draft_cost']:.3f}" + (f" ({stopping:.3f} with τ > 0)" if stopping else "")
+    draft = f"{r['draft_cost']:.3f}" + (f" ({stopping:.3f} with τ > 0)" if stopping is not None else "")
     lines.append(f"| {name} | {r.get('pilot_rounds', '–')} | {r['alpha']:.3f} | "
                  f"{draft} | {verify} | "
                  f"{r['gamma']} | {r.get('threshold', '–')} | "
