@@ -90,3 +90,35 @@ def test_carried_states_survive_a_restart_and_a_torn_file_only_warns(tmp_path):
   path.write_bytes(path.read_bytes()[:5])  # torn
   with pytest.warns(UserWarning, match="start cold"):
     assert again.load_carried() == {}
+
+
+def test_done_is_per_settings_key(tmp_path):
+  """A unit finished under one point's settings is not done under another's: a sweep
+  resumed after a kill runs each point's missing prompts, not the prompts some other point
+  finished."""
+  store = ResultsStore(tmp_path, {"sweep": "s"}, resume=False, mismatch="separate")
+  a, b = store.register({**SETTINGS, "gamma": 2}), store.register({**SETTINGS, "gamma": 6})
+  store.add("p0", unit_records(0), settings_key=a)
+  again = ResultsStore(tmp_path, {"sweep": "s"}, resume=True, mismatch="separate")
+  for s in (store, again):
+    assert s.done("p0", a) and not s.done("p0", b)
+    assert s.units(a) == ["p0"] and s.units(b) == [] and s.records(b) == []
+
+
+def test_a_corrupt_line_mid_file_costs_only_its_own_unit(tmp_path):
+  """A line that is not JSON between good ones (a disk error, a hand edit): the units
+  before and after it stay done, its unit is redone, and the file is not cut there."""
+  store = ResultsStore(tmp_path, SETTINGS, resume=False)
+  for i in range(3):
+    store.add(f"p{i}", unit_records(i))
+  lines = (tmp_path / "results.jsonl").read_bytes().split(b"\n")
+  lines[1] = lines[1][: len(lines[1]) // 2] + b"\x00garbage"
+  (tmp_path / "results.jsonl").write_bytes(b"\n".join(lines))
+  again = ResultsStore(tmp_path, SETTINGS, resume=True)
+  assert again.units() == ["p0", "p2"]
+  assert again.done("p0") and not again.done("p1") and again.done("p2")
+  assert again.records() == unit_records(0) + unit_records(2)
+  again.add("p1", unit_records(1))
+  final = ResultsStore(tmp_path, SETTINGS, resume=True)
+  assert final.units() == ["p0", "p2", "p1"]
+  assert final.records() == unit_records(0) + unit_records(2) + unit_records(1)
