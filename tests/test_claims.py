@@ -50,6 +50,10 @@ def test_knapspec_lead_over_context():
 
 def test_predicted_tpt():
   assert claims.predicted_tpt_tracks({"a": 0.9, "b": 0.85}).outcome == REPRODUCED
+  # the bar is 0.8, not a positive sign: a weak correlation does not track throughput
+  assert claims.predicted_tpt_tracks({"a": 0.5, "b": 0.79}).outcome == NOT_REPRODUCED
+  assert claims.predicted_tpt_tracks({"a": 0.8}).outcome == REPRODUCED  # at the bar
+  assert claims.predicted_tpt_tracks({"a": 0.5}, bar=0.4).outcome == REPRODUCED
   assert claims.predicted_tpt_tracks({"a": 0.9, "b": -0.2}).outcome == PARTLY
   assert claims.predicted_tpt_tracks({"a": None}).outcome == UNDECIDED
 
@@ -84,6 +88,13 @@ def test_shortlists():
   assert named.evidence.startswith("dynaspec-k64 keeps")  # several DynaSpec rows: which one
   loses = claims.shortlist_keeps_m(2.75, {"M": 2.28, "shortlist": 3000}, fr)
   assert loses.outcome == NOT_REPRODUCED
+  # M kept and FR-Spec's beaten, but with a shortlist no smaller than FR-Spec's 32k: the
+  # claim's first part is "smaller", so it fails, alone (no FR-Spec rows) or beside the
+  # second
+  big = {"M": 2.74, "shortlist": 32768}
+  assert claims.shortlist_keeps_m(2.75, big, {}).outcome == NOT_REPRODUCED
+  assert claims.shortlist_keeps_m(2.75, big, {32768: 2.6}).outcome == PARTLY
+  assert claims.shortlist_keeps_m(2.75, {**big, "shortlist": 30000}, {}).outcome == REPRODUCED
   s = {"full-vocab": row(0.6), "frspec-8k": row(0.65), "dynaspec": row(0.5)}
   assert claims.shortlist_pays("frspec-8k", s).outcome == REPRODUCED
   assert claims.shortlist_pays("dynaspec", s).outcome == NOT_REPRODUCED
@@ -100,3 +111,15 @@ def test_compositions_and_a_run():
   text = claims.section(list(found.values()))
   assert text.count("\n- **") == 3 and "**Not reproduced** here" in text
   assert claims.section([]) == ""
+
+
+def test_a_composition_is_judged_against_its_best_part():
+  """Ahead of every part by more than a tie: reproduced; level with or behind the best
+  part (here 8bit, not the slower self_sd): not reproduced."""
+  speedups = {"8bit": 1.6, "self_sd": 0.8}
+  v = claims.composition_beats_parts("self_sd+8bit", {**speedups, "self_sd+8bit": 1.7})
+  assert v.outcome == REPRODUCED
+  assert v.evidence == "self_sd+8bit 1.70× against self_sd 0.80×, 8bit 1.60×"
+  for level in (1.62, 1.2):  # inside the 2 % tie margin; ahead of self_sd alone
+    v = claims.composition_beats_parts("self_sd+8bit", {**speedups, "self_sd+8bit": level})
+    assert v.outcome == NOT_REPRODUCED
