@@ -149,3 +149,49 @@ def test_a_mix_ratio_point_decodes_a_task_stream_of_held_out_prompts(tmp_path):
   bad.write_text('[fixed]\nmodel = "tiny-llama"\ncontext = 512\nmix_ratio = 0.5\n')
   with pytest.raises(sweep.SweepFileError, match="two workloads"):
     sweep.load(bad)
+
+
+def _records(point: int, prompt: str) -> list[dict]:
+  """AR and early_exit on one prompt of grid point `point`: figures that differ from point
+  to point and from column to column (speedup, M and α are all different numbers)."""
+  ar = {"method": "ar", "prompt_id": prompt, "decode_tokens": 40, "decode_s": 2.0,
+        "is_reference": True, "matches_ar": None}
+  ssd = {"method": "early_exit", "prompt_id": prompt, "decode_tokens": 40,
+         "decode_s": 2.0 / (1.2 + 0.3 * point), "rounds": 10, "drafted": 30,
+         "accepted": 7 + 5 * point, "committed": 17 + 5 * point,
+         "matches_ar": point != 1}
+  return [ar, ssd]
+
+
+def test_rows_and_table_carry_each_points_own_figures(tmp_path):
+  """Each row holds its own point's figures, as `metrics.summarize` gives them from that
+  point's records alone, and each table column prints its own figure."""
+  from specjax.bench import metrics
+  from specjax.bench.results_store import ResultsStore
+
+  spec = tmp_path / "s.toml"
+  spec.write_text(SWEEP.format(tokens=12))
+  s = sweep.load(spec)
+  store = ResultsStore(tmp_path / "run", {"sweep": s.name}, resume=False, mismatch="separate")
+  keys = [store.register(p.settings()) for p in s.points]
+  for i, key in enumerate(keys):
+    for prompt in ("a", "b"):
+      store.add(prompt, _records(i, prompt), settings_key=key)
+  rows = sweep.rows(s, store, keys)
+  assert [(r["gamma"], r["method"]) for r in rows] == [(2, "early_exit"), (3, "early_exit")]
+  for i, (r, key) in enumerate(zip(rows, keys)):
+    want = metrics.summarize(store.records(key))["early_exit"]
+    assert want["speedup"] == pytest.approx(1.2 + 0.3 * i)
+    assert want["M"] == pytest.approx(1.7 + 0.5 * i)
+    assert {k: r[k] for k in ("prompts", "tokens_per_s", "speedup", "M", "alpha",
+                              "mismatches")} == {k: want[k] for k in (
+        "prompts", "tokens_per_s", "speedup", "M", "alpha", "mismatches")}
+  lines = sweep.table(s, rows).splitlines()
+  head = [c.strip() for c in lines[0].strip("|").split("|")]
+  for r, line in zip(rows, lines[2:]):
+    cells = dict(zip(head, (c.strip() for c in line.strip("|").split("|"))))
+    assert cells == {"gamma": str(r["gamma"]), "early_exit.k": "1", "method": "early_exit",
+                     "prompts": "2", "tok/s": f"{r['tokens_per_s']:.1f}",
+                     "speedup": f"{r['speedup']:.2f}", "M": f"{r['M']:.2f}",
+                     "α": f"{r['alpha']:.2f}", "mismatches": str(r["mismatches"])}
+  assert [r["mismatches"] for r in rows] == [0, 2]
