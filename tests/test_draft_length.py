@@ -253,3 +253,37 @@ def test_the_lengths_table_shows_the_early_stop_price_where_a_fit_has_one():
   table = _lengths_table({"new": {**fit, "draft_cost_early_stop": 0.55}, "old": fit})
   assert "| new | 7 | 0.900 | 0.500 (0.550 with τ > 0) | γ=4: 1.20 |" in table
   assert "| old | 7 | 0.900 | 0.500 | γ=4: 1.20 |" in table  # fitted before 2026-12-04
+
+
+def test_run_pilot_times_steps_as_the_drafters_loop_pays_them(monkeypatch):
+  """`run_pilot` decodes each prompt (rounds recorded, no early stop), pools them, and
+  times the steps in the loop the drafter's rounds will run in: a fixed plan's in the
+  device loop (steps chained in one jitted loop, the plan traced on a CPU), a drafter that
+  updates after every round as host calls. Verification is measured at 1, γ/2 and γ, so a
+  fit at any γ ≤ the pilot's reads measured costs around it."""
+  from specjax.drafters import StaticDrafter
+  from test_round_loop import _EveryRound
+
+  config, graphdef, state = target("llama")
+  plan = DraftPlan.from_skips(config.num_layers, [1, 3], [2])
+  seen = []
+  timed = draft_length.step_times
+
+  def spy(*args, **kw):
+    seen.append(kw)
+    return timed(*args, **{**kw, "repeats": 1})
+
+  monkeypatch.setattr(draft_length, "step_times", spy)
+  prompts = [[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]
+  for drafter, loop in ((StaticDrafter(plan), draft_length.LOOP_STEPS), (_EveryRound(plan), 0)):
+    pilot = draft_length.run_pilot(graphdef, state, config, drafter, prompts, gamma=6,
+                                   max_new_tokens=20)
+    kw = seen.pop()
+    assert kw["loop"] == loop and tuple(kw["gammas"]) == (1, 3, 6)
+    assert sorted(pilot.costs.verify) == [1, 3, 6]
+    assert len(pilot.tracks) == 2 and all(len(t) >= 19 for t in pilot.tracks)
+    assert pilot.rounds >= 2 and 0 < pilot.alpha < 1  # the skip plan is rejected in part
+    if loop:  # the device loop drafts a fixed plan in a loop of known length
+      assert pilot.costs.draft_early_stop is not None
+    else:  # the host loop's draft takes a traced limit: only that step is timed
+      assert pilot.costs.draft == pilot.costs.draft_early_stop
