@@ -85,6 +85,34 @@ def test_kernel_equals_numpy(B, T, K, G, H, S, window, seed, data):
     np.testing.assert_allclose(np.asarray(g), w, rtol=2e-5, atol=2e-5)
 
 
+@settings(max_examples=25, deadline=None)
+@given(B=st.integers(2, 3), T=st.integers(1, 9), K=st.integers(1, 3),
+       G=st.sampled_from([1, 3]), H=st.sampled_from([16, 64]), S=st.integers(1, 80),
+       U=st.integers(1, 9), window=st.sampled_from([None, 5]), seed=st.integers(0, 2**16),
+       data=st.data())
+def test_the_tokens_own_segment_is_read_per_batch_row(B, T, K, G, H, S, U, window, seed,
+                                                      data):
+  """`own` (the tokens' own keys and values, read as slots after `bound`) at B > 1: each
+  batch row reads its own cache slots and its own tokens' K/V, positions and validity,
+  exactly as if they were one segment (the verification of a batch of sequences)."""
+  rng = np.random.default_rng(seed)
+  q, q_pos, k, v, key_pos, valid = inputs(rng, B, T, K * G, K, S, H)
+  own_k, own_v = (rng.normal(size=(B, K, U, H)).astype(np.float32) for _ in range(2))
+  own_pos = (S + rng.permutation(U)[None] + rng.integers(0, 3, (B, 1))).astype(np.int32)
+  own_valid = rng.random((B, U)) < 0.8
+  q_pos = rng.integers(0, S + U + 3, (B, T)).astype(np.int32)  # some rows see own tokens
+  bound = data.draw(st.integers(0, S))
+  fn = lambda *a: cpu_kernels.f32_attention(*a[:6], bound, scale=0.125, window=window,
+                                            xla=xla(0.125, window), own=a[6:])
+  got = jax.jit(fn)(q, q_pos, k, v, key_pos, valid, own_k, own_v, own_pos, own_valid)
+  join = lambda cached, own, axis: np.concatenate(
+      [np.take(cached, np.arange(bound), axis=axis), own], axis)
+  want = reference(q, q_pos, join(k, own_k, 2), join(v, own_v, 2), join(key_pos, own_pos, 1),
+                   join(valid, own_valid, 1), None, 0.125, window)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), w, rtol=2e-5, atol=2e-5)
+
+
 def test_long_segments_split_over_threads_match_numpy():
   """A segment long enough that each thread takes part of its slots (1500 of 2048 read,
   2 kv heads of 64): the parts, merged, match."""

@@ -375,3 +375,49 @@ def test_bad_loop_settings_are_clear_errors():
     generate(graphdef, state, config, PROMPT, max_new_tokens=8, chunk=-2)
   with pytest.raises(ValueError, match="unknown dtype 'float8'"):
     resolve_dtype("float8")
+
+
+def test_device_loop_sampled_rounds_keep_the_target_distribution():
+  """The device loop itself under the powered χ² test: 40 000 runs of `decode_rounds` from
+  one prefilled state (one key each, vmapped), each committing two tokens in one round or
+  over two. The first is drawn from the target's p(· | prompt), the second from
+  p(· | prompt, first) for the most frequent first. The loop-against-loop tests above
+  cannot see a bug both loops share (a key split, the carry of `last` from one round to
+  the next); the χ² tests of `round_fn` never run this loop."""
+  from targets import assert_powered, chi2_matches, sample_rounds, target_probs
+
+  from specjax.decode.engine import draft_step
+  from specjax.decode.generate import prefill_step
+
+  config, graphdef, state = target("llama", 4, 12)
+  L, V, gamma = config.num_layers, 12, 3
+  sampling = SamplingParams(temperature=2.0, top_p=1.0)
+  prompt = jnp.asarray([[9, 8, 10, 4, 3, 11, 9, 5, 8, 3, 5, 8, 10, 4, 6, 3, 8, 11, 7, 10]],
+                       jnp.int32)
+  first, cache = prefill_step(state, KVCache.create(config, 1, 48), prompt, jnp.int32(20),
+                              DraftPlan.full(L), jax.random.key(0), graphdef=graphdef,
+                              sampling=sampling)
+  # q far from p (the test must see the classic bugs), and a first draft rejected often
+  plan = DraftPlan.from_skips(L, [1, 2, 3], [0, 1, 2, 3])
+  no_eos = jnp.asarray([-1], jnp.int32)
+
+  def run(key):
+    carry = Decoding.start(cache, first, key, capacity=16)
+    out = decode_rounds(state, carry, plan, jnp.int32(3), no_eos, jnp.int32(3),
+                        graphdef=graphdef, vocab=V, gamma=gamma, threshold=0.0,
+                        sampling=sampling)
+    return out.tokens[1:3], out.count, out.rounds
+
+  tokens, count, rounds = map(np.asarray, sample_rounds(run))
+  assert (count == 3).all()
+  assert 0.2 < np.mean(rounds == 2) < 0.8  # the second token came across rounds and within
+  p = target_probs(state, graphdef, config, cache, sampling)
+  f = int(first[0])
+  q1 = draft_step(state, cache, first[0], plan, jax.random.key(2), jnp.int32(1),
+                  graphdef=graphdef, vocab=V, gamma=1, threshold=0.0,
+                  sampling=sampling).q_rows[0]
+  assert_powered(p([f]), np.asarray(q1, np.float64), len(tokens))
+  counts = np.bincount(tokens[:, 0], minlength=V)
+  chi2_matches(counts, p([f]))
+  top = int(np.argmax(counts))
+  chi2_matches(np.bincount(tokens[tokens[:, 0] == top, 1], minlength=V), p([f, top]))
