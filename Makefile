@@ -17,11 +17,12 @@ LATEST_JAX := jax==0.12.0.1 flax==0.12.12
 # What `make test` also runs on python3's jax (here 0.10.2, the oldest specjax supports)
 # when the whole suite ran on the newest: the decoder and its HLO checks, every C++ kernel
 # (built against that jax's FFI headers) with the 8-bit drafts over it, Pallas in interpret
-# mode, the orbax checkpoints and the compilation cache.
+# mode, the orbax checkpoints and the compilation cache; and the Hugging Face checkpoints
+# transformers writes (it needs torch, which only this venv has).
 COMPAT_TESTS := tests/test_plan.py tests/test_model.py tests/test_f32_matmul.py \
   tests/test_f32_attention.py tests/test_int8_weights.py tests/test_quant_attention_kernel.py \
   tests/test_weights.py tests/test_compile_cache.py tests/test_gguf_matrix.py \
-  tests/test_q4_0_int8_matmul.py
+  tests/test_q4_0_int8_matmul.py tests/test_hf_transformers.py
 PYTEST_FLAGS := -q -n 2 --dist loadfile --no-loadscope-reorder
 
 .PHONY: setup setup-test setup-latest run test test-latest test-compat bench-forward clean-cache

@@ -11,8 +11,14 @@ from specjax.models.registry import DEFAULT_MODEL, MODELS
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
+  from specjax.models.hf_config import SUPPORTED
   from specjax.models.registry import is_installed
+  from specjax.models.source import SOURCES
 
+  print("--model takes " + "; ".join(SOURCES) + ".")
+  print(f"Checkpoint architectures: {SUPPORTED}. GGUF: llama, qwen2, qwen3, gemma3.")
+  print("A hub id may name a revision (org/name@rev); HF_HOME, HF_TOKEN and HF_HUB_OFFLINE "
+        "apply.\n")
   rows = [("name", "arch", "installed", "get it with")]
   for spec in MODELS.values():
     rows.append((
@@ -199,12 +205,13 @@ def _cmd_router_train(args: argparse.Namespace) -> int:
 
   from specjax.models.loader import load_model
   from specjax.models.registry import cache_root
+  from specjax.models.source import artefact_key
   from specjax.offline import shortlists
 
   if not 1 <= args.k_max <= args.clusters:
     raise ConfigError(f"--k-max must be in 1..--clusters ({args.clusters}), got {args.k_max}")
   model = load_model(args.model)
-  out = Path(args.out or cache_root() / "shortlists" / model.name)
+  out = Path(args.out or cache_root() / "shortlists" / artefact_key(model))
   counts, bundle, curves = shortlists.build(
       model, out, prompts=args.prompts, new_tokens=args.new_tokens,
       router_prompts=args.router_prompts, clusters=args.clusters, k_max=args.k_max,
@@ -270,6 +277,12 @@ def add_dtype_arg(p: argparse.ArgumentParser) -> None:
                       "(CPU only)")
 
 
+def _model_arg(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--model", default=DEFAULT_MODEL,
+                 help="a registered name (`specjax models`), a .gguf file, a Hugging Face "
+                 "checkpoint folder or a hub id org/name[@revision] (default: %(default)s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
   from specjax.bench.drafter_factory import BASES, OVERLAYS
   from specjax.bench.runner import DEFAULT_DRAFTERS
@@ -283,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.set_defaults(func=_cmd_models)
 
   p = sub.add_parser("generate", help="autoregressive generation, streamed")
-  p.add_argument("--model", default=DEFAULT_MODEL)
+  _model_arg(p)
   p.add_argument("--prompt", required=True)
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -306,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.set_defaults(func=_cmd_generate)
 
   p = sub.add_parser("bench", help="AR vs every drafter on a Spec-Bench subset")
-  p.add_argument("--model", default=DEFAULT_MODEL)
+  _model_arg(p)
   p.add_argument("--drafters", default=",".join(DEFAULT_DRAFTERS),
                  help="comma-separated; layer drafters: " + ", ".join(BASES) + "; overlays "
                  "(alone: over the full model, or after a layer drafter with '+'): "
@@ -357,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
 
   p = sub.add_parser("profile", help="time attention / MLP sub-layers and verification "
                      "at several context lengths (KnapSpec reads it)")
-  p.add_argument("--model", default=DEFAULT_MODEL)
+  _model_arg(p)
   p.add_argument("--lengths", default="256,1024,2048,4096", help="cache sizes to time")
   p.add_argument("--gamma", type=int, default=4, help="verification is timed on γ+1 tokens")
   p.add_argument("--repeats", type=int, default=7, help="timed repeats per point (median)")
@@ -379,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
   router_sub = p.add_subparsers(dest="router_command", required=True)
   q = router_sub.add_parser("train", help="token counts, clusters and router from training "
                             "prompts (never the evaluation ones)")
-  q.add_argument("--model", default=DEFAULT_MODEL)
+  _model_arg(q)
   q.add_argument("--prompts", type=int, default=48, help="training prompts (FR-Spec counts)")
   q.add_argument("--new-tokens", type=int, default=48, help="own continuation per prompt")
   q.add_argument("--router-prompts", type=int, default=320,
@@ -403,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
   knn_sub = p.add_subparsers(dest="knn_command", required=True)
   q = knn_sub.add_parser("build", help="anchors (k-means) and a Self-SD skip set per domain, "
                          "from the domains' build prompts (never the held-out ones)")
-  q.add_argument("--model", default=DEFAULT_MODEL)
+  _model_arg(q)
   q.add_argument("--domains", default=",".join(("mt_bench", "translation", "summarization",
                                                 "qa", "math_reasoning", "rag", "gsm8k")))
   q.add_argument("--prompts-per-domain", type=int, default=40, help="prompts embedded")

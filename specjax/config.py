@@ -10,9 +10,48 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import numpy as np
+
 from specjax.errors import ConfigError
 
 Arch = Literal["llama", "qwen2", "qwen3", "gemma3"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """How a checkpoint stretches its rotary frequencies past the context it was trained at.
+
+  "linear" divides every frequency by `factor` (Gemma 3's global layers at 4B and up).
+  "llama3" (Llama 3.1 and later) divides only the low frequencies, whose wavelengths are
+  longer than `original_max_position / low_freq_factor`, keeps the high ones (wavelengths
+  below `original_max_position / high_freq_factor`) and blends linearly between, so the
+  model sees nearby tokens as it did in training and stretches only the slow angles."""
+
+  kind: Literal["linear", "llama3"]
+  factor: float
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position: int = 8192
+
+  def __post_init__(self):
+    if self.kind not in ("linear", "llama3"):
+      raise ConfigError(f"rope scaling {self.kind!r}: linear and llama3 are supported")
+    if self.factor <= 0 or self.high_freq_factor <= self.low_freq_factor:
+      raise ConfigError(f"rope scaling needs factor > 0 and high_freq_factor > "
+                        f"low_freq_factor, got {self}")
+
+  def apply(self, inv_freq: np.ndarray) -> np.ndarray:
+    """The scaled frequencies (float64) of unscaled ones `inv_freq`."""
+    if self.kind == "linear":
+      return inv_freq / self.factor
+    wavelength = 2 * np.pi / inv_freq
+    slow = wavelength > self.original_max_position / self.low_freq_factor
+    fast = wavelength < self.original_max_position / self.high_freq_factor
+    # 0 at the slow end of the blend, 1 at the fast end
+    t = ((self.original_max_position / wavelength - self.low_freq_factor)
+         / (self.high_freq_factor - self.low_freq_factor))
+    blended = (1 - t) * inv_freq / self.factor + t * inv_freq
+    return np.where(slow, inv_freq / self.factor, np.where(fast, inv_freq, blended))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +70,7 @@ class ModelConfig:
   rope_base: float = 10_000.0
   rope_local_base: float = 10_000.0  # gemma3 sliding-window layers
   rope_interleaved: bool = False  # llama GGUF keeps Meta's interleaved q/k layout
+  rope_scaling: RopeScaling | None = None  # of the global layers' frequencies
   qkv_bias: bool = False  # qwen2
   qk_norm: bool = False  # qwen3, gemma3
   post_norms: bool = False  # gemma3: norm after attention and after the MLP too
@@ -59,6 +99,18 @@ class ModelConfig:
     if self.head_dim % 2:
       raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
 
+  def to_dict(self) -> dict:
+    """Plain JSON-ready fields (`from_dict` reads them back)."""
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, fields: dict) -> ModelConfig:
+    fields = dict(fields)
+    fields["eos_ids"] = tuple(fields.get("eos_ids", ()))
+    if fields.get("rope_scaling") is not None:
+      fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+    return cls(**fields)
+
   @property
   def num_sublayers(self) -> int:
     """2L: one attention and one MLP sub-layer per layer."""
@@ -72,8 +124,16 @@ class ModelConfig:
       return True
     return (layer + 1) % self.global_every != 0
 
+  def is_local(self, layer: int) -> bool:
+    """A gemma3-style local layer: sliding, beside global ones, with a rope of its own. A
+    model whose every layer slides (Mistral 7B v0.1) has one rope for all of them."""
+    return self.global_every > 0 and self.is_sliding(layer)
+
   def layer_rope_base(self, layer: int) -> float:
-    return self.rope_local_base if self.is_sliding(layer) else self.rope_base
+    return self.rope_local_base if self.is_local(layer) else self.rope_base
+
+  def layer_rope_scaling(self, layer: int) -> RopeScaling | None:
+    return None if self.is_local(layer) else self.rope_scaling
 
   @property
   def scale(self) -> float:

@@ -24,11 +24,12 @@ import math
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specjax import cpu_kernels
 from specjax.cache_view import LayerView, QuantRead, Segment, after
-from specjax.config import ModelConfig
+from specjax.config import ModelConfig, RopeScaling
 from specjax.gguf_matrix import GGUFMatrix
 from specjax.kv_cache import DraftBuffer, KVCache
 from specjax.plan import DraftPlan, PlanError
@@ -96,14 +97,19 @@ class Rotation:
   sin: jax.Array
 
 
-def rotation(positions: jax.Array, base: float, H: int) -> Rotation:
-  """The rotary angles of positions[B, T] for head dim H, materialised once.
+def rotation(positions: jax.Array, base: float, H: int,
+             scaling: RopeScaling | None = None) -> Rotation:
+  """The rotary angles of positions[B, T] for head dim H, materialised once; `scaling`
+  stretches the frequencies as the checkpoint was trained to read them.
 
   The table goes through a sum (with zeros) because XLA fuses elementwise producers into
   every consumer, an expensive cos included, and an optimisation barrier is gone before
   fusion on XLA:CPU; a reduction is the producer it does not fuse. Adding zeros changes no
   value (`test_model.py` checks the compiled step holds one cos per rope base)."""
   inv_freq = 1.0 / (base ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))  # [H/2]
+  if scaling is not None:  # computed in float64 on the host, a constant of the program
+    unscaled = 1.0 / (base ** (np.arange(0, H, 2, dtype=np.float64) / H))
+    inv_freq = jnp.asarray(scaling.apply(unscaled), jnp.float32)
   angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
   table = jnp.stack([jnp.cos(angles), jnp.sin(angles)])  # [2, B, T, H/2]
   table = jnp.stack([table, jnp.zeros_like(table)]).sum(0)
@@ -128,9 +134,10 @@ def rotate(x: jax.Array, rot: Rotation, interleaved: bool) -> jax.Array:
   return out.astype(x.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, base: float, interleaved: bool) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, base: float, interleaved: bool,
+               scaling: RopeScaling | None = None) -> jax.Array:
   """Rotary embedding of x[B, T, N, H] at positions[B, T] (`rotate` by fresh angles)."""
-  return rotate(x, rotation(positions, base, x.shape[-1]), interleaved)
+  return rotate(x, rotation(positions, base, x.shape[-1], scaling), interleaved)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype) -> nnx.Param:
@@ -156,6 +163,7 @@ class Attention(nnx.Module):
     self.config = config
     self.window = config.sliding_window if config.is_sliding(layer) else None
     self.rope_base = config.layer_rope_base(layer)
+    self.rope_scaling = config.layer_rope_scaling(layer)
 
   def project(self, x: jax.Array, rot: Rotation, weights: LayerWeights | None = None
               ) -> tuple[jax.Array, ...]:
@@ -419,7 +427,7 @@ class Block(nnx.Module):
     B, T, _ = x.shape
     N, H = self.attn.config.num_heads, self.attn.config.head_dim
     if rot is None:
-      rot = rotation(positions, self.attn.rope_base, H)
+      rot = rotation(positions, self.attn.rope_base, H, self.attn.rope_scaling)
 
     def project(x, target):
       q, k, v = self.attn.project(self.attn_norm(x), rot, weights)
@@ -607,14 +615,15 @@ class Transformer(nnx.Module):
       view = buffer.view(view, cache.length)
     x = self.embed(tokens)
     H = self.config.head_dim
-    rots = {base: rotation(positions, base, H)  # one per rope base (gemma3: local, global)
-            for base in sorted({block.attn.rope_base for block in self.blocks})}
+    ropes = {(b.attn.rope_base, b.attn.rope_scaling) for b in self.blocks}
+    rots = {(base, scaling): rotation(positions, base, H, scaling)  # one a rope (gemma3: 2)
+            for base, scaling in sorted(ropes, key=str)}
     with float32_dots(x.dtype):
       residuals = []
       for l, block in enumerate(self.blocks):
         run = plan.runs("attn", l)
         x, layer = block.attn_sublayer(run, x, positions, view.layer(l), layer_weights[l],
-                                       rots[block.attn.rope_base])
+                                       rots[(block.attn.rope_base, block.attn.rope_scaling)])
         view.keep(l, layer, run, x)
         if return_residuals:
           residuals.append(x)

@@ -48,6 +48,7 @@ from specjax.drafters import (
   drafter_class,
 )
 from specjax.errors import ConfigError, SpecjaxError
+from specjax.models.source import artefact_key
 
 BASES = ("static", "early_exit", "self_sd", "swift", "clasp", "knapspec", "knn")
 OVERLAYS = ("8bit", "4bit", "quantspec", "frspec", "dynaspec")
@@ -222,7 +223,7 @@ class DrafterFactory:
     if artefact in self.artefacts:
       return self.artefacts[artefact]
     try:  # a profile of the precision the model runs at (a bfloat16 step costs less)
-      return profiler.load_profile(self.model.name, self.model.config.num_layers,
+      return profiler.load_profile(artefact_key(self.model), self.model.config.num_layers,
                                    dtype=precision_name(self.model.config, self.model.state),
                                    draft=profiler.draft_label(kind))
     except profiler.MissingProfileError as err:
@@ -242,7 +243,7 @@ class DrafterFactory:
 
     if "counts" in self.artefacts or "bundle" in self.artefacts:
       return self.artefacts.get("counts")
-    out = cache_root() / "shortlists" / self.model.name
+    out = cache_root() / "shortlists" / artefact_key(self.model)
     if not (out / "counts.npz").exists():
       self._say(f"no FR-Spec counts for {self.model.name} at {out}: counting them now "
                 f"(`specjax router train` does the same, and trains DynaSpec's router)")
@@ -260,7 +261,7 @@ class DrafterFactory:
     if "counts" in self.artefacts or "bundle" in self.artefacts:
       return self.artefacts.get("counts"), self.artefacts.get("bundle")
     o = self._opts("dynaspec")
-    root = cache_root() / "shortlists" / self.model.name
+    root = cache_root() / "shortlists" / artefact_key(self.model)
     default = o["clusters"] == ARTEFACT_OPTIONS["dynaspec"]["clusters"]
     out = root if default else root / f"c{o['clusters']}"
     if not (out / "counts.npz").exists() or not is_current(out / "router"):
@@ -285,14 +286,14 @@ class DrafterFactory:
     if "library" in self.artefacts:
       return self.artefacts["library"]
     o = self._opts("knn")
-    default = knn_library.default_dir(self.model.name)
+    default = knn_library.default_dir(artefact_key(self.model))
     path = default.with_name(default.name + "".join(
         f"-{key.replace('_', '-')}{o[key]}" for key in ("anchors", "search_prompts")
         if o[key] != ARTEFACT_OPTIONS["knn"][key]))
     cfg = self.model.config
     if (path / "meta.json").exists():
       try:
-        return knn_library.load_library(path, model=self.model.name, num_layers=cfg.num_layers,
+        return knn_library.load_library(path, model=artefact_key(self.model), num_layers=cfg.num_layers,
                                         embed_dim=cfg.embed_dim)
       except knn_library.StaleLibraryError as err:
         self._say(f"{err}: rebuilding it")
@@ -330,17 +331,17 @@ class DrafterFactory:
                                      self.seed, ids]
                                     + ([] if precision == "float32" else [precision])).encode()
                          ).hexdigest()[:10] + _plan_suffix(kind)
-    folder = Path(self.work_dir) if self.work_dir else cache_root() / "searches" / self.model.name
+    folder = Path(self.work_dir) if self.work_dir else cache_root() / "searches" / artefact_key(self.model)
     path = folder / f"self_sd_plan-{key}.json"
     if path.exists():
-      return load_plan(path, model=self.model.name)
+      return load_plan(path, model=artefact_key(self.model))
     m = self.model
     res = self_sd.search(m.graphdef, m.state, m.config, ids, iterations=iterations,
                          gamma=self.gamma, seed=self.seed,
                          weights=self.draft_weights(kind),
                          target_bits=weight_bits(m.state))
     folder.mkdir(parents=True, exist_ok=True)
-    save_plan(path, res.plan, model=m.name, objective=res.objective, alpha=res.alpha,
+    save_plan(path, res.plan, model=artefact_key(m), objective=res.objective, alpha=res.alpha,
               cost=res.cost, search_prompts=[p.id for p in prompts], iterations=iterations)
     if res.objective < 1.0:
       self._say(f"self_sd: no skip set found is predicted to beat AR on {m.name} (best "
@@ -361,7 +362,7 @@ class DrafterFactory:
       plan = self._opts("static")["plan"]
       if plan is None:
         raise ConfigError("the static drafter needs a plan file (option plan, or --plan FILE)")
-      return StaticDrafter(load_plan(plan, model=self.model.name), **kw)
+      return StaticDrafter(load_plan(plan, model=artefact_key(self.model)), **kw)
     if name == "early_exit":
       return EarlyExitDrafter(**{"k": L // 2, **kw})
     if name == "swift":

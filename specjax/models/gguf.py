@@ -172,11 +172,29 @@ def block_matrices(config: ModelConfig, reader: GGUFFile) -> Iterator[tuple[str,
           [(np.asarray(t.data), int(t.tensor_type)) for t in found])
 
 
-def num_tensors(path: str | Path, reader=None) -> int:
-  return len((reader or _reader(path)).tensors)
-
-
-def open_gguf(path: str | Path) -> GGUFFile:
+def open_gguf(path: str | Path, *more: str | Path) -> GGUFFile | SplitGGUFFile:
   """The parsed GGUF file (memory-mapped), shared by config, weights and tokenizer readers;
-  `GGUFFormatError` on a damaged layout, tensors past the end of the file included."""
-  return _reader(path)
+  `GGUFFormatError` on a damaged layout, tensors past the end of the file included. With
+  `more`, the files of a split set in order (llama.cpp's gguf-split), read as one."""
+  if not more:
+    return _reader(path)
+  return SplitGGUFFile([_reader(p) for p in (path, *more)], [Path(p).name for p in (path, *more)])
+
+
+class SplitGGUFFile:
+  """The files of a split GGUF as one: the first file's metadata, every file's tensors.
+  Each file says its place (`split.no`, `split.count`) and the first how many tensors the
+  set holds (`split.tensors.count`): a file missing, repeated or out of order is refused."""
+
+  def __init__(self, files: list[GGUFFile], names: list[str]):
+    for i, (f, name) in enumerate(zip(files, names)):
+      no, count = f.fields.get("split.no"), f.fields.get("split.count")
+      if (no, count) != (i, len(files)):
+        raise GGUFFormatError(f"{name} says it is split file {no} of {count}; as file {i} of "
+                              f"{len(files)} it should say {i} of {len(files)}")
+    self.fields = files[0].fields
+    self.tensors = [t for f in files for t in f.tensors]
+    want = self.fields.get("split.tensors.count")
+    if want is not None and int(want) != len(self.tensors):
+      raise GGUFFormatError(f"{names[0]}: the split set should hold {want} tensors, its "
+                            f"{len(files)} files hold {len(self.tensors)}")

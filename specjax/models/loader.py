@@ -1,4 +1,9 @@
-"""`load_model(name)`: GGUF -> params + tokenizer, cached with orbax for fast reloads."""
+"""`load_model(source)`: a registered name, a GGUF file or a Hugging Face checkpoint (a
+folder or a hub id, `source.resolve`) -> config, params and tokenizer.
+
+GGUF files are dequantised to float32 once and the params cached with orbax (keyed by the
+file's fingerprint) for fast reloads; a checkpoint folder's safetensors are streamed
+tensor by tensor to the device in the requested dtype (`hf_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -20,22 +25,34 @@ from specjax.model import Transformer
 from specjax.models import checkpoint
 from specjax.models import gguf as gguf_weights
 from specjax.models.params import abstract_model, fuse_projections, param_shapes, state_from_flat
+from specjax.models.hf_checkpoint import hf_names, load_state
+from specjax.models.hf_config import config_from_hf
 from specjax.models.registry import cache_root, get_spec
+from specjax.models.safetensors_file import Checkpoint
+from specjax.models.source import Source, config_files, resolve, slug
 from specjax.models.tiny import tiny_model
-from specjax.models.tokenizer import ByteTokenizer, TextTokenizer, tokenizer_from_gguf
+from specjax.models.tokenizer import (
+    ByteTokenizer,
+    TextTokenizer,
+    tokenizer_from_folder,
+    tokenizer_from_gguf,
+)
 
 CONVERTER_VERSION = 4  # bump when the GGUF -> params conversion changes (3: gate_up [O, I]; 4: qkv [O, I])
 
 
 @dataclasses.dataclass
 class LoadedModel:
-  """A model ready to run: static config, NNX graph + state, tokenizer."""
+  """A model ready to run: static config, NNX graph + state, tokenizer; `key` names its
+  artefacts (`source.artefact_key`), `source` says where its weights came from."""
 
   name: str
   config: ModelConfig
   graphdef: nnx.GraphDef
   state: nnx.State
   tokenizer: TextTokenizer | ByteTokenizer
+  key: str = ""
+  source: Source | None = None
 
   @property
   def module(self) -> Transformer:
@@ -91,13 +108,22 @@ def at_precision(config: ModelConfig, state: nnx.State, dtype: str
   return config, graphdef, jax.tree.map(lambda x: x.astype(weights), state)
 
 
-def load_model(name: str, *, dtype=None, verbose: bool = True) -> LoadedModel:
-  """Load a registered model by name (see `specjax models`) with weights in `dtype`
-  (default: `default_dtype()`; its activations and KV cache follow, but for "mixed":
-  bfloat16 weights computed in float32, and "gguf": the file's own blocks, computed in
-  float32 on a CPU, `with_gguf_blocks`)."""
-  m = _load(name, resolve_dtype(dtype) if dtype is None or isinstance(dtype, str) else dtype,
-            verbose)
+def load_model(source: str | Path, *, dtype=None, revision: str | None = None,
+               verbose: bool = True) -> LoadedModel:
+  """Load a model from `source` (a registered name, a .gguf file, a Hugging Face folder or
+  hub id at `revision`: `source.resolve`) with weights in `dtype` (default:
+  `default_dtype()`, bfloat16 on an accelerator and float32 on a CPU; its activations and
+  KV cache follow, but for "mixed": bfloat16 weights computed in float32, and "gguf": a
+  GGUF file's own blocks, computed in float32 on a CPU, `with_gguf_blocks`)."""
+  src = resolve(source, revision)
+  weights = resolve_dtype(dtype) if dtype is None or isinstance(dtype, str) else dtype
+  if src.kind == "folder":
+    if dtype == GGUF:
+      raise ConfigError(f"--dtype gguf computes over a GGUF file's blocks; {src.name} is a "
+                        f"safetensors checkpoint: choose float32, bfloat16 or mixed")
+    m = _load_folder(src, weights, verbose)
+  else:
+    m = _load(src, weights, verbose)
   if dtype == GGUF:
     return with_gguf_blocks(m, verbose)
   if dtype != MIXED:
@@ -113,11 +139,10 @@ def with_gguf_blocks(m: LoadedModel, verbose: bool = True) -> LoadedModel:
   why = cpu_kernels.unavailable("gguf_matmul")
   if why:
     raise ConfigError(f"--dtype gguf needs a CPU backend and the gguf_matmul kernel ({why})")
-  spec = get_spec(m.name)
-  if spec.is_tiny:
+  if m.source is None or m.source.kind == "folder":  # a tiny model has no file
     blocks = quantized_blocks(m.state, m.config, GGUFMatrix.KIND_Q8_0)
   else:
-    reader = gguf_weights.open_gguf(spec.locate())
+    reader = gguf_weights.open_gguf(*_gguf_files(m.source))
     blocks = tqdm(gguf_weights.block_matrices(m.config, reader), desc=f"{m.name} blocks",
                   unit="matrix", disable=not verbose)
   return dataclasses.replace(m, state=with_values(m.state, blocks))
@@ -152,49 +177,73 @@ def _values(state: nnx.State):
   return (var.get_value() for _, var in nnx.to_flat_state(state))
 
 
-def _load(name: str, dtype, verbose: bool) -> LoadedModel:
-  spec = get_spec(name)
-  if spec.is_tiny:
+def _gguf_files(src: Source) -> tuple[Path, ...]:
+  """The GGUF file(s) of a registered or GGUF-path source."""
+  if src.kind == "registered":
+    return (get_spec(src.name).locate(),)
+  return src.parts or (src.path,)
+
+
+def _load(src: Source, dtype, verbose: bool) -> LoadedModel:
+  spec = get_spec(src.name) if src.kind == "registered" else None
+  if spec is not None and spec.is_tiny:
     # Trained on first use (about 20 s on 2 cores), then read from the cache.
     config, graphdef, state = tiny_model(spec.arch, vocab_size=ByteTokenizer.vocab_size)
     state = jax.tree.map(lambda x: x.astype(dtype), state)
-    return LoadedModel(name, config, graphdef, state, ByteTokenizer())
-  path = spec.locate()
-  cache_dir = cache_root() / "params" / f"{name}-{_fingerprint(path, dtype)}"
+    return LoadedModel(src.name, config, graphdef, state, ByteTokenizer(), src.name)
+  files = _gguf_files(src)
+  src = dataclasses.replace(src, path=files[0]) if src.path is None else src
+  key = f"{slug(src.name)}-{src.fingerprint()}"
+  cache_dir = cache_root() / "params" / f"{key}-v{CONVERTER_VERSION}-{jnp.dtype(dtype).name}"
   config = _cached_config(cache_dir)
   if config is not None:
     try:
       flat = checkpoint.restore_tree(cache_dir, param_shapes(config, dtype))
       tok = TextTokenizer.load(cache_dir)
       graphdef, state = state_from_flat(config, flat.items(), dtype)
-      return LoadedModel(name, config, graphdef, state, tok)
+      return LoadedModel(src.name, config, graphdef, state, tok, key, src)
     except Exception as err:  # any damage: rebuild from the GGUF rather than crash
       print(f"specjax: cached params at {cache_dir} are unusable ({err}); rebuilding from "
-            f"{path.name}", file=sys.stderr)
+            f"{files[0].name}", file=sys.stderr)
       shutil.rmtree(cache_dir, ignore_errors=True)
-  return _convert(name, path, cache_dir, dtype, verbose)
+  m = _convert(src.name, files, cache_dir, dtype, verbose)
+  return dataclasses.replace(m, key=key, source=src)
 
 
-def _fingerprint(path: Path, dtype) -> str:
-  return f"v{CONVERTER_VERSION}-{path.stat().st_size}-{jnp.dtype(dtype).name}"
+def _load_folder(src: Source, dtype, verbose: bool) -> LoadedModel:
+  """A Hugging Face checkpoint folder, its safetensors streamed to the device."""
+  folder = src.path
+  cfg, generation = config_files(folder)
+  config = config_from_hf(cfg, generation, where=str(folder / "config.json"))
+  tok = tokenizer_from_folder(folder)
+  ckpt = Checkpoint(folder)
+  bar = tqdm(total=len(hf_names(config)), desc=f"loading {src.name}", unit="tensor",
+             disable=not verbose)
+  config, graphdef, state = load_state(config, ckpt, dtype, progress=bar.update)
+  bar.close()
+  if not config.eos_ids and tok.special.get("eos_token"):
+    eos = tok.token_id(tok.special["eos_token"])
+    config = dataclasses.replace(config, eos_ids=() if eos is None else (eos,))
+  return LoadedModel(src.name, config, graphdef, state, tok,
+                     f"{slug(src.name)}-{src.fingerprint()}", src)
 
 
 def _cached_config(cache_dir: Path) -> ModelConfig | None:
   try:
     meta = checkpoint.load_meta(cache_dir)
-    cfg = meta["config"]
-    cfg["eos_ids"] = tuple(cfg["eos_ids"])
-    return ModelConfig(**cfg)
+    return ModelConfig.from_dict(meta["config"])
   except (checkpoint.CheckpointError, KeyError, TypeError):
     return None
 
 
-def _convert(name: str, path: Path, cache_dir: Path, dtype, verbose: bool) -> LoadedModel:
-  reader = gguf_weights.open_gguf(path)
+def _convert(name: str, files: tuple[Path, ...], cache_dir: Path, dtype, verbose: bool
+             ) -> LoadedModel:
+  path = files[0]
+  reader = gguf_weights.open_gguf(*files)
   config = gguf_weights.config_from_gguf(path, reader)
   tensors = tqdm(
       gguf_weights.iter_params(path, config, reader),
-      total=gguf_weights.num_tensors(path, reader),
+      total=len(reader.tensors),
       desc=f"converting {name}",
       unit="tensor",
       disable=not verbose,
@@ -202,6 +251,7 @@ def _convert(name: str, path: Path, cache_dir: Path, dtype, verbose: bool) -> Lo
   graphdef, state = state_from_flat(config, fuse_projections(tensors), dtype)
   tok = tokenizer_from_gguf(reader)
   flat = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(state)}
-  checkpoint.save_tree(cache_dir, flat, {"config": dataclasses.asdict(config), "gguf": str(path)})
+  checkpoint.save_tree(cache_dir, flat, {"config": config.to_dict(),
+                                         "gguf": [str(f) for f in files]})
   tok.save(cache_dir)
   return LoadedModel(name, config, graphdef, state, tok)

@@ -1,4 +1,5 @@
-"""Tokenizer and chat template read from the same GGUF file as the weights.
+"""Tokenizer and chat template, read from the same GGUF file as the weights, or from a
+Hugging Face checkpoint folder (`tokenizer_from_folder`).
 
 GGUF carries the vocabulary, merges (byte-level BPE: gpt2 family) or scores
 (SentencePiece BPE: llama family, used by gemma), the special tokens and the Jinja chat
@@ -8,6 +9,8 @@ result is cached as tokenizer.json next to the converted params.
 
 from __future__ import annotations
 
+import datetime
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,6 +54,10 @@ class TextTokenizer:
   def vocab_size(self) -> int:
     return self._tok.get_vocab_size(with_added_tokens=True)
 
+  def token_id(self, token: str) -> int | None:
+    """The id of a token's string (a special token's), None if the vocabulary lacks it."""
+    return self._tok.token_to_id(token)
+
   @property
   def is_chat(self) -> bool:
     return self.chat_template is not None
@@ -65,16 +72,13 @@ class TextTokenizer:
     return self._tok.decode(list(ids), skip_special_tokens=skip_special)
 
   def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-    """Apply the model's own chat template (as HF does: sandboxed Jinja, trimmed blocks)."""
+    """Apply the model's own chat template as transformers does: sandboxed Jinja with
+    trimmed blocks and loop controls, `raise_exception`, `strftime_now` (Llama 3.1's
+    templates date the system prompt), a `tojson` that keeps non-ASCII text, and the
+    special tokens' strings."""
     if self.chat_template is None:
       raise ConfigError("this model has no chat template (a base model): pass raw text")
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-    def raise_exception(message):
-      raise jinja2.exceptions.TemplateError(message)
-
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(self.chat_template).render(
+    return _template(self.chat_template).render(
         messages=messages, add_generation_prompt=add_generation_prompt, **self.special
     )
 
@@ -105,6 +109,69 @@ class TextTokenizer:
   def load(cls, directory: Path) -> TextTokenizer:
     meta = json.loads((directory / "tokenizer_meta.json").read_text())
     return cls(Tokenizer.from_file(str(directory / "tokenizer.json")), **meta)
+
+
+@functools.lru_cache(maxsize=8)
+def _template(source: str) -> jinja2.Template:
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+      trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+  env.globals["raise_exception"] = raise_exception
+  env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+  env.filters["tojson"] = tojson
+  return env.from_string(source)
+
+
+class FolderTokenizer(TextTokenizer):
+  """A Hugging Face checkpoint's tokenizer (`tokenizer.json`), encoding as transformers
+  does: its post-processor adds the special tokens of plain text (BOS where the model has
+  one), and a chat is encoded without them, since the template writes its own."""
+
+  def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=add_bos is not False).ids
+
+  def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    return self._tok.encode(self.render_chat(messages), add_special_tokens=False).ids
+
+  def save(self, directory: Path) -> None:
+    raise NotImplementedError("a checkpoint folder's tokenizer is read from the folder")
+
+
+def tokenizer_from_folder(folder: Path) -> FolderTokenizer:
+  """`tokenizer.json` through `tokenizers`; the chat template from `chat_template.jinja`
+  (transformers 5) or `tokenizer_config.json` (its default, when it lists several); the
+  special tokens' strings from `tokenizer_config.json` and `special_tokens_map.json`."""
+  folder = Path(folder)
+  if not (folder / "tokenizer.json").is_file():
+    raise ConfigError(f"{folder} has no tokenizer.json (a slow-tokenizer-only checkpoint: "
+                      f"save it again with transformers' AutoTokenizer.save_pretrained)")
+  tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+  config = _json(folder / "tokenizer_config.json")
+  special = {}
+  for source in (_json(folder / "special_tokens_map.json"), config):
+    for key, value in source.items():
+      if key.endswith("_token") and value is not None:
+        special[key] = value["content"] if isinstance(value, dict) else str(value)
+  template = config.get("chat_template")
+  if isinstance(template, list):  # [{"name": ..., "template": ...}]
+    template = {t["name"]: t["template"] for t in template}.get("default")
+  if (folder / "chat_template.jinja").is_file():
+    template = (folder / "chat_template.jinja").read_text()
+  bos = special.get("bos_token")
+  bos_id = tok.token_to_id(bos) if bos else None
+  return FolderTokenizer(tok, bos_id=bos_id, add_bos=bool(config.get("add_bos_token", True)),
+                         chat_template=template, special=special)
+
+
+def _json(path: Path) -> dict:
+  return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def tokenizer_from_gguf(reader) -> TextTokenizer:

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from specjax.bench import data, harness
 from specjax.errors import ConfigError
+from specjax.models.source import artefact_key
 from specjax.offline import self_sd_search as self_sd
 from specjax.offline.knn_library import (
   LibraryError,
@@ -117,7 +118,7 @@ def build(model, domains: Mapping[str, Sequence[data.Prompt]], out: Path | None 
   """Build (or resume) the library for `domains` and save it at `out`. `embeddings`: the
   folder that keeps the prompts' embeddings (default: beside the parts), so libraries
   that differ only in their search settings embed once."""
-  out = Path(out or default_dir(model.name))
+  out = Path(out or default_dir(artefact_key(model)))
   parts_path = parts_dir(out)
   parts_path.mkdir(parents=True, exist_ok=True)
   embeddings = Path(embeddings) if embeddings else parts_path
@@ -138,7 +139,8 @@ def build(model, domains: Mapping[str, Sequence[data.Prompt]], out: Path | None 
     parts[name] = build_domain(model, name, domains[name], x, verbose=verbose, **kw)
     parts[name]["settings"] = settings
     _write_part(path, parts[name])
-  lib = from_parts(model.name, parts).check(model.config.num_layers, model.config.embed_dim)
+  cfg = model.config
+  lib = from_parts(artefact_key(model), parts).check(cfg.num_layers, cfg.embed_dim)
   save_library(out, lib)
   return lib
 

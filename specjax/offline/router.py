@@ -41,6 +41,7 @@ from flax import nnx
 
 from specjax.errors import SpecjaxError
 from specjax.models import checkpoint
+from specjax.models.source import artefact_key
 from specjax.offline.vocab_clusters import VocabClusters
 
 VERSION = 2  # 2: reads h_t, distilled. 1 read [embedding(x_t), h_{t-1}] (refused on load)
@@ -154,7 +155,7 @@ def collect_pairs(model, sequences, clusters: VocabClusters, verbose: bool = Tru
   bar = tqdm(total=len(seqs), desc="router pairs", unit="seq", disable=not verbose)
   for start in range(0, len(seqs), chunk):
     block = [(g, s) for g, s in enumerate(seqs[start:start + chunk], start) if len(s) >= 2]
-    key = _chunk_key(model.name, clusters, block)
+    key = _chunk_key(artefact_key(model), clusters, block)
     path = save_dir and Path(save_dir) / f"pairs-{start // chunk:05d}-{key}.npz"
     if path and path.exists():
       with np.load(path) as f:

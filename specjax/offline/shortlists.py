@@ -22,6 +22,7 @@ import numpy as np
 
 from specjax import gguf_matrix
 from specjax.bench import data, plots
+from specjax.models.source import artefact_key
 from specjax.offline.router import (
   Pairs,
   RouterBundle,
@@ -77,11 +78,11 @@ def build_counts(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
   out.mkdir(parents=True, exist_ok=True)
   path = out / "counts.npz"
   if path.exists():
-    return load_counts(path, model=model.name)
+    return load_counts(path, model=artefact_key(model))
   seqs = sequences(model, out, training_prompts(model.tokenizer, prompts, data_dir),
                    new_tokens, verbose)
   counts = count_tokens(model, seqs, new_tokens=0, verbose=verbose)
-  save_counts(path, counts, model=model.name, sequences=len(seqs))
+  save_counts(path, counts, model=artefact_key(model), sequences=len(seqs))
   return counts
 
 
@@ -102,7 +103,7 @@ def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
                         verbose=verbose)
   router_dir, curves_path = out / "router", out / "curves.json"
   if is_current(router_dir):
-    bundle = load_bundle(router_dir, model=model.name)
+    bundle = load_bundle(router_dir, model=artefact_key(model))
     curves = json.loads(curves_path.read_text()) if curves_path.exists() else {}
     _warn_if_other_settings(router_dir, clusters=clusters, k_max=k_max, hidden=hidden,
                             continuation_weight=continuation_weight)
@@ -118,7 +119,7 @@ def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
   weight = continuation_weights(pairs, [len(p) for p in continued], continuation_weight)
   result = train_router(pairs, vc, k_max=k_max, hidden=hidden, epochs=epochs, weight=weight,
                         verbose=verbose)
-  bundle = RouterBundle(model.name, result.router, vc, k_max, hidden, decay)
+  bundle = RouterBundle(artefact_key(model), result.router, vc, k_max, hidden, decay)
   curves = dict(train_loss=result.train_loss, val_loss=result.val_loss,
                 best_epoch=result.best_epoch, val_recall=result.val_recall,
                 pairs=int(pairs.target.size), continuation_weight=continuation_weight)

@@ -44,6 +44,7 @@ import jax
 import numpy as np
 
 from specjax.errors import ConfigError, SpecjaxError
+from specjax.models.source import artefact_key
 from specjax.plan import DraftPlan
 
 
@@ -289,7 +290,7 @@ def measure(model, lengths=(256, 1024, 2048, 4096), gamma: int = 4, repeats: int
     rows["mlp"].append(max(t.drafts["mlp"] - none, 0.0) / L)
     rows["verify"].append(t.verify[gamma])
     rows["step"].append(t.ar)
-  return LatencyProfile(model=model.name, device=device_name(), dtype=precision_name(cfg, state),
+  return LatencyProfile(model=artefact_key(model), device=device_name(), dtype=precision_name(cfg, state),
                         num_layers=L, verify_tokens=gamma + 1, lengths=lengths,
                         draft=draft_label(None if draft_weights is None
                                           else draft_weights.kind),
