@@ -260,3 +260,53 @@ def test_llama3_rope_scaling_keeps_fast_frequencies_and_divides_slow_ones():
   mid = ~fast & ~slow
   assert mid.any() and np.all((out[mid] < inv[mid]) & (out[mid] > inv[mid] / 8))
   np.testing.assert_allclose(RopeScaling("linear", 4.0).apply(inv), inv / 4)
+
+
+def _split_copy(src, out_dir, parts: int):
+  """`src` rewritten by gguf-py's writer as llama.cpp's split set of `parts` files."""
+  import gguf
+
+  reader = gguf.GGUFReader(src)
+  arch = reader.fields["general.architecture"].contents()
+  n = len(reader.tensors)
+  writer = gguf.GGUFWriter(str(out_dir / "model.gguf"), arch,
+                           split_max_tensors=-(-n // parts))
+  for name, field in reader.fields.items():
+    if name.startswith("GGUF.") or name == "general.architecture":
+      continue
+    kind = field.types[0]
+    sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+    writer.add_key_value(name, field.contents(), kind, sub_type=sub)
+  for t in reader.tensors:
+    writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return sorted(out_dir.glob("model-*-of-*.gguf"))
+
+
+@pytest.mark.real
+def test_a_split_gguf_set_loads_as_its_whole_file(tmp_path, monkeypatch):
+  """SmolLM2's file as a split set of three (llama.cpp's layout) decodes the registered
+  model's greedy tokens; a set missing a file, or given from its second file, is refused."""
+  from conftest import real_model
+
+  from specjax.models.gguf import GGUFFormatError
+  from specjax.models.registry import get_spec
+
+  whole = real_model("smollm2-135m-instruct")
+  files = _split_copy(get_spec(whole.name).locate(), tmp_path, 3)
+  assert [f.name for f in files] == [f"model-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
+  split = load_model(files[0], verbose=False)
+  assert split.name == "model" and split.config == whole.config
+  ids = whole.tokenizer.encode_prompt("Name three primary colours.")
+  run = lambda m: generate(m.graphdef, m.state, m.config, ids, max_new_tokens=12).tokens
+  assert run(split) == run(whole)
+  with pytest.raises(UnknownModelError, match="pass its first file, model-00001-of-00003"):
+    load_model(files[1])
+  files[2].unlink()
+  with pytest.raises(GGUFFormatError, match="split file model-00003-of-00003.gguf of 3 is "
+                                            "missing"):
+    load_model(files[0])
