@@ -13,33 +13,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from specjax.config import ModelConfig
+from specjax.models import safetensors_file
 
-_DTYPE_NAMES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
-                np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.int64): "I64",
-                np.dtype(np.int8): "I8"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 
 
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
-  header, at = {}, 0
-  for name, a in tensors.items():
-    header[name] = {"dtype": _DTYPE_NAMES[a.dtype], "shape": list(a.shape),
-                    "data_offsets": [at, at + a.nbytes]}
-    at += a.nbytes
-  raw = json.dumps(header).encode()
-  raw += b" " * (-len(raw) % 8)
-  with open(path, "wb") as f:
-    f.write(struct.pack("<Q", len(raw)) + raw)
-    for a in tensors.values():
-      f.write(np.ascontiguousarray(a).tobytes())
+  safetensors_file.write(path, {n: (a.shape, a.dtype) for n, a in tensors.items()},
+                         tensors.__getitem__)
 
 
 def write_checkpoint(folder: Path, hf_config: dict, tensors: dict[str, np.ndarray], *,

@@ -111,7 +111,7 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
   `extra(name, generation)` adds fields to a drafter's record.
   """
   from specjax.decode.engine import speculative_generate
-  from specjax.decode.generate import generate, prefill_prompt
+  from specjax.decode.generate import generate, precision_name, prefill_prompt
 
   carried = {} if carried is None else carried
   references = references_for(drafters) if references is None else references
@@ -145,6 +145,7 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
                                compile_s=0.0, prompt_tokens=0, tokens=[],
                                **{k: 0 for k in COUNTERS})
     answers: list[str] = []
+    ids_of: list[list[int]] = []  # each turn's prompt ids
     for t, turn in enumerate(turns):
       ids = first if t == 0 else prompt_ids(model.tokenizer, turns[: t + 1], answers)
       kw = dict(max_new_tokens=settings.max_new_tokens, sampling=sampling,
@@ -162,6 +163,7 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
         for k in COUNTERS:
           rec[k] += getattr(out, k)
       rec["prompt_tokens"] += len(ids)
+      ids_of.append(ids)
       # Its own compiles: a shared prefill's are in every method's `compile_s`, but were
       # paid once (by whichever method came first).
       shared = kw["prefilled"].compile_s if kw["prefilled"] is not None else 0.0
@@ -182,11 +184,27 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
                          f"to compare it with")
       # sampled runs are not compared token for token (None, not a silent 0)
       rec["matches_ar"] = rec["tokens"] == tokens_of[ref] if sampling.greedy else None
+      if rec["matches_ar"] is False and precision_name(c, s) == "bfloat16":
+        rec["divergence"] = _divergence(model, ids_of, tokens_of[ref], rec["tokens"])
       rec["reference"] = ref
       if extra is not None:
         rec.update(extra(name, out))
     recs.append(rec)
   return recs
+
+
+def _divergence(model, ids_of: list[list[int]], ar: list[list[int]],
+                ssd: list[list[int]]) -> dict:
+  """The first differing turn's divergence, accounted for (`decode.divergence`): a
+  numerical tie or a mismatch."""
+  from specjax.decode import divergence
+
+  for ids, a, b in zip(ids_of, ar, ssd):
+    if a != b:
+      d = divergence.account(model.graphdef, model.state, model.config, ids, a, b)
+      if d is not None:
+        return d.to_json()
+  return {"tie": False}
 
 
 def warm_up(model, drafters: Mapping[str, Any], settings: RunSettings,

@@ -27,9 +27,10 @@ class MissingComparisonError(SpecjaxError, ValueError):
 
 
 def mismatches(records: list[dict], method: str) -> int | None:
-  """Prompts whose tokens differ from AR's; None when nothing was compared (sampled runs
-  record `matches_ar: None`). A record without the key is an error, not a match: a
-  benchmark that dropped the comparison must not print "0 mismatches"."""
+  """Prompts whose tokens differ from AR's, but for bfloat16 divergences accounted as a
+  numerical tie (`decode.divergence`; `ties` counts those); None when nothing was compared
+  (sampled runs record `matches_ar: None`). A record without the key is an error, not a
+  match: a benchmark that dropped the comparison must not print "0 mismatches"."""
   seen = []
   for r in records:
     if "matches_ar" not in r:
@@ -41,7 +42,13 @@ def mismatches(records: list[dict], method: str) -> int | None:
     return None
   if any(v is None for v in seen):
     raise MissingComparisonError(f"{method} mixes compared and uncompared records")
-  return sum(not v for v in seen)
+  return sum(not v for v in seen) - ties(records)
+
+
+def ties(records: list[dict]) -> int:
+  """Prompts whose tokens left AR's at a numerical tie (bfloat16 rounding, not a bug)."""
+  return sum(1 for r in records
+             if r.get("matches_ar") is False and (r.get("divergence") or {}).get("tie"))
 
 
 def total_mismatches(summary: dict[str, dict]) -> int | None:
@@ -75,6 +82,7 @@ def summarize(records: Iterable[dict], references: tuple[str, ...] = (AR,)) -> d
     compiled = (sum(r["compile_s"] for r in by_method[method])
                 if all("compile_s" in r for r in by_method[method]) else None)
     row = {"prompts": int(s["prompts"]), "tokens_per_s": tps, "mismatches": compared,
+           "ties": None if compared is None else ties(by_method[method]),
            "compile_s": compiled}
     if not reference:
       row |= {
@@ -118,6 +126,9 @@ def by_category(records: list[dict], references: tuple[str, ...] = (AR,)
   return {c: summarize(rs, references) for c, rs in sorted(cats.items())}
 
 
-def mismatch_text(value: int | None) -> str:
-  """A table cell: the count, or 'not compared' (sampled runs, reference rows)."""
-  return "not compared" if value is None else str(value)
+def mismatch_text(value: int | None, tied: int | None = None) -> str:
+  """A table cell: the count (and the numerical ties beside it, when any), or 'not
+  compared' (sampled runs, reference rows)."""
+  if value is None:
+    return "not compared"
+  return f"{value} (+{tied} tied)" if tied else str(value)

@@ -293,7 +293,8 @@ def _overall_table(overall: dict) -> str:
     else:
       lines.append(
           f"| {m} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | {median} | {r['M']:.2f} | "
-          f"{r['alpha']:.2f} | {metrics.mismatch_text(r['mismatches'])} | {r['draft_share']:.0%} | "
+          f"{r['alpha']:.2f} | {metrics.mismatch_text(r['mismatches'], r.get('ties'))} | "
+          f"{r['draft_share']:.0%} | "
           f"{r['verify_share']:.0%} | {r['rounds_share']:.0%} | {r['selection_share']:.0%} | "
           f"{r['other_share']:.1%} | {compiled} |")
   return "\n".join(lines)

@@ -223,7 +223,7 @@ def rows(sweep: Sweep, store: ResultsStore, keys: list[str]) -> list[dict]:
         continue
       out.append({**dict(point.axes), "method": method, "prompts": s["prompts"],
                   "tokens_per_s": s["tokens_per_s"], "speedup": s["speedup"], "M": s["M"],
-                  "alpha": s["alpha"], "mismatches": s["mismatches"]})
+                  "alpha": s["alpha"], "mismatches": s["mismatches"], "ties": s["ties"]})
   return out
 
 
@@ -233,7 +233,7 @@ def table(sweep: Sweep, table_rows: list[dict]) -> str:
   for r in table_rows:
     cells = [str(r[a]) for a in sweep.axes] + [
         r["method"], str(r["prompts"]), f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
-        f"{r['M']:.2f}", f"{r['alpha']:.2f}", metrics.mismatch_text(r["mismatches"])]
+        f"{r['M']:.2f}", f"{r['alpha']:.2f}", metrics.mismatch_text(r["mismatches"], r["ties"])]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
@@ -273,7 +273,7 @@ def finish(sweep: Sweep, store: ResultsStore, keys: list[str], out_dir: Path, ve
   (out_dir / "table.md").write_text(f"# sweep {sweep.name}\n\n{text}\n")
   with (out_dir / "table.csv").open("w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=[*sweep.axes, "method", "prompts", "tokens_per_s",
-                                           "speedup", "M", "alpha", "mismatches"])
+                                           "speedup", "M", "alpha", "mismatches", "ties"])
     writer.writeheader()
     writer.writerows(table_rows)
   image = plot(sweep, table_rows, out_dir / f"sweep_{sweep.name}.png")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import ml_dtypes
@@ -31,6 +31,31 @@ _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
            "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32, "I16": np.int16,
            "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 _MAX_HEADER = 100 << 20  # the format's own limit on the JSON header
+
+
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+def write(path: str | Path, layout: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+          tensor: Callable[[str], np.ndarray]) -> None:
+  """A safetensors file of the tensors `layout` names ({name: (shape, dtype)}), each made
+  by `tensor(name)` only when its turn comes, so a file larger than memory can be written
+  (the load benchmark's checkpoints)."""
+  header, at = {}, 0
+  for name, (shape, dtype) in layout.items():
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    header[name] = {"dtype": _NAMES[np.dtype(dtype)], "shape": list(shape),
+                    "data_offsets": [at, at + n]}
+    at += n
+  raw = json.dumps(header).encode()
+  raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(raw)) + raw)
+    for name, (shape, dtype) in layout.items():
+      a = np.ascontiguousarray(tensor(name), dtype)
+      if a.shape != tuple(shape):
+        raise ValueError(f"tensor {name} is {a.shape}, the layout says {tuple(shape)}")
+      f.write(a.tobytes())
 
 
 class CheckpointFolderError(SpecjaxError, ValueError):
