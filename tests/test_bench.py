@@ -272,7 +272,7 @@ def test_llama_cpp_baseline_bad_input(tmp_path, capsys, monkeypatch):
   assert "pip install llama-cpp-python" in capsys.readouterr().err
   monkeypatch.setitem(sys.modules, "llama_cpp", _namespace())
   assert main(["bench", *ARGS, "--llama-cpp", "--data-dir", root, "--out", out]) == 2
-  assert "tiny-qwen3 has none" in capsys.readouterr().err
+  assert "reads a GGUF file: tiny-qwen3 has no GGUF file" in capsys.readouterr().err
   base = ["bench", "--model", "smollm2-135m-instruct", "--llama-cpp", "--data-dir", root,
           "--out", out]
   assert main([*base, "--temperature", "0.7"]) == 2

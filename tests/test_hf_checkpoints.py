@@ -310,3 +310,17 @@ def test_a_split_gguf_set_loads_as_its_whole_file(tmp_path, monkeypatch):
   with pytest.raises(GGUFFormatError, match="split file model-00003-of-00003.gguf of 3 is "
                                             "missing"):
     load_model(files[0])
+
+
+def test_the_cli_takes_a_folder_and_says_what_model_takes(folders, capsys):
+  from specjax.cli import main
+
+  assert main(["models"]) == 0
+  out = capsys.readouterr().out
+  assert "--model takes a registered name" in out and "a hub id org/name" in out
+  assert "Qwen3 (qwen3)" in out
+  assert main(["generate", "--model", str(folders["qwen3"]), "--prompt", "w5 w6",
+               "--max-new-tokens", "6", "--no-chat", "--quiet", "--json",
+               "--drafter", "early_exit"]) == 0
+  stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert stats["model"] == "tiny-qwen3" and stats["matches_ar"] is True

@@ -3,7 +3,10 @@ for each family a random model (random norms too) saved with `save_pretrained` i
 more safetensors shards, beside a real model's tokenizer and chat template saved by
 `AutoTokenizer.save_pretrained`. specjax loads the folder, and the same files as a hub id
 from a hub cache (`HF_HUB_OFFLINE=1`): float32 logits within 1e-4 of transformers' on
-the same folder, and chat-template ids equal to `apply_chat_template`'s. Runs where torch
+the same folder, chat-template ids equal to `apply_chat_template`'s, and greedy SSD equal
+to greedy AR for a layer drafter, `8bit` and `quantspec` (the trained tiny models'
+folders, in `test_hf_checkpoints.py`, also check that those drafts were partly
+accepted: a random model's are not a test of acceptance). Runs where torch
 is installed (`make test` runs it in the compatibility venv)."""
 
 from __future__ import annotations
@@ -113,6 +116,30 @@ def test_a_transformers_checkpoint_loads_by_folder_and_hub_id(family, tmp_path, 
       assert m.tokenizer.encode_chat(chat) == list(want), (source, chat)
     text = "The capital of France is"
     assert m.tokenizer.encode(text) == hf_tok(text).input_ids
+  _assert_lossless(m)
+
+
+def _assert_lossless(m) -> None:
+  """Greedy SSD == greedy AR on the loaded checkpoint for a layer drafter, 8-bit draft
+  weights and QuantSpec (against AR on its 8-bit KV cache)."""
+  from specjax.decode.engine import speculative_generate
+  from specjax.decode.generate import generate
+  from specjax.drafters import Int8WeightsDrafter, QuantSpecDrafter, StaticDrafter
+  from specjax.plan import DraftPlan
+  from specjax.quant_kv_cache import QuantKV
+
+  prompt = list(range(10, 40))
+  layer = StaticDrafter(DraftPlan.from_skips(m.config.num_layers, [1, 2], [2]))
+  kv = QuantKV(group=8, residual=16)
+  run = lambda **kw: generate(m.graphdef, m.state, m.config, prompt, max_new_tokens=24,
+                              eos_ids=(), **kw).tokens
+  ar, ar_q = run(), run(kv_cache=kv)
+  for d, want in ((layer, ar), (Int8WeightsDrafter.for_model(m, base=layer), ar),
+                  (QuantSpecDrafter.for_model(m, base=layer, weight_group=32, kv_cache=kv),
+                   ar_q)):
+    out = speculative_generate(m.graphdef, m.state, m.config, prompt, d, max_new_tokens=24,
+                               eos_ids=(), gamma=4, threshold=0.0)
+    assert out.tokens == want, d.name
 
 
 @pytest.mark.real

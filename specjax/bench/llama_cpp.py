@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from specjax.errors import ConfigError, SpecjaxError
-from specjax.models.registry import get_spec
+from specjax.models.source import gguf_file
 
 METHOD = "llama.cpp"
 INSTALL = "pip install llama-cpp-python  # builds llama.cpp: minutes, needs a C++ compiler"
@@ -47,12 +47,12 @@ def build_features() -> str:
 
 
 class LlamaCppBaseline:
-  """One llama.cpp model over a registered model's GGUF file, with room for `context`
-  tokens (prompt and answer)."""
+  """One llama.cpp model over a source's GGUF file (`source.gguf_file`), with room for
+  `context` tokens (prompt and answer)."""
 
   def __init__(self, model_name: str, context: int):
     self.threads = os.cpu_count() or 1
-    self._llm = _binding().Llama(model_path=str(get_spec(model_name).locate()), n_ctx=context,
+    self._llm = _binding().Llama(model_path=str(gguf_file(model_name)), n_ctx=context,
                                  verbose=False, n_threads=self.threads,
                                  n_threads_batch=self.threads)
 
@@ -96,8 +96,10 @@ def check(model_name: str, temperature: float, max_turns: int) -> None:
   """Refuse, before anything is loaded, a run the baseline cannot mirror: no binding, a
   model without a GGUF file, sampling, more than one turn."""
   _binding()
-  if get_spec(model_name).is_tiny:
-    raise ConfigError(f"the llama.cpp baseline reads a GGUF file; {model_name} has none")
+  try:
+    gguf_file(model_name)
+  except ConfigError as err:
+    raise ConfigError(f"the llama.cpp baseline reads a GGUF file: {err}") from None
   if temperature != 0:
     raise ConfigError("the llama.cpp baseline decodes greedily: drop --llama-cpp or "
                       "--temperature")

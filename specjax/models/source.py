@@ -129,6 +129,23 @@ def _gguf(path: Path) -> Source:
   return Source("gguf", m["stem"], parts[0], parts)
 
 
+def gguf_file(source: str | os.PathLike) -> Path:
+  """The GGUF file a source decodes from, for readers of GGUF files (llama.cpp's baseline):
+  a registered model's, or the path itself (a split set's first file, beside the rest)."""
+  from specjax.errors import ConfigError
+  from specjax.models.registry import get_spec
+
+  src = resolve(source)
+  if src.kind == "registered":
+    spec = get_spec(src.name)
+    if spec.is_tiny:
+      raise ConfigError(f"{src.name} has no GGUF file (a tiny model, trained here)")
+    return spec.locate()
+  if src.kind == "gguf":
+    return src.path
+  raise ConfigError(f"{src.name} is a safetensors checkpoint, not a GGUF file")
+
+
 def _offline() -> bool:
   return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
