@@ -38,6 +38,7 @@ from specjax.jit_cache import compiled  # noqa: E402
 from specjax.kv_cache import KVCache  # noqa: E402
 from specjax.models.loader import load_model  # noqa: E402
 from specjax.models.registry import cache_root  # noqa: E402
+from specjax.models.source import artefact_key  # noqa: E402
 from specjax.offline import shortlists
 from specjax.offline.router import collect_pairs, k_schedule, recall_at, select  # noqa: E402
 from specjax.offline.token_counts import frequent_shortlist  # noqa: E402
@@ -135,7 +136,7 @@ def main(argv=None) -> None:
   model = load_model(args.model, dtype=args.dtype)
   cfg = model.config
   counts, bundle, curves = shortlists.build(
-      model, cache_root() / "shortlists" / model.name, prompts=args.train_prompts,
+      model, cache_root() / "shortlists" / artefact_key(model), prompts=args.train_prompts,
       router_prompts=args.router_prompts, clusters=args.clusters, k_max=args.k_max,
       continuation_weight=args.continuation_weight, data_dir=args.data_dir)
   L = cfg.num_layers
@@ -253,7 +254,7 @@ def main(argv=None) -> None:
                  mismatches=metrics.total_mismatches(summary),
                  verdicts=[v.to_json() for v in found])
   if args.write_docs:
-    image = report.copy_image(cache_root() / "shortlists" / model.name / "curves.png",
+    image = report.copy_image(cache_root() / "shortlists" / artefact_key(model) / "curves.png",
                               f"router_curves_{model.name}.png")
     body = "\n".join([
         f"## Vocabulary shortlists: FR-Spec and DynaSpec ({model.name})", "",

@@ -37,6 +37,7 @@ import tempfile
 from pathlib import Path
 
 from specjax.models.registry import cache_root, get_spec
+from specjax.models.source import resolve
 
 # Imported by specjax but absent from the GPU machines' image (their package list, in the
 # lender's notes, 2026-11-17). They are pure Python: one wheel serves every Python there.
@@ -82,10 +83,11 @@ def artefacts(model: str, plans: list[Path]) -> tuple[dict[str, Path], list[str]
   built). Self-SD plans come from `--plan`: `specjax bench` keeps them in its out folder
   (`self_sd_plan-*.json`), and experiments/gpu_checks.sh copies them into its own."""
   found, missing = {}, []
+  key = resolve(model).key  # the same file there gives the same key
   for kind, (command, users) in ARTEFACTS.items():
-    path = cache_root() / kind / model
+    path = cache_root() / kind / key
     if path.exists():
-      found[f"{kind}/{model}"] = path
+      found[f"{kind}/{key}"] = path
     else:
       missing.append(f"no {kind} for {model} under {cache_root()}: {users} would build them "
                      f"on the GPU; `{command.format(m=model)}` builds them here")

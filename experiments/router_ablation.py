@@ -32,6 +32,7 @@ from specjax.bench import plots  # noqa: E402
 from specjax.bench.results_store import ResultsStore  # noqa: E402
 from specjax.models.loader import load_model  # noqa: E402
 from specjax.models.registry import cache_root  # noqa: E402
+from specjax.models.source import resolve  # noqa: E402
 from specjax.offline import shortlists  # noqa: E402
 from specjax.offline.router import (  # noqa: E402
   collect_pairs,
@@ -83,7 +84,7 @@ def main(argv=None) -> None:
   sizes = ([int(s) for s in args.sizes.split(",") if s] if args.sizes else
            [args.router_prompts // 4, args.router_prompts // 2, args.router_prompts])
   weights = [float(w) for w in args.weights.split(",") if w]
-  folder = cache_root() / "shortlists" / args.model
+  folder = cache_root() / "shortlists" / resolve(args.model).key
   if not is_current(folder / "router"):  # said before a model load of seconds to minutes
     raise SystemExit(f"no router for {args.model}: run `specjax router train --model "
                      f"{args.model} --prompts {args.prompts} --router-prompts "

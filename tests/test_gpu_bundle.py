@@ -58,10 +58,13 @@ def _run(part: Path, *command: str) -> subprocess.CompletedProcess:
 def test_parts_staged_one_by_one_unpack_what_specjax_needs(tmp_path, monkeypatch, capsys):
   if not is_installed(get_spec(MODEL)):
     pytest.skip(f"{MODEL} weights package not installed")
+  from specjax.models.source import resolve
+
   gguf = get_spec(MODEL).locate()
+  key = resolve(MODEL).key  # artefacts are kept under the file's fingerprint
   cache, data, stage = tmp_path / "cache", tmp_path / "data", tmp_path / "stage"
-  (cache / "shortlists" / MODEL).mkdir(parents=True)
-  (cache / "shortlists" / MODEL / "counts.npz").write_bytes(b"counts")
+  (cache / "shortlists" / key).mkdir(parents=True)
+  (cache / "shortlists" / key / "counts.npz").write_bytes(b"counts")
   (data / "spec_bench").mkdir(parents=True)
   (data / "spec_bench" / "question.jsonl").write_text("{}\n")
   plan = tmp_path / "self_sd_plan-abc.json"
@@ -77,7 +80,7 @@ def test_parts_staged_one_by_one_unpack_what_specjax_needs(tmp_path, monkeypatch
   printed = capsys.readouterr()
   manifest = json.loads(printed.out.strip().splitlines()[-1])
   assert manifest["parts"] == 3 and "no knn" in printed.err  # not built: said, not carried
-  assert manifest["artefacts"] == [f"plans/{plan.name}", f"shortlists/{MODEL}"]
+  assert manifest["artefacts"] == [f"plans/{plan.name}", f"shortlists/{key}"]
   parts = [tmp_path / "b" / f"part{i}" for i in (1, 2, 3)]
   assert all((p / "run.sh").exists() and (p / "manifest.json").exists() for p in parts)
 
@@ -92,7 +95,7 @@ def test_parts_staged_one_by_one_unpack_what_specjax_needs(tmp_path, monkeypatch
   found = json.loads(probe.stdout.strip().splitlines()[-1])
   assert Path(found["gguf"]).is_relative_to(stage)
   assert found["sha"] == hashlib.sha256(gguf.read_bytes()).hexdigest()
-  assert found["cache"] == [f"plans/{plan.name}", f"shortlists/{MODEL}/counts.npz"]
+  assert found["cache"] == [f"plans/{plan.name}", f"shortlists/{key}/counts.npz"]
   assert (Path(found["data"]) / "spec_bench" / "question.jsonl").exists()
   assert not list(stage.glob("chunk.*"))  # unpacked once, chunks dropped
   again = _run(stage, "python3", "-c", PROBE)  # later calls carry no part

@@ -24,18 +24,18 @@ from specjax.gguf_matrix import GGUFMatrix
 from specjax.model import Transformer
 from specjax.models import checkpoint
 from specjax.models import gguf as gguf_weights
-from specjax.models.params import abstract_model, fuse_projections, param_shapes, state_from_flat
 from specjax.models.hf_checkpoint import hf_names, load_state
 from specjax.models.hf_config import config_from_hf
+from specjax.models.params import abstract_model, fuse_projections, param_shapes, state_from_flat
 from specjax.models.registry import cache_root, get_spec
 from specjax.models.safetensors_file import Checkpoint
-from specjax.models.source import Source, config_files, resolve, slug
+from specjax.models.source import Source, config_files, resolve
 from specjax.models.tiny import tiny_model
 from specjax.models.tokenizer import (
-    ByteTokenizer,
-    TextTokenizer,
-    tokenizer_from_folder,
-    tokenizer_from_gguf,
+  ByteTokenizer,
+  TextTokenizer,
+  tokenizer_from_folder,
+  tokenizer_from_gguf,
 )
 
 CONVERTER_VERSION = 4  # bump when the GGUF -> params conversion changes (3: gate_up [O, I]; 4: qkv [O, I])
@@ -139,10 +139,10 @@ def with_gguf_blocks(m: LoadedModel, verbose: bool = True) -> LoadedModel:
   why = cpu_kernels.unavailable("gguf_matmul")
   if why:
     raise ConfigError(f"--dtype gguf needs a CPU backend and the gguf_matmul kernel ({why})")
-  if m.source is None or m.source.kind == "folder":  # a tiny model has no file
+  if m.source is None or m.source.is_tiny or m.source.kind == "folder":  # no GGUF file
     blocks = quantized_blocks(m.state, m.config, GGUFMatrix.KIND_Q8_0)
   else:
-    reader = gguf_weights.open_gguf(*_gguf_files(m.source))
+    reader = gguf_weights.open_gguf(*m.source.gguf_files())
     blocks = tqdm(gguf_weights.block_matrices(m.config, reader), desc=f"{m.name} blocks",
                   unit="matrix", disable=not verbose)
   return dataclasses.replace(m, state=with_values(m.state, blocks))
@@ -177,23 +177,15 @@ def _values(state: nnx.State):
   return (var.get_value() for _, var in nnx.to_flat_state(state))
 
 
-def _gguf_files(src: Source) -> tuple[Path, ...]:
-  """The GGUF file(s) of a registered or GGUF-path source."""
-  if src.kind == "registered":
-    return (get_spec(src.name).locate(),)
-  return src.parts or (src.path,)
-
-
 def _load(src: Source, dtype, verbose: bool) -> LoadedModel:
-  spec = get_spec(src.name) if src.kind == "registered" else None
-  if spec is not None and spec.is_tiny:
+  if src.is_tiny:
     # Trained on first use (about 20 s on 2 cores), then read from the cache.
-    config, graphdef, state = tiny_model(spec.arch, vocab_size=ByteTokenizer.vocab_size)
+    config, graphdef, state = tiny_model(get_spec(src.name).arch,
+                                         vocab_size=ByteTokenizer.vocab_size)
     state = jax.tree.map(lambda x: x.astype(dtype), state)
-    return LoadedModel(src.name, config, graphdef, state, ByteTokenizer(), src.name)
-  files = _gguf_files(src)
-  src = dataclasses.replace(src, path=files[0]) if src.path is None else src
-  key = f"{slug(src.name)}-{src.fingerprint()}"
+    return LoadedModel(src.name, config, graphdef, state, ByteTokenizer(), src.key, src)
+  files = src.gguf_files()
+  key = src.key
   cache_dir = cache_root() / "params" / f"{key}-v{CONVERTER_VERSION}-{jnp.dtype(dtype).name}"
   config = _cached_config(cache_dir)
   if config is not None:
@@ -224,8 +216,7 @@ def _load_folder(src: Source, dtype, verbose: bool) -> LoadedModel:
   if not config.eos_ids and tok.special.get("eos_token"):
     eos = tok.token_id(tok.special["eos_token"])
     config = dataclasses.replace(config, eos_ids=() if eos is None else (eos,))
-  return LoadedModel(src.name, config, graphdef, state, tok,
-                     f"{slug(src.name)}-{src.fingerprint()}", src)
+  return LoadedModel(src.name, config, graphdef, state, tok, src.key, src)
 
 
 def _cached_config(cache_dir: Path) -> ModelConfig | None:

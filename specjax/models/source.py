@@ -50,6 +50,20 @@ class Source:
   path: Path | None = None  # the GGUF file (first split) or the checkpoint folder
   parts: tuple[Path, ...] = ()  # a split GGUF's files in order
 
+  @property
+  def is_tiny(self) -> bool:
+    """A registered tiny model: trained here, no weight files."""
+    return self.kind == "registered" and MODELS[self.name].is_tiny
+
+  def gguf_files(self) -> tuple[Path, ...]:
+    """The GGUF file(s) of a registered model (located, assembled if split in packages)
+    or of a GGUF path (a split set's files in order)."""
+    if self.kind == "registered":
+      return (MODELS[self.name].locate(),)
+    if self.kind == "gguf":
+      return self.parts or (self.path,)
+    raise ValueError(f"{self.name} is a safetensors checkpoint, not a GGUF file")
+
   def fingerprint(self) -> str:
     """16 hex digits over the config and the weight files' identity."""
     h = hashlib.sha256(self.kind.encode())
@@ -59,10 +73,16 @@ class Source:
           h.update((self.path / name).read_bytes())
       files = sorted(self.path.glob("*.safetensors"))
     else:
-      files = list(self.parts or [self.path])
+      files = list(self.gguf_files())
     for f in files:
       h.update(_identity(f).encode())
     return h.hexdigest()[:16]
+
+  @property
+  def key(self) -> str:
+    """The name its artefacts are kept under (`artefact_key`): a tiny model's name, else
+    the source's name and fingerprint."""
+    return self.name if self.is_tiny else f"{slug(self.name)}-{self.fingerprint()}"
 
 
 def _identity(path: Path) -> str:
@@ -133,17 +153,13 @@ def gguf_file(source: str | os.PathLike) -> Path:
   """The GGUF file a source decodes from, for readers of GGUF files (llama.cpp's baseline):
   a registered model's, or the path itself (a split set's first file, beside the rest)."""
   from specjax.errors import ConfigError
-  from specjax.models.registry import get_spec
 
   src = resolve(source)
-  if src.kind == "registered":
-    spec = get_spec(src.name)
-    if spec.is_tiny:
-      raise ConfigError(f"{src.name} has no GGUF file (a tiny model, trained here)")
-    return spec.locate()
-  if src.kind == "gguf":
-    return src.path
-  raise ConfigError(f"{src.name} is a safetensors checkpoint, not a GGUF file")
+  if src.is_tiny:
+    raise ConfigError(f"{src.name} has no GGUF file (a tiny model, trained here)")
+  if src.kind == "folder":
+    raise ConfigError(f"{src.name} is a safetensors checkpoint, not a GGUF file")
+  return src.gguf_files()[0]
 
 
 def _offline() -> bool:
