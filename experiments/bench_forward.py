@@ -38,8 +38,9 @@ from specjax.bench import llama_cpp  # noqa: E402
 from specjax.cpu_kernels import kernel_status  # noqa: E402
 from specjax.decode.draft_length import step_times  # noqa: E402
 from specjax.decode.generate import generate  # noqa: E402
+from specjax.errors import ConfigError  # noqa: E402
 from specjax.models.loader import GGUF, load_model  # noqa: E402
-from specjax.models.registry import get_spec  # noqa: E402
+from specjax.models.source import gguf_file, resolve  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402
 from specjax.quant import (  # noqa: E402
   quantize_mlp_weights,
@@ -195,10 +196,15 @@ def transformers_ar(name: str, ids: list[int], tokens: int, runs: int) -> dict |
   except ImportError:
     print("transformers/torch not installed: skipping the transformers baseline")
     return None
-  with tempfile.TemporaryDirectory() as tmp:
-    (Path(tmp) / "m.gguf").symlink_to(get_spec(name).locate())
+  src = resolve(name)
+  if src.kind == "folder":  # a checkpoint transformers reads as it is
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp, gguf_file="m.gguf", dtype=torch.float32).eval()
+        src.path, dtype=torch.float32).eval()
+  else:
+    with tempfile.TemporaryDirectory() as tmp:
+      (Path(tmp) / "m.gguf").symlink_to(gguf_file(name))
+      model = transformers.AutoModelForCausalLM.from_pretrained(
+          tmp, gguf_file="m.gguf", dtype=torch.float32).eval()
   x = torch.tensor([ids])
   kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 
@@ -227,7 +233,7 @@ def llama_cpp_ar(name: str, ids: list[int], tokens: int, runs: int) -> dict | No
   warm-up run."""
   try:
     baseline = llama_cpp.LlamaCppBaseline(name, context=1024)
-  except llama_cpp.MissingBaselineError as err:
+  except (llama_cpp.MissingBaselineError, ConfigError) as err:  # no binding, or no GGUF
     print(f"{err}\nskipping the llama.cpp baseline")
     return None
   baseline.generate(ids, 4)  # warm-up
@@ -328,7 +334,7 @@ def main() -> None:
   lcpp_agree = gguf_mb = None
   if lcpp is not None:
     lcpp_agree = llama_cpp.shared_prefix(lcpp["tokens"], ours["tokens"])
-    gguf_mb = get_spec(args.model).locate().stat().st_size / 1e6
+    gguf_mb = gguf_file(args.model).stat().st_size / 1e6
     print(f"llama.cpp's greedy tokens agree with specjax's for the first {lcpp_agree} of "
           f"{args.tokens} (it computes with its quantised weights and activations)")
   print(f"specjax decodes at {ours['decode_tok_s'] / roofline:.0%} of the roofline "
