@@ -213,17 +213,14 @@ class _FakeLlama:
 def test_bench_llama_cpp_baseline_row(tmp_path, capsys, monkeypatch):
   """`--llama-cpp` adds a reference row decoded by llama.cpp on every prompt, beside AR
   (a fake binding over a tiny model given a GGUF path: the row's plumbing, not its speed)."""
-  import dataclasses
   import os
   import sys
   import types
 
   from specjax.bench import llama_cpp
-  from specjax.models.registry import get_spec
 
   monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=_FakeLlama))
-  gguf = dataclasses.replace(get_spec("tiny-qwen3"), locate=lambda: tmp_path / "m.gguf")
-  monkeypatch.setattr(llama_cpp, "get_spec", lambda name: gguf)
+  monkeypatch.setattr(llama_cpp, "gguf_file", lambda name: tmp_path / "m.gguf")
   root = write_spec_bench(tmp_path / "data")
   out = tmp_path / "run"
   assert main(["bench", *ARGS, "--drafters", "early_exit", "--llama-cpp", "--data-dir",

@@ -109,8 +109,7 @@ def test_llama_cpp_baseline_uses_every_core_and_times_its_prefill_apart(monkeypa
 
   monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama))
   monkeypatch.setattr(llama_cpp, "time", clock)
-  monkeypatch.setattr(llama_cpp, "get_spec",
-                      lambda name: types.SimpleNamespace(locate=lambda: Path("m.gguf")))
+  monkeypatch.setattr(llama_cpp, "gguf_file", lambda name: Path("m.gguf"))
   r = bench_forward.llama_cpp_ar("smollm2-135m-instruct", [5, 6, 7], tokens=11, runs=3)
   assert made["n_threads"] == made["n_threads_batch"] == r["threads"] == (os.cpu_count() or 1)
   assert made["resets"] == 4  # the warm-up and three timed runs
