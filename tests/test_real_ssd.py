@@ -18,6 +18,7 @@ from specjax.plan import DraftPlan
 
 pytestmark = pytest.mark.real
 
+NEW_TOKENS = 28  # per prompt: enough rounds that every drafter is both accepted and rejected
 FALLBACK = [
     "Compose an engaging travel blog post about a recent trip to Hawaii.",
     "Translate to German: The weather is lovely today, let us go for a walk.",
@@ -54,7 +55,7 @@ def references(smollm2) -> list[tuple[list[int], list[int]]]:
   out = []
   for text in _prompts():
     ids = m.tokenizer.encode_prompt(text)
-    out.append((ids, generate(m.graphdef, m.state, m.config, ids, max_new_tokens=40,
+    out.append((ids, generate(m.graphdef, m.state, m.config, ids, max_new_tokens=NEW_TOKENS,
                               eos_ids=()).tokens))
   return out
 
@@ -72,7 +73,7 @@ def _assert_lossless_and_exercised(m, references, drafters) -> None:
   mismatches = []
   for d in drafters:
     runs = [(len(ids), ar, speculative_generate(m.graphdef, m.state, m.config, ids, d,
-                                                max_new_tokens=40, eos_ids=(), gamma=4,
+                                                max_new_tokens=NEW_TOKENS, eos_ids=(), gamma=4,
                                                 threshold=0.0))
             for ids, ar in references]
     mismatches += [(d.name, n) for n, ar, out in runs if out.tokens != ar]
