@@ -16,7 +16,9 @@ must compute what its checkpoint was trained to.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from specjax.config import ModelConfig, RopeScaling
@@ -35,6 +37,15 @@ _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 class UnsupportedArchitectureError(SpecjaxError, ValueError):
   """A checkpoint whose architecture, or one of whose settings, specjax does not compute."""
+
+
+def read_folder(folder: Path) -> ModelConfig:
+  """The config of a checkpoint folder: its config.json, and generation_config.json's EOS
+  ids when there is one."""
+  read = lambda name: json.loads((folder / name).read_text()) if (folder / name).is_file() \
+      else {}
+  return config_from_hf(read("config.json"), read("generation_config.json"),
+                        where=str(folder / "config.json"))
 
 
 def config_from_hf(cfg: Mapping[str, Any], generation: Mapping[str, Any] | None = None,

@@ -25,11 +25,11 @@ from specjax.model import Transformer
 from specjax.models import checkpoint
 from specjax.models import gguf as gguf_weights
 from specjax.models.hf_checkpoint import hf_names, load_state
-from specjax.models.hf_config import config_from_hf
+from specjax.models.hf_config import read_folder
 from specjax.models.params import abstract_model, fuse_projections, param_shapes, state_from_flat
 from specjax.models.registry import cache_root, get_spec
 from specjax.models.safetensors_file import Checkpoint
-from specjax.models.source import Source, config_files, resolve
+from specjax.models.source import Source, resolve
 from specjax.models.tiny import tiny_model
 from specjax.models.tokenizer import (
   ByteTokenizer,
@@ -205,8 +205,7 @@ def _load(src: Source, dtype, verbose: bool) -> LoadedModel:
 def _load_folder(src: Source, dtype, verbose: bool) -> LoadedModel:
   """A Hugging Face checkpoint folder, its safetensors streamed to the device."""
   folder = src.path
-  cfg, generation = config_files(folder)
-  config = config_from_hf(cfg, generation, where=str(folder / "config.json"))
+  config = read_folder(folder)
   tok = tokenizer_from_folder(folder)
   ckpt = Checkpoint(folder)
   bar = tqdm(total=len(hf_names(config)), desc=f"loading {src.name}", unit="tensor",

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import re
 from pathlib import Path
@@ -219,10 +218,3 @@ def artefact_key(model) -> str:
 def slug(name: str) -> str:
   """A source's name as one path component (a hub id's / becomes --, as in the hub cache)."""
   return name.replace("/", "--")
-
-
-def config_files(folder: Path) -> tuple[dict, dict]:
-  """(config.json, generation_config.json or {}) of a checkpoint folder."""
-  read = lambda name: json.loads((folder / name).read_text()) if (folder / name).is_file() \
-      else {}
-  return read("config.json"), read("generation_config.json")
