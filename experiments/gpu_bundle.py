@@ -36,8 +36,9 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from specjax.models.registry import cache_root, get_spec
+from specjax.models.registry import get_spec
 from specjax.models.source import resolve
+from specjax.storage import cache_root
 
 # Imported by specjax but absent from the GPU machines' image (their package list, in the
 # lender's notes, 2026-11-17). They are pure Python: one wheel serves every Python there.

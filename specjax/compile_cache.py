@@ -19,7 +19,7 @@ from pathlib import Path
 
 import jax
 
-from specjax.models.registry import cache_root
+from specjax.storage import cache_root
 
 ENV = "SPECJAX_COMPILE_CACHE"  # "0" leaves jax's cache setting as it is
 JAX_ENV = "JAX_COMPILATION_CACHE_DIR"  # jax's own: a folder, or empty to turn the cache off

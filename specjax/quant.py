@@ -227,11 +227,20 @@ class Int4Matrix:
     if not cpu_kernels.runs_here("int4_matmul"):
       on_grid = activation_grid(xp, self.group)[..., : self.rows].astype(x.dtype)
       return on_grid @ self.dequantize(x.dtype)
-    return cpu_kernels.int4_matmul(xp, self.codes, self.lo, self.scale).astype(x.dtype)
+    return cpu_kernels.int4_matmul(xp, self.codes, self.lo, self.scale,
+                                   reference=_int4_reference).astype(x.dtype)
 
   @property
   def shape(self) -> tuple[int, int]:
     return self.rows, self.lo.shape[0]
+
+
+def _int4_reference(x, codes, lo, scale):
+  """`Int4Matrix.matmul`'s kernel product in XLA's ops, for batches past the kernel's rows:
+  x (padded to whole groups) on its activation grid, over the dequantised matrix."""
+  group = 2 * codes.shape[1] // lo.shape[1]
+  w = Int4Matrix(codes, lo, scale, group, 2 * codes.shape[1]).dequantize()
+  return jnp.einsum("...i,io->...o", activation_grid(x, group), w)
 
 
 # --- 8-bit weights -------------------------------------------------------------------------

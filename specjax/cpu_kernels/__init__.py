@@ -135,7 +135,7 @@ def _cpu_flags() -> str:
 def _build(source: Path, compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
   """The shared library of `source` for this machine, compiled now unless cached.
   `extra_flags` follow the usual ones (`-mno-avx512f`: a test builds each vector path)."""
-  from specjax.models.registry import cache_root
+  from specjax.storage import cache_root
 
   flags = (*compile_flags(source.name), *extra_flags)
   headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # e.g. workers.h
@@ -231,12 +231,16 @@ def unavailable(kernel: str) -> str | None:
   return f"backend {jax.default_backend()}, kernel {status}"
 
 
-def int4_matmul(x: jax.Array, codes: jax.Array, lo: jax.Array, scale: jax.Array) -> jax.Array:
+def int4_matmul(x: jax.Array, codes: jax.Array, lo: jax.Array, scale: jax.Array, *,
+                reference=None) -> jax.Array:
   """x[..., I] times a 4-bit matrix stored output-major (`quant.Int4Matrix`): codes
   uint8[O, I/2], lo and scale float32[O, I/G] -> [..., O] in float32. Only where
-  `runs_here("int4_matmul")`; `Int4Matrix.matmul` takes XLA's dot elsewhere."""
+  `runs_here("int4_matmul")`; `Int4Matrix.matmul` takes XLA's dot elsewhere.
+  `reference(x, codes, lo, scale)`: the same product in XLA's ops, which a vmap past
+  FEW_ROWS rows takes; the format's math belongs to its owner (`quant`), so the caller
+  brings it. Without one every batch folds into the kernel's rows."""
   _require("int4_matmul")
-  return _by_rows(_int4_kernel, _int4_xla)(x.astype(jnp.float32), codes,
+  return _by_rows(_int4_kernel, reference)(x.astype(jnp.float32), codes,
                                            lo.astype(jnp.float32), scale.astype(jnp.float32))
 
 
@@ -245,21 +249,12 @@ def _int4_kernel(x, codes, lo, scale):
   return jax.ffi.ffi_call("specjax_int4_matmul", out)(x, codes, lo, scale)
 
 
-def _int4_xla(x, codes, lo, scale):
-  """The kernel's product by XLA's ops: x on its activation grid, over the matrix
-  `quant.Int4Matrix` dequantises (x is already padded to whole groups)."""
-  from specjax.quant import Int4Matrix, activation_grid  # quant imports this module
-
-  group = 2 * codes.shape[1] // lo.shape[1]
-  w = Int4Matrix(codes, lo, scale, group, 2 * codes.shape[1]).dequantize()
-  return jnp.einsum("...i,io->...o", activation_grid(x, group), w)
-
-
 def _by_rows(kernel, xla):
   """`kernel(x, *weights)` (x[..., I]: any leading dims are rows) with its own vmap rule. A
   vmap over x folds its batch into the rows of one call, which reads the weights once,
   while at most FEW_ROWS rows result (the layer probes' tokens and candidates); past that,
-  or with a weight batched, `xla` (the same product in XLA's ops) takes the batch. Folded
+  or with a weight batched, `xla` (the same product in XLA's ops; None: always fold)
+  takes the batch. Folded
   without a bound (the kernels' default `vmap_method`s), 40 000 vmapped sampling rounds
   made calls of 40 000 rows, 3x slower than XLA's dot, or 40 000 calls in a loop."""
 
@@ -271,7 +266,9 @@ def _by_rows(kernel, xla):
   def _batched(axis_size, in_batched, x, *weights):
     if not in_batched[0]:
       x = jnp.broadcast_to(x, (axis_size, *x.shape))
-    if any(in_batched[1:]) or x.size // x.shape[-1] > FEW_ROWS:
+    if xla is None and any(in_batched[1:]):
+      raise ValueError("a batch of weight matrices needs the product's XLA reference")
+    if xla is not None and (any(in_batched[1:]) or x.size // x.shape[-1] > FEW_ROWS):
       axes = (0, *(0 if b else None for b in in_batched[1:]))
       return jax.vmap(xla, in_axes=axes)(x, *weights), True
     return call(x, *weights), True

@@ -27,7 +27,7 @@ from specjax.models import gguf as gguf_weights
 from specjax.models.hf_checkpoint import hf_names, load_state
 from specjax.models.hf_config import read_folder
 from specjax.models.params import abstract_model, fuse_projections, param_shapes, state_from_flat
-from specjax.models.registry import cache_root, get_spec
+from specjax.models.registry import get_spec
 from specjax.models.safetensors_file import Checkpoint
 from specjax.models.source import Source, resolve
 from specjax.models.tiny import tiny_model
@@ -37,6 +37,7 @@ from specjax.models.tokenizer import (
   tokenizer_from_folder,
   tokenizer_from_gguf,
 )
+from specjax.storage import cache_root
 
 CONVERTER_VERSION = 4  # bump when the GGUF -> params conversion changes (3: gate_up [O, I]; 4: qkv [O, I])
 

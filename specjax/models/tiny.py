@@ -39,8 +39,8 @@ from specjax.kv_cache import KVCache
 from specjax.model import apply, init_model
 from specjax.models import checkpoint
 from specjax.models.params import abstract_model
-from specjax.models.registry import cache_root
 from specjax.plan import DraftPlan
+from specjax.storage import cache_root
 
 TRAINER_VERSION = 4  # bump when the language, the recipe or a layout changes (2: always optimised; 3: gate_up [O, I]; 4: qkv [O, I])
 

@@ -223,6 +223,6 @@ def _jsonable(x):
 
 
 def default_dir(model: str) -> Path:
-  from specjax.models.registry import cache_root
+  from specjax.storage import cache_root
 
   return cache_root() / "knn" / model

@@ -187,7 +187,7 @@ def _draft_flag(draft: str) -> str:
 
 def profile_path(model: str, device: str | None = None, dtype: str = "float32",
                  draft: str = "target") -> Path:
-  from specjax.models.registry import cache_root
+  from specjax.storage import cache_root
 
   suffix = "" if draft == "target" else f"__draft-{draft}"
   return cache_root() / "profiles" / f"{model}__{device or device_name()}__{dtype}{suffix}.json"
