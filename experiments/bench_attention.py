@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report  # noqa: E402
 
 from specjax import cpu_kernels  # noqa: E402
-from specjax.decode.engine import Draft, verify_fn  # noqa: E402
 from specjax.decode.generate import _step  # noqa: E402
+from specjax.decode.round import Draft, verify_fn  # noqa: E402
 from specjax.kv_cache import KVCache  # noqa: E402
 from specjax.models.loader import load_model  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report  # noqa: E402
 
 from specjax import cpu_kernels  # noqa: E402
-from specjax.decode.engine import Draft, draft_step, verify_step  # noqa: E402
 from specjax.decode.generate import decode_step, prefill_prompt  # noqa: E402
+from specjax.decode.round import Draft, draft_step, verify_step  # noqa: E402
 from specjax.jit_cache import compiled  # noqa: E402
 from specjax.models.loader import load_model  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402

@@ -30,7 +30,7 @@ _EXPORTS = {
     "load_model": "specjax.models.loader",
     "generate": "specjax.decode.generate",
     "speculative_generate": "specjax.decode.engine",
-    "SSDGeneration": "specjax.decode.engine",
+    "SSDGeneration": "specjax.decode.session",
     "DraftPlan": "specjax.plan",
     "PlanError": "specjax.plan",
     "SamplingParams": "specjax.sampling",

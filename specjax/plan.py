@@ -47,7 +47,7 @@ class DraftPlan:
   attn: jax.Array  # bool[L]
   mlp: jax.Array  # bool[L]
   vocab: jax.Array | None = None  # int32[K] shortlist; None: the full vocabulary
-  # The shortlist's LM-head rows, gathered once (`engine.Session.with_head_rows`):
+  # The shortlist's LM-head rows, gathered once (`session.Session.with_head_rows`):
   # float[K, D], or a `quant.Int8Matrix` of K channels under 8-bit weights. None: each
   # draft step gathers them (XLA:CPU does not hoist that gather out of the draft loop).
   head_rows: Any = None

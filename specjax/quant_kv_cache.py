@@ -178,7 +178,7 @@ class QuantKVCache:
     """A full-precision `KVCache` holding what a reader at `bits` sees (slots = positions,
     2R spare slots so the buffer always fits): for code written against `KVCache`, such
     as the layer-selection probes. A copy — never on the per-round path. (A generation
-    compiles it on its own clock: `engine.Session.dense_cache`.)"""
+    compiles it on its own clock: `session.Session.dense_cache`.)"""
     return dense_view(self, bits)
 
   def check_finite(self) -> None:

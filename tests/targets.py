@@ -221,7 +221,7 @@ def assert_plan_keeps_the_target_distribution(state, graphdef, config, cache, fi
   import jax
   import jax.numpy as jnp
 
-  from specjax.decode.engine import draft_step, round_fn
+  from specjax.decode.round import draft_step, round_fn
 
   out = sample_rounds(lambda k: round_fn(
       state, cache, first, plan, k, graphdef=graphdef, vocab=vocab, gamma=gamma,

@@ -15,16 +15,17 @@ import optax
 import pytest
 from flax import nnx
 from targets import (
-    assert_exercised,
-    assert_round_distribution,
-    sample_rounds,
-    target,
-    target_probs,
+  assert_exercised,
+  assert_round_distribution,
+  sample_rounds,
+  target,
+  target_probs,
 )
 
 from specjax.config import tiny_config
-from specjax.decode.engine import draft_step, round_fn, shortlist_rows, speculative_generate
+from specjax.decode.engine import speculative_generate
 from specjax.decode.generate import generate, positions_for, prefill_step
+from specjax.decode.round import draft_step, round_fn, shortlist_rows
 from specjax.drafters import DynaSpecDrafter, EarlyExitDrafter
 from specjax.kv_cache import KVCache
 from specjax.model import apply, init_model

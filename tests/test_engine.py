@@ -14,17 +14,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import reference_forward
 from targets import (
-    PROMPT,
-    ar_tokens,
-    assert_exercised,
-    assert_round_distribution,
-    sample_rounds,
-    target,
+  PROMPT,
+  ar_tokens,
+  assert_exercised,
+  assert_round_distribution,
+  sample_rounds,
+  target,
 )
 
 from specjax.bench.results_store import ResultsStore
-from specjax.decode.engine import draft_step, round_fn, speculative_generate
+from specjax.decode.engine import speculative_generate
 from specjax.decode.generate import prefill_step
+from specjax.decode.round import draft_step, round_fn
 from specjax.drafters import (
   EarlyExitDrafter,
   SelfSDDrafter,

@@ -85,7 +85,7 @@ def test_a_generation_books_the_dense_view_of_a_quantised_cache_as_compilation()
   """The probes' full-precision view of a quantised cache is compiled through the
   generation's clock (it used to be a plain jax.jit, booked as selection time)."""
   from specjax.config import tiny_config
-  from specjax.decode.engine import Session
+  from specjax.decode.session import Session
   from specjax.quant_kv_cache import QuantKV
 
   config = tiny_config("llama")

@@ -314,8 +314,8 @@ def test_bad_settings_are_clear_errors():
 def test_prompt_window_scores_agreement_with_the_target_not_the_text():
   """The window's next tokens after prefill are the target's own top-1 choices at those
   positions (what α̂ must agree with), not the prompt text's next tokens."""
-  from specjax.decode.engine import Session
   from specjax.decode.generate import prefill_prompt
+  from specjax.decode.session import Session
   from specjax.selection.layer_probe import prompt_window
 
   config, graphdef, state = tiny()

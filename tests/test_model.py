@@ -212,7 +212,7 @@ def test_every_sublayer_of_a_draft_plan_is_a_conditional_and_a_dense_plan_has_no
 def test_a_draft_step_has_one_conditional_per_sub_layer():
   """A draft writes its K/V to its buffer, not the cache: each attention sub-layer is one
   conditional (projection and attention together), not the two of a cache writer."""
-  from specjax.decode.engine import draft_step
+  from specjax.decode.round import draft_step
   from specjax.sampling import SamplingParams
 
   config = tiny_config("llama")
@@ -370,8 +370,8 @@ def copies_of(hlo: str, shapes: set[tuple[str, tuple[int, ...]]]) -> list[str]:
 def test_no_step_or_round_copies_any_cache_layer():
   """Prefill, AR step, draft and verification: no executable copies or transposes a cache
   layer (writes are in place, the draft only reads), in greedy and in sampling mode."""
-  from specjax.decode.engine import draft_fn, draft_step, verify_step
   from specjax.decode.generate import decode_step, prefill_step
+  from specjax.decode.round import draft_fn, draft_step, verify_step
   from specjax.sampling import SamplingParams
 
   config = tiny_config("gemma3")

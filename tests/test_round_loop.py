@@ -15,9 +15,9 @@ import pytest
 from targets import PROMPT, ar_tokens, assert_exercised, target
 
 from specjax import quant_kv_cache
+from specjax.decode import round_loop
 from specjax.decode.engine import speculative_generate
 from specjax.decode.generate import generate
-from specjax.decode import round_loop
 from specjax.decode.round_loop import Decoding, decode_rounds
 from specjax.drafters import (
   ClaspDrafter,
@@ -386,8 +386,8 @@ def test_device_loop_sampled_rounds_keep_the_target_distribution():
   the next); the χ² tests of `round_fn` never run this loop."""
   from targets import assert_powered, chi2_matches, sample_rounds, target_probs
 
-  from specjax.decode.engine import draft_step
   from specjax.decode.generate import prefill_step
+  from specjax.decode.round import draft_step
 
   config, graphdef, state = target("llama", 4, 12)
   L, V, gamma = config.num_layers, 12, 3

@@ -13,8 +13,9 @@ import pytest
 from flax import nnx
 from targets import assert_exercised, target
 
-from specjax.decode.engine import draft_step, speculative_generate
+from specjax.decode.engine import speculative_generate
 from specjax.decode.generate import generate
+from specjax.decode.round import draft_step
 from specjax.drafters import ClaspDrafter, EarlyExitDrafter, Int8WeightsDrafter
 from specjax.drafters.frspec import FRSpecDrafter
 from specjax.kv_cache import DraftBuffer, KVCache
@@ -124,20 +125,20 @@ def test_frspec_on_a_layer_drafter_is_lossless():
 
 
 def count_head_row_gathers(monkeypatch, name: str = "shortlist_rows") -> list:
-  """The engine's calls of its jitted `name` (a head-row gather), as they happen (its
+  """The session's calls of its jitted `name` (a head-row gather), as they happen (its
   `compiled`, wrapped); none held from an earlier test."""
-  from specjax.decode import engine
+  from specjax.decode import session
 
   gathers = []
-  real = engine.compiled
+  real = session.compiled
 
   def counting(fn, *args, **kw):
-    if fn is getattr(engine, name):
+    if fn is getattr(session, name):
       gathers.append(name)
     return real(fn, *args, **kw)
 
-  monkeypatch.setattr(engine, "compiled", counting)
-  monkeypatch.setattr(engine, "_HEAD_ROWS", [])
+  monkeypatch.setattr(session, "compiled", counting)
+  monkeypatch.setattr(session, "_HEAD_ROWS", [])
   return gathers
 
 
@@ -145,7 +146,7 @@ def test_frspec_gathers_its_head_rows_once_across_generations(monkeypatch):
   """One drafter over several prompts (a bench run) gathers its shortlist's head rows
   once: they cost 30-35 ms a prompt on SmolLM2 on the CPU. Another model, or that model's
   state dropped, gathers again; the tokens stay AR's."""
-  from specjax.decode import engine
+  from specjax.decode import session
 
   gathers = count_head_row_gathers(monkeypatch)
   config, graphdef, state = tiny()
@@ -160,7 +161,7 @@ def test_frspec_gathers_its_head_rows_once_across_generations(monkeypatch):
   copy = jax.tree.map(lambda x: x, state)  # the same weights, another state object
   assert run(copy, PROMPT).tokens == first.tokens and len(gathers) == 2
   del copy
-  assert not engine._HEAD_ROWS  # dropped with the state it was gathered from
+  assert not session._HEAD_ROWS  # dropped with the state it was gathered from
 
 
 def test_shortlist_drafters_taking_turns_gather_their_head_rows_once_each(monkeypatch):

@@ -295,15 +295,15 @@ class _Steps:
 
   def proto(self, gamma: int):
     """A draft of γ tokens for verification to check (its values do not bear on time)."""
-    from specjax.decode.engine import Draft
+    from specjax.decode.round import Draft
 
     return Draft(n=jnp.int32(gamma), tokens=jnp.ones((gamma,), jnp.int32),
                  confidence=jnp.ones((gamma,), jnp.float32), q_rows=None)
 
   def from_host(self, state, plans: dict) -> list:
     """[(name, call)]: each call one step, compiled ahead."""
-    from specjax.decode.engine import draft_step, verify_step
     from specjax.decode.generate import decode_step
+    from specjax.decode.round import draft_step, verify_step
     from specjax.jit_cache import compiled
 
     gd, full, greedy, context = self.graphdef, self.full, self.greedy, self.context
@@ -340,8 +340,8 @@ class _Steps:
     """[(name, call)]: each call `n` steps inside one jitted loop, compiled ahead. AR steps
     extend the cache (it has room for n more); verification rewrites the same γ + 1
     positions; every draft step reads the cache at `context`."""
-    from specjax.decode.engine import draft_step, verify_step
     from specjax.decode.generate import decode_step
+    from specjax.decode.round import draft_step, verify_step
 
     gd, full, greedy, cache, context = (self.graphdef, self.full, self.greedy, self.cache,
                                         self.context)

@@ -4,7 +4,7 @@ one jitted `lax.while_loop`, for drafters whose plan is fixed for the generation
 extends their window of verified rows and records each round's counts, and the host
 selects between calls.
 
-The host loop (`engine.speculative_generate(loop="host")`) reads the device five times a
+The host loop (`host_loop`, `speculative_generate(loop="host")`) reads the device five times a
 round (the draft's length, the accepted count, the committed tokens, ...) and dispatches
 two programs; here the committed tokens, the EOS / length stop and the counters live in
 the loop's carry, and the host reads them once per call of `rounds_per_call` rounds.
@@ -22,14 +22,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.decode.engine import SSDGeneration, draft_fn, verify_fn
 from specjax.decode.generate import eos_array
+from specjax.decode.round import draft_fn, verify_fn
+from specjax.decode.session import SSDGeneration
+from specjax.decode.verified_window import Window, push_step
 from specjax.errors import ConfigError
 from specjax.jit_cache import compiled
 from specjax.kv_cache import KVCache
 from specjax.plan import DraftPlan, conditionals_skip_cheaply
 from specjax.sampling import SamplingParams
-from specjax.selection.layer_probe import Window, push_step
 
 ALL_ROUNDS = 1 << 30  # rounds per call when nothing streams: until done
 TOKEN_BUCKET = 256  # the committed-token buffer grows in these steps
@@ -136,7 +137,7 @@ def device_rounds(run, record_rounds: bool, rounds_per_call: int | None,
                   static_plan: bool | None):
   """`engine.speculative_generate`'s device driver: the drafter's plan (frozen into the
   executable as `freezes` says), then calls of `decode_rounds` until done, one host read
-  each (`engine._Run` in, `SSDGeneration` out). A `chunked` drafter's call runs no more
+  each (`session.Run` in, `SSDGeneration` out). A `chunked` drafter's call runs no more
   rounds than its plan surely holds for, at its draft length; between calls the host
   hands it the window the loop extended and the rounds' counts (`Drafter.resume`, timed
   as selection) and takes its next plan."""

@@ -75,7 +75,7 @@ class Drafter(abc.ABC):
     return min(max(self.draft_length(state) or gamma, 1), gamma)
 
   def update(self, state: Any, out, session) -> Any:
-    """Fold one round's outcome (`engine.RoundOut`, on host) into the state."""
+    """Fold one round's outcome (`round.RoundOut`, on host) into the state."""
     return state
 
   # --- `chunked` drafters only ----------------------------------------------------------

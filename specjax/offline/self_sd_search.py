@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from specjax.decode.engine import agreement
 from specjax.decode.generate import generate, pad_prompt, positions_for
+from specjax.decode.round import agreement
 from specjax.errors import ConfigError
 from specjax.jit_cache import compiled
 from specjax.kv_cache import KVCache, cache_size_for

@@ -13,31 +13,16 @@ the order of the residuals the forward returns and of plan bits (`plan.py`).
 
 from __future__ import annotations
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specjax.cache_view import LayerView, Segment
+from specjax.decode.verified_window import Window, push_step
 from specjax.jit_cache import compiled
 from specjax.kv_cache import KVCache
 from specjax.model import Block, Transformer
 from specjax.plan import DraftPlan
-
-
-@flax.struct.dataclass
-class Window:
-  """The last W verified tokens with the full model's residuals after every sub-layer."""
-
-  tokens: jax.Array  # int32[W] input token at each position
-  positions: jax.Array  # int32[W]
-  next_tokens: jax.Array  # int32[W] the token that followed (the target's choice)
-  residuals: jax.Array  # [2L, W, D] full-model residual after each sub-layer
-  valid: jax.Array  # bool[W]
-
-  @property
-  def size(self) -> int:
-    return self.tokens.shape[0]
 
 
 def attention_probe(block: Block, x: jax.Array, positions: jax.Array, cache_k: jax.Array,
@@ -138,7 +123,7 @@ def prompt_window(session, size: int) -> Window:
 
 
 def push_round(window: Window, out, session) -> Window:
-  """The window after one round: its verified rows (`engine.RoundOut` with residuals)
+  """The window after one round: its verified rows (`round.RoundOut` with residuals)
   appended on device by `push_step`, compiled ahead of time per round shape."""
   n_commit = int(out.n_commit)
   start = len(session.context) - 1 - n_commit  # position of the round's first input
@@ -147,21 +132,3 @@ def push_round(window: Window, out, session) -> Window:
   return compiled(push_step, *args, clock=session.clock)(*args)
 
 
-@jax.jit
-def push_step(window: Window, residuals: jax.Array, last: jax.Array, committed: jax.Array,
-               start: jax.Array, n_commit: jax.Array) -> Window:
-  """Append one round's verified rows (the first n_commit of [last, accepted drafts]) and
-  keep the newest W. residuals[2L, T, D] come from the verify pass, committed[T] are the
-  round's committed tokens, `start` the position of `last`."""
-  W, T = window.size, committed.shape[0]
-  inputs = jnp.concatenate([last[None], committed[:-1]])
-
-  def newest(old, new, axis=0):
-    both = jnp.concatenate([old, new.astype(old.dtype)], axis=axis)
-    return jax.lax.dynamic_slice_in_dim(both, n_commit, W, axis=axis)
-
-  return Window(tokens=newest(window.tokens, inputs),
-                positions=newest(window.positions, start + jnp.arange(T, dtype=jnp.int32)),
-                next_tokens=newest(window.next_tokens, committed),
-                residuals=newest(window.residuals, residuals, axis=1),
-                valid=newest(window.valid, jnp.arange(T) < n_commit))
