@@ -21,8 +21,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report  # noqa: E402
 
-from specjax import jit_cache  # noqa: E402
-from specjax.bench import data  # noqa: E402
+from specjax import (
+  data,  # noqa: E402
+  jit_cache,  # noqa: E402
+)
 from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
 from specjax.bench.harness import prompt_ids  # noqa: E402
 from specjax.cli import add_dtype_arg  # noqa: E402

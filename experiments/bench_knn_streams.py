@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
-from specjax.bench import claims, data, harness, metrics, plots  # noqa: E402
+from specjax import data, plots  # noqa: E402
+from specjax.bench import claims, harness, metrics  # noqa: E402
 from specjax.bench.drafter_factory import ARTEFACT_OPTIONS, DrafterFactory  # noqa: E402
 from specjax.bench.harness import RunSettings  # noqa: E402
 from specjax.bench.results_store import ResultsStore  # noqa: E402

@@ -33,8 +33,11 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
-from specjax import cpu_kernels  # noqa: E402
-from specjax.bench import claims, data, harness, metrics  # noqa: E402
+from specjax import (
+  cpu_kernels,  # noqa: E402
+  data,  # noqa: E402
+)
+from specjax.bench import claims, harness, metrics  # noqa: E402
 from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
 from specjax.bench.harness import Reference, RunSettings  # noqa: E402
 from specjax.bench.results_store import ResultsStore  # noqa: E402

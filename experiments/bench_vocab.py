@@ -29,15 +29,15 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
-from specjax.bench import claims, data, harness, metrics  # noqa: E402
+from specjax import data  # noqa: E402
+from specjax.bench import claims, harness, metrics  # noqa: E402
 from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
 from specjax.bench.harness import RunSettings  # noqa: E402
 from specjax.bench.results_store import ResultsStore  # noqa: E402
-from specjax.decode.engine import draft_step, shortlist_rows  # noqa: E402
+from specjax.decode.round import draft_step, shortlist_rows  # noqa: E402
 from specjax.jit_cache import compiled  # noqa: E402
 from specjax.kv_cache import KVCache  # noqa: E402
 from specjax.models.loader import load_model  # noqa: E402
-from specjax.models.registry import cache_root  # noqa: E402
 from specjax.models.source import artefact_key  # noqa: E402
 from specjax.offline import shortlists
 from specjax.offline.router import collect_pairs, k_schedule, recall_at, select  # noqa: E402
@@ -45,6 +45,7 @@ from specjax.offline.token_counts import frequent_shortlist  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402
 from specjax.sampling import SamplingParams  # noqa: E402
 from specjax.selection.profiler import median_time  # noqa: E402
+from specjax.storage import cache_root  # noqa: E402
 
 CATEGORIES = ("writing", "coding", "qa", "math_reasoning", "translation", "summarization",
               "extraction", "rag")

@@ -60,7 +60,7 @@ def main() -> None:
   ap.add_argument("--write-docs", action="store_true")
   args = ap.parse_args()
 
-  from specjax.bench import data
+  from specjax import data
   from specjax.decode.generate import generate
   from specjax.models.loader import load_model
 

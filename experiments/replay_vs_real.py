@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from specjax.bench import data, harness  # noqa: E402
+from specjax import data  # noqa: E402
+from specjax.bench import harness  # noqa: E402
 from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
 from specjax.decode import draft_length  # noqa: E402
 from specjax.decode.engine import speculative_generate  # noqa: E402

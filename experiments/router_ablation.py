@@ -28,10 +28,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
-from specjax.bench import plots  # noqa: E402
+from specjax import plots  # noqa: E402
 from specjax.bench.results_store import ResultsStore  # noqa: E402
 from specjax.models.loader import load_model  # noqa: E402
-from specjax.models.registry import cache_root  # noqa: E402
 from specjax.models.source import resolve  # noqa: E402
 from specjax.offline import shortlists  # noqa: E402
 from specjax.offline.router import (  # noqa: E402
@@ -42,6 +41,7 @@ from specjax.offline.router import (  # noqa: E402
   select,
   train_router,
 )
+from specjax.storage import cache_root  # noqa: E402
 
 KS = (16, 32, 64)
 HOLD_EVERY = 4  # every 4th continued sequence is held out for evaluation

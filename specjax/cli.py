@@ -143,7 +143,7 @@ def _options(pairs: list[str] | None) -> dict[str, dict]:
 def _cmd_bench(args: argparse.Namespace) -> int:
   from pathlib import Path
 
-  from specjax.bench import data
+  from specjax import data
   from specjax.bench import runner as bench
 
   drafters = tuple(d for d in args.drafters.split(",") if d)
@@ -204,9 +204,9 @@ def _cmd_router_train(args: argparse.Namespace) -> int:
   from pathlib import Path
 
   from specjax.models.loader import load_model
-  from specjax.models.registry import cache_root
   from specjax.models.source import artefact_key
   from specjax.offline import shortlists
+  from specjax.storage import cache_root
 
   if not 1 <= args.k_max <= args.clusters:
     raise ConfigError(f"--k-max must be in 1..--clusters ({args.clusters}), got {args.k_max}")
@@ -253,7 +253,7 @@ def _cmd_knn_build(args: argparse.Namespace) -> int:
 
 
 def _cmd_data_fetch(args: argparse.Namespace) -> int:
-  from specjax.bench import data
+  from specjax import data
 
   path = data.fetch_spec_bench(args.data_dir)
   print(f"Spec-Bench saved to {path}")

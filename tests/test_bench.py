@@ -136,7 +136,7 @@ def test_mismatches_cannot_read_zero_by_omission():
 
 
 def test_the_docs_command_reproduces_the_options_and_the_section():
-  from specjax.bench import data
+  from specjax import data
   from specjax.bench.runner import BenchConfig, _command
   from specjax.cli import _options
 

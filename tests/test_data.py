@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specjax.bench import data
+from specjax import data
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from targets import assert_exercised, target
 
-from specjax.bench.data import MT_BENCH_CATEGORIES, Prompt
 from specjax.config import tiny_config
+from specjax.data import MT_BENCH_CATEGORIES, Prompt
 from specjax.decode.engine import speculative_generate
 from specjax.decode.generate import generate
 from specjax.drafters import KNNDrafter

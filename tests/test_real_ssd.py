@@ -10,7 +10,7 @@ import pytest
 from conftest import real_model
 from test_data import SHARED
 
-from specjax.bench import data
+from specjax import data
 from specjax.decode.engine import speculative_generate
 from specjax.decode.generate import generate
 from specjax.drafters import EarlyExitDrafter, Int8WeightsDrafter, SelfSDDrafter, SwiftDrafter

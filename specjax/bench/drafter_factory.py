@@ -238,8 +238,8 @@ class DrafterFactory:
   def token_counts(self):
     """FR-Spec's token counts: `specjax router train`'s, or counted now from training
     prompts when absent (minutes; no router is trained for them)."""
-    from specjax.models.registry import cache_root
     from specjax.offline import shortlists
+    from specjax.storage import cache_root
 
     if "counts" in self.artefacts or "bundle" in self.artefacts:
       return self.artefacts.get("counts")
@@ -254,9 +254,9 @@ class DrafterFactory:
   def shortlists(self):
     """(FR-Spec token counts, DynaSpec router bundle): `specjax router train`'s, built
     now from training prompts when absent."""
-    from specjax.models.registry import cache_root
     from specjax.offline import shortlists
     from specjax.offline.router import is_current
+    from specjax.storage import cache_root
 
     if "counts" in self.artefacts or "bundle" in self.artefacts:
       return self.artefacts.get("counts"), self.artefacts.get("bundle")
@@ -310,10 +310,10 @@ class DrafterFactory:
     """A Self-SD skip set searched on `search_prompts`, kept in `work_dir` under a name
     that says what it was searched with (a resumed run reuses it). `kind`: searched for a
     draft that reads that quantised copy (scored with it, costed in its bytes)."""
-    from specjax.bench.harness import prompt_ids
+    from specjax.data import prompt_ids
     from specjax.drafters.static import load_plan, save_plan
-    from specjax.models.registry import cache_root
     from specjax.offline import self_sd_search as self_sd
+    from specjax.storage import cache_root
 
     if "self_sd_plan" in self.artefacts:
       return self.artefacts["self_sd_plan"]
@@ -475,7 +475,7 @@ def _fields(cls) -> set[str]:
 
 def default_search_prompts(data_dir=None) -> list:
   """Prompts for offline searches that `specjax bench` does not evaluate (its defaults)."""
-  from specjax.bench import data
+  from specjax import data
 
   return data.evaluation_and_search(data.load_spec_bench(data_dir), per_category=1)[1]
 

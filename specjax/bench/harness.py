@@ -1,4 +1,4 @@
-"""The experiment loop every benchmark shares: one prompt → ids path, and one per-prompt
+"""The experiment loop every benchmark shares: one prompt → ids path (`data.prompt_ids`), and one per-prompt
 runner that decodes it with AR and then with every method in the same process, checking
 each method's tokens against AR's.
 
@@ -15,32 +15,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from specjax.bench import metrics
+from specjax.data import prompt_ids
 from specjax.errors import ConfigError
 from specjax.sampling import SamplingParams
 
 # What an SSD generation reports, summed over a prompt's turns (metrics.summarize reads them).
 COUNTERS = ("rounds", "drafted", "accepted", "committed", "draft_s", "verify_s", "rounds_s",
             "selection_s", "other_s")
-
-
-def prompt_ids(tokenizer, turns: Sequence[str], answers: Sequence[str] = ()) -> list[int]:
-  """The ids of a prompt's last turn, with earlier turns and this method's own answers as
-  history: through the chat template for chat models, joined by blank lines otherwise."""
-  if len(turns) == 1 and not answers:
-    return tokenizer.encode_prompt(turns[0])  # the tokenizer's own rule for one user turn
-  if getattr(tokenizer, "is_chat", False):
-    msgs = []
-    for i, turn in enumerate(turns):
-      msgs.append({"role": "user", "content": turn})
-      if i < len(answers):
-        msgs.append({"role": "assistant", "content": answers[i]})
-    return tokenizer.encode_chat(msgs)
-  parts = []
-  for i, turn in enumerate(turns):
-    parts.append(turn)
-    if i < len(answers):
-      parts.append(answers[i])
-  return tokenizer.encode("\n\n".join(parts))
 
 
 def first_ids(model, prompt: Sequence[str] | Sequence[int]) -> list[int]:

@@ -17,7 +17,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from specjax.bench import claims, data, docs, drafter_factory, harness, llama_cpp, metrics, plots
+from specjax import data, plots
+from specjax.bench import claims, docs, drafter_factory, harness, llama_cpp, metrics
 from specjax.bench.harness import RunSettings
 from specjax.bench.results_store import ResultsStore
 
@@ -393,7 +394,7 @@ def _weights(dtype: str) -> str:
 
 def _command(cfg: BenchConfig, section: str | None = None) -> str:
   """The `specjax bench` command line that reproduces this run."""
-  from specjax.bench.data import SPEC_BENCH_CATEGORIES
+  from specjax.data import SPEC_BENCH_CATEGORIES
 
   parts = [f"specjax bench --model {cfg.model} --per-category {cfg.per_category}",
            f"--max-new-tokens {cfg.max_new_tokens} --drafters {','.join(cfg.drafters)}",

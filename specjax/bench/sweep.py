@@ -42,7 +42,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from specjax.bench import data, docs, metrics, plots
+from specjax import data, plots
+from specjax.bench import docs, metrics
 from specjax.bench import runner as bench
 from specjax.bench.results_store import ResultsStore
 from specjax.errors import SpecjaxError

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from specjax.bench import data, harness
+from specjax import data
 from specjax.errors import ConfigError
 from specjax.models.source import artefact_key
 from specjax.offline import self_sd_search as self_sd
@@ -64,7 +64,7 @@ def domain_prompts(data_dir=None, domains: Sequence[str] = DEFAULT_DOMAINS,
 
 def prompt_ids(tokenizer, prompt: data.Prompt) -> list[int]:
   """A prompt's first turn as the model sees it (chat template when it has one)."""
-  return harness.prompt_ids(tokenizer, prompt.turns[:1])
+  return data.prompt_ids(tokenizer, prompt.turns[:1])
 
 
 def embed_all(model, prompts: Sequence[data.Prompt], desc: str = "embed",

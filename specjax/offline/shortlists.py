@@ -20,8 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specjax import gguf_matrix
-from specjax.bench import data, plots
+from specjax import data, gguf_matrix, plots
 from specjax.models.source import artefact_key
 from specjax.offline.router import (
   Pairs,

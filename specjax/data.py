@@ -268,3 +268,23 @@ def _encode_user(tokenizer, text: str) -> list[int]:
   if getattr(tokenizer, "is_chat", False):
     return tokenizer.encode_chat([{"role": "user", "content": text}])
   return tokenizer.encode(text)
+
+
+def prompt_ids(tokenizer, turns: Sequence[str], answers: Sequence[str] = ()) -> list[int]:
+  """The ids of a prompt's last turn, with earlier turns and this method's own answers as
+  history: through the chat template for chat models, joined by blank lines otherwise."""
+  if len(turns) == 1 and not answers:
+    return tokenizer.encode_prompt(turns[0])  # the tokenizer's own rule for one user turn
+  if getattr(tokenizer, "is_chat", False):
+    msgs = []
+    for i, turn in enumerate(turns):
+      msgs.append({"role": "user", "content": turn})
+      if i < len(answers):
+        msgs.append({"role": "assistant", "content": answers[i]})
+    return tokenizer.encode_chat(msgs)
+  parts = []
+  for i, turn in enumerate(turns):
+    parts.append(turn)
+    if i < len(answers):
+      parts.append(answers[i])
+  return tokenizer.encode("\n\n".join(parts))
