@@ -157,7 +157,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
   )
   out = Path(args.out or f"runs/bench-{args.model}")
   figures = bench.run(cfg, out, data_dir=args.data_dir, resume=args.resume,
-                      write_docs=args.write_docs, docs_section=args.docs_section)
+                      write_docs=args.write_docs, docs_section=args.docs_section,
+                      spec_bench_out=args.specbench_out)
   print(json.dumps(figures, sort_keys=True))
   return 0
 
@@ -355,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="regenerate this model's section of docs/BENCHMARKS.md")
   p.add_argument("--docs-section", help="with --write-docs: the section to write (default "
                  "bench-MODEL; name another for another drafter list on the same model)")
+  p.add_argument("--specbench-out", metavar="DIR",
+                 help="also write each method's answers as Spec-Bench model-answer JSON lines "
+                 "in DIR, for its evaluation/speed.py (AR's file is the baseline) and equal.py")
   add_dtype_arg(p)
   p.set_defaults(func=_cmd_bench)
 

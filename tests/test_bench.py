@@ -292,3 +292,84 @@ def test_results_made_before_the_llama_cpp_option_still_resume():
   assert "llama_cpp" not in settings_of(cfg)
   assert "llama_cpp" not in Point(cfg, None, ()).settings()
   assert settings_of(dataclasses.replace(cfg, llama_cpp=True))["llama_cpp"] is True
+
+
+def _spec_bench_read(path: Path, task: str = "overall") -> list[dict]:
+  """The questions of an answer file that Spec-Bench's evaluation/speed.py keeps for
+  `task` ("overall", "mt_bench", or one category)."""
+  mt_bench = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+              "humanities"}
+  rows = [json.loads(line) for line in path.read_text().splitlines()]
+  if task == "overall":
+    return rows
+  return [r for r in rows if (r["category"] in mt_bench if task == "mt_bench"
+                              else r["category"] == task)]
+
+
+def test_spec_bench_answer_files_read_as_spec_bench_reads_them(tmp_path, capsys):
+  """`--specbench-out`: one file per method that Spec-Bench's speed.py and equal.py read
+  (their reading redone here from the repository's logic): per question the tokens over
+  the seconds of every turn, accept lengths whose mean is the run's M, the baseline's
+  tokens counted from its text, and texts equal wherever the run was lossless."""
+  from specjax.models.loader import load_model
+
+  root = write_spec_bench(tmp_path / "data")
+  out, answers = tmp_path / "run", tmp_path / "answers"
+  argv = ["bench", "--model", "tiny-qwen3", "--categories", "writing,qa", "--per-category",
+          "1", "--max-new-tokens", "12", "--max-turns", "2", "--gamma", "3",
+          "--drafters", "early_exit,8bit", "--data-dir", str(root), "--out", str(out),
+          "--specbench-out", str(answers)]
+  assert main(argv) == 0
+  figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  files = {m: Path(p) for m, p in figures["spec_bench_answers"].items()}
+  assert set(files) == {"ar", "early_exit", "8bit"}
+  assert files["ar"].name == "tiny-qwen3-ar-float32-temperature-0.0.jsonl"
+  records = {(r["method"], r["prompt_id"]): r
+             for line in (out / "results.jsonl").read_text().splitlines()
+             for r in json.loads(line)["records"]}
+  tok = load_model("tiny-qwen3").tokenizer
+  texts = {}
+  for method, path in files.items():
+    rows = _spec_bench_read(path)
+    assert [r["category"] for r in rows] == ["writing", "qa"]
+    assert [r["category"] for r in _spec_bench_read(path, "mt_bench")] == ["writing"]
+    accepts = []
+    for row in rows:
+      rec = records[(method, f"spec_bench/{row['question_id']}")]
+      choice = row["choices"][0]
+      n_turns = 2 if row["category"] == "writing" else 1
+      assert len(choice["turns"]) == len(choice["new_tokens"]) == len(choice["wall_time"]) \
+          == len(rec["tokens"]) == n_turns
+      assert choice["turns"] == [tok.decode(t, skip_special=True) for t in rec["tokens"]]
+      assert choice["new_tokens"] == [len(t) for t in rec["tokens"]]
+      # speed.py: a question's speed is its tokens over its seconds, every turn summed.
+      speed = sum(choice["new_tokens"]) / sum(choice["wall_time"])
+      assert speed == pytest.approx(sum(map(len, rec["tokens"]))
+                                    / (rec["prefill_s"] + rec["decode_s"]), rel=1e-4)
+      if method == "ar":
+        assert choice["accept_lengths"] == [1] * sum(choice["new_tokens"])
+      else:  # every verification round's tokens: the decoded tokens, every turn
+        assert sum(choice["accept_lengths"]) == rec["decode_tokens"] == rec["committed"]
+        assert len(choice["accept_lengths"]) == sum(choice["decoding_steps"]) == rec["rounds"]
+        assert all(1 <= n <= 4 for n in choice["accept_lengths"])  # γ + 1 at most
+      accepts += choice["accept_lengths"]
+      texts.setdefault(method, []).append(str(choice["turns"]))
+    if method != "ar":
+      assert sum(accepts) / len(accepts) == pytest.approx(figures["methods"][method]["M"],
+                                                       abs=1e-4)  # figures: 4 places
+  # equal.py: the answers, question by question, as text.
+  assert texts["early_exit"] == texts["ar"] == texts["8bit"]
+
+
+def test_spec_bench_answers_refuse_records_without_rounds(tmp_path):
+  """Records made before the answers' fields existed are refused, naming the fix (a run
+  without --resume), and no file is left half written."""
+  from specjax.bench import spec_bench_answers
+  from specjax.errors import ConfigError
+
+  old = {"method": "8bit", "prompt_id": "spec_bench/1", "category": "qa", "tokens": [[1, 2]],
+         "decode_s": 0.1, "prefill_s": 0.0}
+  with pytest.raises(ConfigError, match="without --resume"):
+    spec_bench_answers.write([old], str, tmp_path, model_id="m", dtype="float32",
+                             temperature=0.0)
+  assert list(tmp_path.iterdir()) == []

@@ -124,6 +124,7 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
   for name, drafter, kv in methods:
     rec: dict[str, Any] = dict(tags, method=name, decode_tokens=0, decode_s=0.0, prefill_s=0.0,
                                compile_s=0.0, prompt_tokens=0, tokens=[],
+                               turn_prefill_s=[], turn_decode_s=[], round_committed=[],
                                **{k: 0 for k in COUNTERS})
     answers: list[str] = []
     ids_of: list[list[int]] = []  # each turn's prompt ids
@@ -143,6 +144,7 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
         carried[name] = out.drafter_state
         for k in COUNTERS:
           rec[k] += getattr(out, k)
+        rec["round_committed"].append(round_committed(out))
       rec["prompt_tokens"] += len(ids)
       ids_of.append(ids)
       # Its own compiles: a shared prefill's are in every method's `compile_s`, but were
@@ -152,6 +154,8 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
       rec["decode_tokens"] += len(out.tokens) - 1
       rec["decode_s"] += out.decode_s
       rec["prefill_s"] += out.prefill_s
+      rec["turn_prefill_s"].append(out.prefill_s)
+      rec["turn_decode_s"].append(out.decode_s)
       rec["tokens"].append(out.tokens)
       if not isinstance(turn, list):
         answers.append(model.tokenizer.decode(out.tokens, skip_special=True))
@@ -172,6 +176,18 @@ def run_prompt(model, prompt: Sequence[str] | Sequence[int], drafters: Mapping[s
         rec.update(extra(name, out))
     recs.append(rec)
   return recs
+
+
+def round_committed(generation) -> list[int]:
+  """The tokens each verification round committed (its accepted drafts and the bonus
+  token), the last rounds cut where the generation stopped (EOS or the token budget): they
+  add up to `generation.committed`."""
+  left, out = generation.committed, []
+  for accepted in generation.round_accepted:
+    n = min(accepted + 1, left)
+    out.append(n)
+    left -= n
+  return out
 
 
 def _divergence(model, ids_of: list[list[int]], ar: list[list[int]],

@@ -18,7 +18,15 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from specjax import data, plots
-from specjax.bench import claims, docs, drafter_factory, harness, llama_cpp, metrics
+from specjax.bench import (
+  claims,
+  docs,
+  drafter_factory,
+  harness,
+  llama_cpp,
+  metrics,
+  spec_bench_answers,
+)
 from specjax.bench.harness import RunSettings
 from specjax.bench.results_store import ResultsStore
 
@@ -98,8 +106,11 @@ def factory_for(cfg: BenchConfig, model, out_dir: Path, search_prompts, data_dir
 
 
 def run(cfg: BenchConfig, out_dir: Path, *, data_dir=None, resume: bool = False,
-        verbose: bool = True, write_docs: bool = False, docs_section: str | None = None
-        ) -> dict:
+        verbose: bool = True, write_docs: bool = False, docs_section: str | None = None,
+        spec_bench_out: Path | None = None) -> dict:
+  """Decode the prompts (resuming `out_dir`'s results with `resume`), then write the
+  tables, plot and figures; with `spec_bench_out`, also each method's answers in
+  Spec-Bench's model-answer format there (`spec_bench_answers`)."""
   from specjax.models.loader import load_model
 
   validate(cfg)
@@ -117,7 +128,19 @@ def run(cfg: BenchConfig, out_dir: Path, *, data_dir=None, resume: bool = False,
             pilot_prompts=pilots, data_dir=data_dir,
             verbose=verbose, progress=progress)
   bar.close()
-  return finish(cfg, out_dir, store.records(), verbose, write_docs, docs_section)
+  figures = finish(cfg, out_dir, store.records(), verbose, write_docs, docs_section)
+  if spec_bench_out is not None:
+    from specjax.decode.generate import precision_name
+
+    paths = spec_bench_answers.write(
+        store.records(), lambda ids: model.tokenizer.decode(ids, skip_special=True),
+        Path(spec_bench_out), model_id=cfg.model,
+        dtype=precision_name(model.config, model.state), temperature=cfg.temperature)
+    figures["spec_bench_answers"] = {m: str(p) for m, p in paths.items()}
+    if verbose:
+      print(f"Spec-Bench answers: {Path(spec_bench_out)} ({len(paths)} files; baseline: "
+            f"{paths[metrics.AR].name})", file=sys.stderr)
+  return figures
 
 
 def run_units(cfg: BenchConfig, model, units, store: ResultsStore, *, work_dir: Path,
