@@ -79,7 +79,7 @@ test-compat: setup-test
 	$(BIN)/python -m pytest $(PYTEST_FLAGS) $(COMPAT_TESTS)
 
 bench-forward: setup
-	$(BIN)/python experiments/bench_forward.py --write-docs
+	$(BIN)/python -m experiments.bench_forward --write-docs
 
 clean-cache:
 	rm -rf .cache

@@ -1,7 +1,7 @@
 """A decode step's attention on a CPU: the `f32_attention` kernel against XLA's dots, in
 the whole AR step and the whole verification of γ + 1 tokens.
 
-    python experiments/bench_attention.py [--model smollm2-135m-instruct] [--gamma 4]
+    python -m experiments.bench_attention [--model smollm2-135m-instruct] [--gamma 4]
         [--contexts 256,1024] [--repeats 40]
 
 Each step is compiled twice in one process, once as the model takes it (the kernel, where
@@ -22,21 +22,18 @@ import contextlib
 import os
 import statistics
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report  # noqa: E402
-
-from specjax import cpu_kernels  # noqa: E402
-from specjax.decode.generate import _step  # noqa: E402
-from specjax.decode.round import Draft, verify_fn  # noqa: E402
-from specjax.kv_cache import KVCache  # noqa: E402
-from specjax.models.loader import load_model  # noqa: E402
-from specjax.plan import DraftPlan  # noqa: E402
-from specjax.sampling import SamplingParams  # noqa: E402
+from experiments import report
+from specjax import cpu_kernels
+from specjax.decode.generate import _step
+from specjax.decode.round import Draft, verify_fn
+from specjax.kv_cache import KVCache
+from specjax.models.loader import load_model
+from specjax.plan import DraftPlan
+from specjax.sampling import SamplingParams
 
 # Every kernel but f32_attention: the path the model took before it.
 WITHOUT = ",".join(k for k in cpu_kernels._KERNELS if k != "f32_attention")

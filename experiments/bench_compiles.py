@@ -1,6 +1,6 @@
 """What each drafter compiles over a stream of prompts: executables, seconds, wall time.
 
-    python experiments/bench_compiles.py --model smollm2-135m-instruct --drafters clasp,knapspec
+    python -m experiments.bench_compiles --model smollm2-135m-instruct --drafters clasp,knapspec
 
 Compilation is booked apart from decoding (`SSDGeneration.compile_s`), so a drafter that
 compiles again and again looks no slower in tokens/s; a user still waits for it. For each
@@ -14,22 +14,18 @@ the decode tokens/s (compiles excluded) and the wall time. The last line is JSON
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report  # noqa: E402
-
+from experiments import report
 from specjax import (
-  data,  # noqa: E402
-  jit_cache,  # noqa: E402
+  data,
+  jit_cache,
 )
-from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
-from specjax.bench.harness import prompt_ids  # noqa: E402
-from specjax.cli import add_dtype_arg  # noqa: E402
-from specjax.decode.engine import speculative_generate  # noqa: E402
-from specjax.models.loader import load_model  # noqa: E402
+from specjax.bench.drafter_factory import DrafterFactory
+from specjax.bench.harness import prompt_ids
+from specjax.cli import add_dtype_arg
+from specjax.decode.engine import speculative_generate
+from specjax.models.loader import load_model
 
 
 def measure(model, drafter, prompts: list[list[int]], args) -> dict:

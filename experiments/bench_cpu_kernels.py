@@ -4,7 +4,7 @@ kernels, at one row (an AR or draft step) and at γ + 1 rows (a verification); t
 and 4-bit kernels (QuantSpec's MLP weights) at one row, beside XLA's dot over the 4-bit
 codes (what a 4-bit draft cost without its kernel).
 
-    python experiments/bench_cpu_kernels.py [--model smollm2-135m-instruct] [--rows 5]
+    python -m experiments.bench_cpu_kernels [--model smollm2-135m-instruct] [--rows 5]
 
 Each timed call runs one class over all layers in a chain (each output feeds the next
 input, so nothing overlaps), after reading 1 GiB of other data so that the weights come
@@ -18,20 +18,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report  # noqa: E402
-
-from specjax import cpu_kernels  # noqa: E402
-from specjax.models.loader import load_model  # noqa: E402
-from specjax.quant import Int4Matrix, model_matrices, quantize_weights_int8  # noqa: E402
+from experiments import report
+from specjax import cpu_kernels
+from specjax.models.loader import load_model
+from specjax.quant import Int4Matrix, model_matrices, quantize_weights_int8
 
 CLASSES = ("qkv", "o", "gate_up", "down", "head")
 KERNELS = ("f32_matmul", "int8_matmul", "int4_matmul")

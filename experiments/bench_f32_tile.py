@@ -1,6 +1,6 @@
 """The f32 kernel's [I, O] tile alone on one core, against what the core's FMA units can do.
 
-    python experiments/bench_f32_tile.py [--shape 576,3072] [--rows 1,2,4,5,8,9]
+    python -m experiments.bench_f32_tile [--shape 576,3072] [--rows 1,2,4,5,8,9]
         [--copies 30] [--pad 16]
 
 `bench_cpu_kernels.py` times real steps, where DRAM, threads and XLA blur the picture; this
@@ -27,14 +27,11 @@ import argparse
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report  # noqa: E402
-
-from specjax import cpu_kernels  # noqa: E402
+from experiments import report
+from specjax import cpu_kernels
 
 HARNESS = Path(__file__).with_name("f32_tile_harness.cc")
 KERNELS = Path(cpu_kernels.__file__).parent

@@ -1,7 +1,7 @@
 """Step costs (draft at a share of sub-layers, verification) in AR steps, and AR decode
 speed against transformers, llama.cpp and the memory-bandwidth roofline.
 
-    python experiments/bench_forward.py [--model smollm2-135m-instruct] [--tokens 128]
+    python -m experiments.bench_forward [--model smollm2-135m-instruct] [--tokens 128]
 
 Part 1, at context `--context`: the AR step (the dense model, T = 1), verification of
 γ + 1 = 5 tokens (`engine.verify_step`), and one draft step (`engine.draft_step`, γ = 1)
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,18 +30,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report  # noqa: E402
-
-from specjax.bench import llama_cpp  # noqa: E402
-from specjax.cpu_kernels import kernel_status  # noqa: E402
-from specjax.decode.draft_length import step_times  # noqa: E402
-from specjax.decode.generate import generate  # noqa: E402
-from specjax.errors import ConfigError  # noqa: E402
-from specjax.models.loader import GGUF, load_model  # noqa: E402
-from specjax.models.source import gguf_file, resolve  # noqa: E402
-from specjax.plan import DraftPlan  # noqa: E402
-from specjax.quant import (  # noqa: E402
+from experiments import report
+from specjax.bench import llama_cpp
+from specjax.cpu_kernels import kernel_status
+from specjax.decode.draft_length import step_times
+from specjax.decode.generate import generate
+from specjax.errors import ConfigError
+from specjax.models.loader import GGUF, load_model
+from specjax.models.source import gguf_file, resolve
+from specjax.plan import DraftPlan
+from specjax.quant import (
   quantize_mlp_weights,
   quantize_weights_int8,
   quantize_weights_q4_0,

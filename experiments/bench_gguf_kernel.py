@@ -8,7 +8,7 @@ type in the model (all its layers: the weights stream from memory, as in a decod
 and the table reports G weights/s and GB/s at each T; the `q4_0` rows read the same
 matrices quantised to Q4_0 by gguf-py (`4bit`'s copies). Medians of `--runs`, round-robin.
 
-  python experiments/bench_gguf_kernel.py --model qwen2.5-coder-1.5b-instruct --rows 1,5,9
+  python -m experiments.bench_gguf_kernel --model qwen2.5-coder-1.5b-instruct --rows 1,5,9
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import statistics
 import jax
 import jax.numpy as jnp
 import numpy as np
-import report
 from flax import nnx
 
+from experiments import report
 from specjax import cpu_kernels
 from specjax.gguf_matrix import KINDS, GGUFMatrix
 from specjax.models.loader import load_model

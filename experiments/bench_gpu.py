@@ -1,8 +1,8 @@
 """GPU step costs and AR decode speed in bf16, for real and random-init models.
 
-    python experiments/bench_gpu.py --models smollm2-135m-instruct,shape:qwen2-1.5b,shape:llama-8b \
+    python -m experiments.bench_gpu --models smollm2-135m-instruct,shape:qwen2-1.5b,shape:llama-8b \
         --out gpu.jsonl                       # on the GPU machine: one JSON line per model
-    python experiments/bench_gpu.py --report gpu.jsonl --write-docs     # anywhere: the section
+    python -m experiments.bench_gpu --report gpu.jsonl --write-docs     # anywhere: the section
 
 Per model, at context `--context`, as ratios to the AR step (the dense model, T = 1):
 verification of γ + 1 = 5 tokens; a draft step under random plans with 25 / 50 / 75 % of
@@ -39,18 +39,15 @@ import jax
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report  # noqa: E402
-from bench_forward import PROMPT, measured_bandwidth, random_plan, weight_bytes  # noqa: E402
-
-from specjax.config import ModelConfig, tiny_config  # noqa: E402
-from specjax.decode.draft_length import step_times  # noqa: E402
-from specjax.decode.generate import generate, precision_name  # noqa: E402
-from specjax.model import init_model  # noqa: E402
-from specjax.models.loader import (DTYPE_CHOICES, load_model, resolve_dtype,  # noqa: E402
-                                   with_precision)
-from specjax.plan import DraftPlan  # noqa: E402
-from specjax.quant import quantize_mlp_weights, quantize_weights_int8  # noqa: E402
+from experiments import report
+from experiments.bench_forward import PROMPT, measured_bandwidth, random_plan, weight_bytes
+from specjax.config import ModelConfig, tiny_config
+from specjax.decode.draft_length import step_times
+from specjax.decode.generate import generate, precision_name
+from specjax.model import init_model
+from specjax.models.loader import DTYPE_CHOICES, load_model, resolve_dtype, with_precision
+from specjax.plan import DraftPlan
+from specjax.quant import quantize_mlp_weights, quantize_weights_int8
 
 # Published shapes: SmolLM2-135M, Qwen2.5-1.5B (config.json of Qwen/Qwen2.5-1.5B) and Llama-3-8B
 # (Meta's params.json: 32 layers, D 4096, F 14336, 32 / 8 heads, vocab 128256).
@@ -185,7 +182,7 @@ def measure(name: str, args) -> dict:
   figures = {"model": name, "dtype": precision_name(m.config, m.state), "context": args.context,
              "machine": report.machine(),
              "commit": report.git_revision() or "unknown",
-             "command": "python experiments/bench_gpu.py " + shlex.join(sys.argv[1:]),
+             "command": "python -m experiments.bench_gpu " + shlex.join(sys.argv[1:]),
              "load_s": time.perf_counter() - t0}
   print(f"{name}: loaded in {figures['load_s']:.1f} s; step costs", flush=True)
   plans, figures["quantize_s"] = draft_plans(m, args.drafts)

@@ -1,6 +1,6 @@
 """What `--dtype mixed` costs against bf16 on a GPU, and which draft weight bits pay in each.
 
-    python experiments/bench_gpu_dtype.py --models shape:smollm2-135m,shape:llama-8b
+    python -m experiments.bench_gpu_dtype --models shape:smollm2-135m,shape:llama-8b
 
 `auto` is bf16 on a GPU: half the bytes of float32, but a verification forward's γ + 1 rows
 round differently from the AR step's one row, and bf16 activations carry that difference
@@ -20,19 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report  # noqa: E402
-from bench_gpu import Model, draft_plans  # noqa: E402
-
-from specjax.decode.draft_length import step_times  # noqa: E402
-from specjax.decode.generate import generate, precision_name  # noqa: E402
+from experiments import report
+from experiments.bench_gpu import Model, draft_plans
+from specjax.decode.draft_length import step_times
+from specjax.decode.generate import generate, precision_name
 
 DTYPES = ("bfloat16", "mixed")
 

@@ -1,6 +1,6 @@
 """The greedy choice on a CPU: `cpu_kernels.f32_argmax` against XLA's reductions.
 
-    python experiments/bench_greedy.py [--shapes 1x49152,5x49152,1x151936,5x151936]
+    python -m experiments.bench_greedy [--shapes 1x49152,5x49152,1x151936,5x151936]
         [--repeats 300]
 
 Every step picks its tokens from its logits: the AR step and a verification by argmax,
@@ -17,17 +17,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report  # noqa: E402
-
-from specjax import cpu_kernels, sampling  # noqa: E402
+from experiments import report
+from specjax import cpu_kernels, sampling
 
 FORMS = {
     "xla argmax": sampling._argmax_xla,

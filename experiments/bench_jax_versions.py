@@ -1,8 +1,8 @@
 """One experiment under several Python environments (jax installs), side by side.
 
-    python experiments/bench_jax_versions.py \
+    python -m experiments.bench_jax_versions \
         --pythons .venv/bin/python,.venv-latest/bin/python --repeats 3 \
-        -- experiments/bench_forward.py --runs 3
+        -- -m experiments.bench_forward --runs 3
 
 XLA:CPU's code generation changes between jax releases, and every speedup specjax reports
 is a ratio of programs XLA compiled: a release that moves the AR step or verification moves
@@ -26,11 +26,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report  # noqa: E402
-
-from specjax.bench.results_store import ResultsStore  # noqa: E402
-from specjax.errors import SpecjaxError  # noqa: E402
+from experiments import report
+from specjax.bench.results_store import ResultsStore
+from specjax.errors import SpecjaxError
 
 ROOT = Path(__file__).resolve().parent.parent
 # bench_forward's step ratios and decode speed: what a jax release could move.
@@ -131,7 +129,7 @@ def main() -> None:
   args = ap.parse_args(argv[:split])
   experiment = argv[split + 1:]
   if not experiment:
-    ap.error("name the experiment after `--`, e.g. -- experiments/bench_forward.py")
+    ap.error("name the experiment after `--`, e.g. -- -m experiments.bench_forward")
   named = [p for p in args.pythons.split(",") if p]
   pythons = [interpreter(p) for p in named]
   if None in pythons:
@@ -146,7 +144,8 @@ def main() -> None:
   if len(set(labels)) < len(labels):
     labels = [f"{lb} ({p})" for lb, p in zip(labels, named)]
 
-  name = Path(experiment[0]).stem
+  # `-m experiments.bench_forward ...` or a script's path
+  name = experiment[1].rsplit(".", 1)[-1] if experiment[0] == "-m" else Path(experiment[0]).stem
   settings = {"pythons": named, "labels": labels, "experiment": experiment,
               "repeats": args.repeats}
   store = ResultsStore(args.out or f"runs/jax-versions-{name}", settings, resume=args.resume)

@@ -11,29 +11,26 @@ KNN-SSD vs AR on them. Greedy outputs are checked against AR. Results are append
 the shared results store as they are made; --resume continues a crashed run. The last output line
 is one JSON object with the figures.
 
-  python experiments/bench_knn_streams.py --model smollm2-135m-instruct --write-docs
+  python -m experiments.bench_knn_streams --model smollm2-135m-instruct --write-docs
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).parent))
-import report  # noqa: E402
-
-from specjax import data, plots  # noqa: E402
-from specjax.bench import claims, harness, metrics  # noqa: E402
-from specjax.bench.drafter_factory import ARTEFACT_OPTIONS, DrafterFactory  # noqa: E402
-from specjax.bench.harness import RunSettings  # noqa: E402
-from specjax.bench.results_store import ResultsStore  # noqa: E402
-from specjax.drafters import KNNDrafter  # noqa: E402
-from specjax.models.loader import load_model  # noqa: E402
-from specjax.offline.knn_build import domain_prompts, embed_all  # noqa: E402
+from experiments import report
+from specjax import data, plots
+from specjax.bench import claims, harness, metrics
+from specjax.bench.drafter_factory import ARTEFACT_OPTIONS, DrafterFactory
+from specjax.bench.harness import RunSettings
+from specjax.bench.results_store import ResultsStore
+from specjax.drafters import KNNDrafter
+from specjax.models.loader import load_model
+from specjax.offline.knn_build import domain_prompts, embed_all
 
 METHODS = ("ssd_f", "ssd_m", "knn")
 

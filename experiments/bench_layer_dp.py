@@ -1,6 +1,6 @@
 """What the layer-selection DP costs: compiling it, and one selection, for CLaSp and KnapSpec.
 
-    python experiments/bench_layer_dp.py [--model smollm2-135m-instruct] [--repeats 7]
+    python -m experiments.bench_layer_dp [--model smollm2-135m-instruct] [--repeats 7]
 
 The DP (`specjax.selection.layer_dp`) runs on a real window: a chat prompt prefilled, its
 last tokens with the full model's residuals. Each drafter's default shape: CLaSp scores
@@ -16,25 +16,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report  # noqa: E402
-from bench_forward import PROMPT  # noqa: E402
-
-from specjax.decode.generate import prefill_step  # noqa: E402
-from specjax.kv_cache import KVCache  # noqa: E402
-from specjax.models.loader import load_model  # noqa: E402
-from specjax.plan import DraftPlan  # noqa: E402
-from specjax.sampling import SamplingParams  # noqa: E402
-from specjax.selection.layer_dp import layer_dp  # noqa: E402
-from specjax.selection.layer_probe import Window, full_residuals  # noqa: E402
+from experiments import report
+from experiments.bench_forward import PROMPT
+from specjax.decode.generate import prefill_step
+from specjax.kv_cache import KVCache
+from specjax.models.loader import load_model
+from specjax.plan import DraftPlan
+from specjax.sampling import SamplingParams
+from specjax.selection.layer_dp import layer_dp
+from specjax.selection.layer_probe import Window, full_residuals
 
 
 def window_after_prefill(m, ids: list[int], size: int) -> tuple[KVCache, Window]:

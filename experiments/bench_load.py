@@ -1,7 +1,7 @@
 """Loading a Hugging Face checkpoint: specjax's streamed loader beside transformers'
 `from_pretrained`, on the same folder, each in a fresh process.
 
-    .venv/bin/python experiments/bench_load.py [--shape qwen2-1.5b] [--repeats 3] [--write-docs]
+    .venv/bin/python -m experiments.bench_load [--shape qwen2-1.5b] [--repeats 3] [--write-docs]
 
 The checkpoint is written here first (kept in --dir for the next run): random bfloat16
 weights of a real model's shape (Qwen2.5-1.5B: 1.54 B parameters, 3.1 GB, in two
@@ -28,8 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report  # noqa: E402
+from experiments import report
 
 # Real models' shapes (their config.json, hub ids in the comment), weights random.
 SHAPES = {
@@ -170,8 +169,9 @@ def main() -> None:
   runs: dict[str, list[dict]] = {name: [] for name in loaders}
   for i in range(args.repeats):
     for name in loaders:
-      out = subprocess.run([sys.executable, __file__, "--child", name, "--dir", str(folder),
-                            "--dtype", args.dtype], capture_output=True, text=True)
+      out = subprocess.run(report.child("bench_load", "--child", name, "--dir", str(folder),
+                                        "--dtype", args.dtype),
+                           env=report.child_env(), capture_output=True, text=True)
       if out.returncode:
         raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
       runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))

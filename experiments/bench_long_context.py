@@ -11,7 +11,7 @@ Results go to the shared results store prompt by prompt; --resume continues a cr
 made with the same settings.
 The last output line is one JSON object with the figures.
 
-  python experiments/bench_long_context.py --model smollm2-135m-instruct \
+  python -m experiments.bench_long_context --model smollm2-135m-instruct \
       --contexts 1024,2048,4096 --write-docs
 """
 
@@ -26,20 +26,18 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).parent))
-import report  # noqa: E402
-
-from specjax import data, plots  # noqa: E402
-from specjax.bench import claims, harness, metrics  # noqa: E402
-from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
-from specjax.bench.harness import RunSettings  # noqa: E402
-from specjax.bench.results_store import ResultsStore  # noqa: E402
-from specjax.decode.engine import speculative_generate  # noqa: E402
-from specjax.decode.generate import prefill_prompt  # noqa: E402
-from specjax.drafters import KnapSpecDrafter, StaticDrafter  # noqa: E402
-from specjax.models.loader import load_model  # noqa: E402
-from specjax.plan import DraftPlan  # noqa: E402
-from specjax.selection import profiler  # noqa: E402
+from experiments import report
+from specjax import data, plots
+from specjax.bench import claims, harness, metrics
+from specjax.bench.drafter_factory import DrafterFactory
+from specjax.bench.harness import RunSettings
+from specjax.bench.results_store import ResultsStore
+from specjax.decode.engine import speculative_generate
+from specjax.decode.generate import prefill_prompt
+from specjax.drafters import KnapSpecDrafter, StaticDrafter
+from specjax.models.loader import load_model
+from specjax.plan import DraftPlan
+from specjax.selection import profiler
 
 SPEC_CATEGORIES = ("writing", "qa", "math_reasoning", "translation", "summarization", "rag")
 

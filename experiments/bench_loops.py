@@ -1,6 +1,6 @@
 """The device round loop against the host loop, per drafter, on a real model.
 
-    python experiments/bench_loops.py --model smollm2-135m-instruct --drafters clasp,8bit
+    python -m experiments.bench_loops --model smollm2-135m-instruct --drafters clasp,8bit
 
 `speculative_generate(loop="host")` dispatches a draft call and a verify call per round
 and reads the device between them; `loop="device"` runs rounds inside one jitted loop
@@ -20,19 +20,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report  # noqa: E402
-
-from specjax import data  # noqa: E402
-from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
-from specjax.bench.harness import prompt_ids  # noqa: E402
-from specjax.cli import add_dtype_arg  # noqa: E402
-from specjax.decode.engine import speculative_generate  # noqa: E402
-from specjax.decode.generate import generate  # noqa: E402
-from specjax.models.loader import load_model  # noqa: E402
+from experiments import report
+from specjax import data
+from specjax.bench.drafter_factory import DrafterFactory
+from specjax.bench.harness import prompt_ids
+from specjax.cli import add_dtype_arg
+from specjax.decode.engine import speculative_generate
+from specjax.decode.generate import generate
+from specjax.models.loader import load_model
 
 LOOPS = ("host", "device")
 

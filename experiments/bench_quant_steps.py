@@ -1,7 +1,7 @@
 """A decode step on QuantSpec's quantised KV cache against one on the float32 cache, and
 what the kernel reading the codes takes of it.
 
-    python experiments/bench_quant_steps.py [--model smollm2-135m-instruct] [--gamma 4]
+    python -m experiments.bench_quant_steps [--model smollm2-135m-instruct] [--gamma 4]
         [--contexts 256,2048] [--repeats 15]
 
 Per context, one random prompt is prefilled into a float32 cache and into the quantised
@@ -26,24 +26,21 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report  # noqa: E402
-
-from specjax import cpu_kernels  # noqa: E402
-from specjax.decode.generate import decode_step, prefill_prompt  # noqa: E402
-from specjax.decode.round import Draft, draft_step, verify_step  # noqa: E402
-from specjax.jit_cache import compiled  # noqa: E402
-from specjax.models.loader import load_model  # noqa: E402
-from specjax.plan import DraftPlan  # noqa: E402
-from specjax.quant import quantize_mlp_weights, quantize_weights_int8  # noqa: E402
-from specjax.quant_kv_cache import QuantKV  # noqa: E402
-from specjax.sampling import SamplingParams  # noqa: E402
+from experiments import report
+from specjax import cpu_kernels
+from specjax.decode.generate import decode_step, prefill_prompt
+from specjax.decode.round import Draft, draft_step, verify_step
+from specjax.jit_cache import compiled
+from specjax.models.loader import load_model
+from specjax.plan import DraftPlan
+from specjax.quant import quantize_mlp_weights, quantize_weights_int8
+from specjax.quant_kv_cache import QuantKV
+from specjax.sampling import SamplingParams
 
 
 def step_calls(m, caches: dict, gamma: int) -> dict:

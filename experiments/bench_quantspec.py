@@ -17,7 +17,7 @@ pass of median speed is kept: single passes on a shared machine moved ratios by 
 crashed run made with the same settings. The last output line is one JSON object with the
 figures.
 
-  python experiments/bench_quantspec.py --model smollm2-135m-instruct --contexts 1024,4096,8192
+  python -m experiments.bench_quantspec --model smollm2-135m-instruct --contexts 1024,4096,8192
 """
 
 from __future__ import annotations
@@ -30,20 +30,18 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).parent))
-import report  # noqa: E402
-
+from experiments import report
 from specjax import (
-  cpu_kernels,  # noqa: E402
-  data,  # noqa: E402
+  cpu_kernels,
+  data,
 )
-from specjax.bench import claims, harness, metrics  # noqa: E402
-from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
-from specjax.bench.harness import Reference, RunSettings  # noqa: E402
-from specjax.bench.results_store import ResultsStore  # noqa: E402
-from specjax.kv_cache import KVCache  # noqa: E402
-from specjax.models.loader import load_model  # noqa: E402
-from specjax.quant_kv_cache import QuantKV, QuantKVCache  # noqa: E402
+from specjax.bench import claims, harness, metrics
+from specjax.bench.drafter_factory import DrafterFactory
+from specjax.bench.harness import Reference, RunSettings
+from specjax.bench.results_store import ResultsStore
+from specjax.kv_cache import KVCache
+from specjax.models.loader import load_model
+from specjax.quant_kv_cache import QuantKV, QuantKVCache
 
 AR_FP, AR_Q = "ar", "ar_int8kv"
 

@@ -12,13 +12,12 @@ on a KnapSpec layer plan, against AR in the same process.
    alone and with the frequency core? And the shortlist sizes for each k.
 The last line is one JSON object with the figures.
 
-  python experiments/bench_vocab.py --model gemma3-270m --write-docs
+  python -m experiments.bench_vocab --model gemma3-270m --write-docs
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import jax
@@ -26,26 +25,24 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).parent))
-import report  # noqa: E402
-
-from specjax import data  # noqa: E402
-from specjax.bench import claims, harness, metrics  # noqa: E402
-from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
-from specjax.bench.harness import RunSettings  # noqa: E402
-from specjax.bench.results_store import ResultsStore  # noqa: E402
-from specjax.decode.round import draft_step, shortlist_rows  # noqa: E402
-from specjax.jit_cache import compiled  # noqa: E402
-from specjax.kv_cache import KVCache  # noqa: E402
-from specjax.models.loader import load_model  # noqa: E402
-from specjax.models.source import artefact_key  # noqa: E402
+from experiments import report
+from specjax import data
+from specjax.bench import claims, harness, metrics
+from specjax.bench.drafter_factory import DrafterFactory
+from specjax.bench.harness import RunSettings
+from specjax.bench.results_store import ResultsStore
+from specjax.decode.round import draft_step, shortlist_rows
+from specjax.jit_cache import compiled
+from specjax.kv_cache import KVCache
+from specjax.models.loader import load_model
+from specjax.models.source import artefact_key
 from specjax.offline import shortlists
-from specjax.offline.router import collect_pairs, k_schedule, recall_at, select  # noqa: E402
-from specjax.offline.token_counts import frequent_shortlist  # noqa: E402
-from specjax.plan import DraftPlan  # noqa: E402
-from specjax.sampling import SamplingParams  # noqa: E402
-from specjax.selection.profiler import median_time  # noqa: E402
-from specjax.storage import cache_root  # noqa: E402
+from specjax.offline.router import collect_pairs, k_schedule, recall_at, select
+from specjax.offline.token_counts import frequent_shortlist
+from specjax.plan import DraftPlan
+from specjax.sampling import SamplingParams
+from specjax.selection.profiler import median_time
+from specjax.storage import cache_root
 
 CATEGORIES = ("writing", "coding", "qa", "math_reasoning", "translation", "summarization",
               "extraction", "rag")

@@ -1,6 +1,6 @@
 """Pack what specjax needs on an offline GPU machine into parts small enough to send one by one.
 
-    python experiments/gpu_bundle.py --out .cache/gpu-bundle            # here
+    python -m experiments.gpu_bundle --out .cache/gpu-bundle            # here
     bash .cache/gpu-bundle/part1/run.sh                                 # there, one part a call,
     bash .cache/gpu-bundle/part2/run.sh experiments/gpu_checks.sh fixed # the last one runs
     bash /tmp/specjax-bundle/run.sh experiments/gpu_checks.sh adaptive  # later calls

@@ -62,7 +62,7 @@ forward() {  # NAME XLA_FLAGS MODELS SECONDS
   log "bench_gpu $1: $3 (XLA_FLAGS=$2)"
   # specjax from this checkout: without a bundle, nothing else puts it on the path
   PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_FLAGS="$2" timeout "$4" \
-    python3 experiments/bench_gpu.py --models "$3" --repeats 5 --chain 10 --loop-steps 32 \
+    python3 -m experiments.bench_gpu --models "$3" --repeats 5 --chain 10 --loop-steps 32 \
     ${FORWARD_DRAFTS:+--drafts "$FORWARD_DRAFTS"} --out "$OUT/forward-$1.jsonl" 2>&1 \
     | grep -v '%|' | tail -n 45 | tee -a "$OUT/checks.log"
 }
@@ -97,13 +97,13 @@ print(p.save_profile(p.LatencyProfile.from_json(json.loads(line))))' "$PROFILE_F
       bench adaptive "${ADAPTIVE:-swift,clasp,knapspec}" "${ADAPTIVE_S:-400}" ;;
     loops)
       log "bench_loops"
-      timeout "${LOOPS_S:-400}" python3 experiments/bench_loops.py --model "$MODEL" \
+      timeout "${LOOPS_S:-400}" python3 -m experiments.bench_loops --model "$MODEL" \
         --dtype mixed --drafters "${LOOPS:-clasp,swift,knapspec,8bit}" --repeats 2 2>&1 \
         | grep -v '%|' | tail -n 8 | tee -a "$OUT/checks.log" "$OUT/loops.txt" ;;
     conditionals)
       log "gpu_conditionals"
       # specjax from this checkout: without a bundle, nothing else puts it on the path
-      PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 experiments/gpu_conditionals.py --timeout "${CONDITIONALS_S:-150}" \
+      PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 -m experiments.gpu_conditionals --timeout "${CONDITIONALS_S:-150}" \
         --out "$OUT/conditionals.jsonl" 2>&1 | tail -n 12 | tee -a "$OUT/checks.log" ;;
     all) step fixed; step cmdbuf; step adaptive ;;
     *) echo "unknown step '$1' (forward, fixed, cmdbuf, profile, adaptive, loops, conditionals, all)" >&2

@@ -1,6 +1,6 @@
 """Do CUDA-graph conditionals take the host out of a traced plan? One GPU check, no weights.
 
-    python experiments/gpu_conditionals.py --model shape:smollm2-135m --out cond.jsonl
+    python -m experiments.gpu_conditionals --model shape:smollm2-135m --out cond.jsonl
 
 XLA:GPU runs a `lax.cond` by copying its predicate to the host and waiting before it
 launches a branch, and a `while_loop` whose trip count depends on data does the same each
@@ -45,10 +45,8 @@ def measure(model: str, context: int, steps: int, repeats: int, tokens: int) -> 
   import numpy as np
   from flax import nnx
 
-  sys.path.insert(0, str(Path(__file__).resolve().parent))
-  from bench_forward import random_plan
-  from bench_gpu import SHAPES
-
+  from experiments.bench_forward import random_plan
+  from experiments.bench_gpu import SHAPES
   from specjax.decode.draft_length import step_times
   from specjax.decode.engine import speculative_generate
   from specjax.decode.generate import generate
@@ -123,14 +121,17 @@ def main() -> None:
     print(json.dumps(measure(args.model, args.context, args.loop_steps, args.repeats,
                              args.tokens)))
     return
+  from experiments import report  # here: the children, not this process, import jax first
+
   rows = []
   for setting in args.settings.split(","):
     flags = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), SETTINGS[setting]) if f)
     env = {**os.environ, "XLA_FLAGS": flags}
-    argv = [sys.executable, __file__, "--child", *sys.argv[1:]]
+    argv = report.child("gpu_conditionals", "--child", *sys.argv[1:])
     t0 = time.perf_counter()
     try:
-      p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=args.timeout)
+      p = subprocess.run(argv, env=report.child_env(env), capture_output=True, text=True,
+                         timeout=args.timeout)
       lines = p.stdout.strip().splitlines()
       row = json.loads(lines[-1]) if p.returncode == 0 and lines else {
           "error": (p.stderr or p.stdout).strip().splitlines()[-3:]}

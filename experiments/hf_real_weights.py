@@ -2,7 +2,7 @@
 turned into a safetensors checkpoint by transformers, loaded by specjax from that folder,
 decodes the registered model's greedy tokens.
 
-    .venv/bin/python experiments/hf_real_weights.py [--models smollm2-135m-instruct,...]
+    .venv/bin/python -m experiments.hf_real_weights [--models smollm2-135m-instruct,...]
         [--per-category 1] [--max-new-tokens 64] [--write-docs]
 
 transformers reads the GGUF (`from_pretrained(dir, gguf_file=...)`, which un-permutes
@@ -24,8 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report  # noqa: E402
+from experiments import report
 
 MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct")
 

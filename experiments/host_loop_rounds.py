@@ -1,6 +1,6 @@
 """Where a host-loop round's time goes: its draft and verify calls, round by round.
 
-    python experiments/host_loop_rounds.py --model shape:smollm2-135m --tokens 64
+    python -m experiments.host_loop_rounds --model shape:smollm2-135m --tokens 64
 
 The host loop (`speculative_generate(loop="host")`) books each round's draft call and
 verify call apart. On an H200 (2026-11-27) its verify calls averaged 4.6-7.9 ms against
@@ -25,18 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_forward import random_plan  # noqa: E402
-from bench_gpu import Model  # noqa: E402
-
-from specjax.decode.draft_length import step_times  # noqa: E402
-from specjax.decode.engine import speculative_generate  # noqa: E402
-from specjax.drafters.static import StaticDrafter  # noqa: E402
+from experiments.bench_forward import random_plan
+from experiments.bench_gpu import Model
+from specjax.decode.draft_length import step_times
+from specjax.decode.engine import speculative_generate
+from specjax.drafters.static import StaticDrafter
 
 
 def summary(ms: list[float]) -> dict:

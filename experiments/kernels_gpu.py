@@ -8,7 +8,7 @@ median times over repeats and the ratio to dense bf16, plus bytes read. On a CPU
 only with --interpret (a smoke test of the script; the times mean nothing there). The
 last output line is one JSON object with the figures.
 
-  python experiments/kernels_gpu.py --contexts 4096,16384,65536,131072 --write-docs
+  python -m experiments.kernels_gpu --contexts 4096,16384,65536,131072 --write-docs
 """
 
 from __future__ import annotations
@@ -17,18 +17,15 @@ import argparse
 import itertools
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-import report  # noqa: E402
-
-from pallas_kernels import dense_partials, merge, quant_attention, reference_partials  # noqa: E402
-from pallas_kernels.quant_attention import quant_partials, split_for  # noqa: E402
-from specjax import quant  # noqa: E402
+from experiments import report
+from pallas_kernels import dense_partials, merge, quant_attention, reference_partials
+from pallas_kernels.quant_attention import quant_partials, split_for
+from specjax import quant
 
 
 def device_seconds(step, q, *rest, inner: int, repeats: int) -> float:

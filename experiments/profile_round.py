@@ -1,6 +1,6 @@
 """Where an SSD round's time goes: draft step vs verification vs an AR step.
 
-    python experiments/profile_round.py [--model smollm2-135m-instruct] [--gamma 4]
+    python -m experiments.profile_round [--model smollm2-135m-instruct] [--gamma 4]
 
 Times, in one process and round-robin (median of `--repeats`): one AR decode step (T=1,
 full model), one verification forward (T=γ+1, full model), and one draft step (T=1)
@@ -14,24 +14,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report  # noqa: E402
-
-from specjax.decode.generate import decode_step, positions_for  # noqa: E402
-from specjax.jit_cache import compiled  # noqa: E402
-from specjax.kv_cache import KVCache  # noqa: E402
-from specjax.model import apply  # noqa: E402
-from specjax.models.loader import load_model  # noqa: E402
-from specjax.plan import DraftPlan  # noqa: E402
-from specjax.sampling import SamplingParams, argmax  # noqa: E402
-from specjax.selection.cost import expected_tokens  # noqa: E402
+from experiments import report
+from specjax.decode.generate import decode_step, positions_for
+from specjax.jit_cache import compiled
+from specjax.kv_cache import KVCache
+from specjax.model import apply
+from specjax.models.loader import load_model
+from specjax.plan import DraftPlan
+from specjax.sampling import SamplingParams, argmax
+from specjax.selection.cost import expected_tokens
 
 
 def verify_fn(state, cache, tokens, plan, *, graphdef):

@@ -1,7 +1,7 @@
 """How well `--auto-gamma` prices (γ, τ): the replayed tokens per AR step of a pilot against
 the speedup the same settings reach when the pilot's prompts are really decoded.
 
-    python experiments/replay_vs_real.py [--model smollm2-135m-instruct] [--drafter 8bit]
+    python -m experiments.replay_vs_real [--model smollm2-135m-instruct] [--drafter 8bit]
         [--pairs 8:0,8:0.4,4:0,4:0.4] [--prompts 3] [--max-new-tokens 64]
 
 Pilots and step costs come from the same code as `specjax bench --auto-gamma`
@@ -18,21 +18,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+from tqdm import tqdm
 
-from specjax import data  # noqa: E402
-from specjax.bench import harness  # noqa: E402
-from specjax.bench.drafter_factory import DrafterFactory  # noqa: E402
-from specjax.decode import draft_length  # noqa: E402
-from specjax.decode.engine import speculative_generate  # noqa: E402
-from specjax.decode.generate import generate  # noqa: E402
-from specjax.models.loader import load_model  # noqa: E402
+from experiments import report
+from specjax import data
+from specjax.bench import harness
+from specjax.bench.drafter_factory import DrafterFactory
+from specjax.decode import draft_length
+from specjax.decode.engine import speculative_generate
+from specjax.decode.generate import generate
+from specjax.models.loader import load_model
 
 
 def parse_pairs(text: str) -> list[tuple[int, float]]:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from specjax.bench import docs
 from specjax.bench.docs import DOCS, copy_image, machine  # noqa: F401  (re-exported for the scripts)
@@ -15,7 +16,31 @@ from specjax.cli import add_dtype_arg
 
 
 def command_line() -> str:
-  return " ".join(["python", os.path.relpath(sys.argv[0], DOCS.parent.parent)] + sys.argv[1:])
+  """This run's command as a reader types it again: `python -m experiments.NAME ARGS` for
+  an experiment (run as a module, its argv[0] is its file), else the script's path."""
+  script = Path(sys.argv[0]).resolve()
+  if script.parent == Path(__file__).resolve().parent:
+    head = ["python", "-m", f"experiments.{script.stem}"]
+  else:
+    head = ["python", os.path.relpath(sys.argv[0], DOCS.parent.parent)]
+  return " ".join(head + sys.argv[1:])
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def child(name: str, *args: str) -> list[str]:
+  """The argv that runs experiment `name` again in a child process, as a module (with
+  `child_env`, from any working directory)."""
+  return [sys.executable, "-m", f"experiments.{name}", *args]
+
+
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+  """`env` (default this process's) with the repository root first on PYTHONPATH, so a
+  child finds the experiments package wherever it runs."""
+  env = dict(os.environ if env is None else env)
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+  return env
 
 
 def common_args(p, default_model: str = "smollm2-135m-instruct", results: bool = True) -> None:

@@ -11,7 +11,7 @@ predicts) and over all their positions. Variants: the first n training sequences
 order the build reads them) for each n of --sizes, and the largest n with each
 continuation weight of --weights. Each variant is saved as it ends (--resume goes on).
 
-  python experiments/router_ablation.py --model qwen2.5-coder-1.5b-instruct \\
+  python -m experiments.router_ablation --model qwen2.5-coder-1.5b-instruct \\
       --prompts 64 --router-prompts 640 --sizes 160,320,640 --weights 4,16 --write-docs
 """
 
@@ -25,15 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-import report  # noqa: E402
-
-from specjax import plots  # noqa: E402
-from specjax.bench.results_store import ResultsStore  # noqa: E402
-from specjax.models.loader import load_model  # noqa: E402
-from specjax.models.source import resolve  # noqa: E402
-from specjax.offline import shortlists  # noqa: E402
-from specjax.offline.router import (  # noqa: E402
+from experiments import report
+from specjax import plots
+from specjax.bench.results_store import ResultsStore
+from specjax.models.loader import load_model
+from specjax.models.source import resolve
+from specjax.offline import shortlists
+from specjax.offline.router import (
   collect_pairs,
   is_current,
   load_bundle,
@@ -41,7 +39,7 @@ from specjax.offline.router import (  # noqa: E402
   select,
   train_router,
 )
-from specjax.storage import cache_root  # noqa: E402
+from specjax.storage import cache_root
 
 KS = (16, 32, 64)
 HOLD_EVERY = 4  # every 4th continued sequence is held out for evaluation

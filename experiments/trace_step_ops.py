@@ -1,6 +1,6 @@
 """Where a verification's extra time goes, op by op: one AR step against one verification.
 
-    python experiments/trace_step_ops.py [--model smollm2-135m-instruct] [--gamma 4]
+    python -m experiments.trace_step_ops [--model smollm2-135m-instruct] [--gamma 4]
         [--context 256] [--steps 20]
 
 `profile_round.py` says what a verification of γ + 1 tokens costs in AR steps; this says
@@ -23,23 +23,20 @@ import gzip
 import json
 import math
 import re
-import sys
 import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report  # noqa: E402
-from profile_round import verify_step  # noqa: E402
-
-from specjax.decode.generate import decode_step  # noqa: E402
-from specjax.jit_cache import compiled  # noqa: E402
-from specjax.kv_cache import KVCache  # noqa: E402
-from specjax.models.loader import load_model  # noqa: E402
-from specjax.plan import DraftPlan  # noqa: E402
-from specjax.sampling import SamplingParams  # noqa: E402
+from experiments import report
+from experiments.profile_round import verify_step
+from specjax.decode.generate import decode_step
+from specjax.jit_cache import compiled
+from specjax.kv_cache import KVCache
+from specjax.models.loader import load_model
+from specjax.plan import DraftPlan
+from specjax.sampling import SamplingParams
 
 # XLA's instruction names (`ynn_fusion.175`, `ffi_call.0`, `add_dynamic-update-slice_fusion`);
 # the runtime's own events (`ThunkExecutor::Execute`, `Handle inputs`, Python frames) are not.

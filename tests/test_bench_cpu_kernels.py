@@ -7,9 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 
-import bench_cpu_kernels  # noqa: E402
+from experiments import bench_cpu_kernels
 
 from specjax import cpu_kernels  # noqa: E402
 

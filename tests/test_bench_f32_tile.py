@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 
-import bench_f32_tile  # noqa: E402
+from experiments import bench_f32_tile
 
 
 def test_parse_reads_lanes_peak_and_each_row_count():

@@ -11,9 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 
-import bench_gguf_kernel  # noqa: E402
+from experiments import bench_gguf_kernel
 
 from specjax import cpu_kernels  # noqa: E402
 from specjax.models.loader import load_model  # noqa: E402

@@ -11,7 +11,7 @@ ROOT = Path(__file__).parent.parent
 
 
 def _script(*args: str) -> list:
-  out = subprocess.run([sys.executable, "experiments/bench_gpu.py", *args], cwd=ROOT,
+  out = subprocess.run([sys.executable, "-m", "experiments.bench_gpu", *args], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-2000:]
   return out.stdout.strip().splitlines()
@@ -44,8 +44,7 @@ def test_smoke_run_measures_every_step_and_renders_its_section(tmp_path):
 
 def test_a_subset_of_draft_rows_times_the_same_plans():
   """`--drafts` trims what compiles (a lease's minutes) without changing the plans timed."""
-  sys.path.insert(0, str(ROOT / "experiments"))
-  import bench_gpu
+  from experiments import bench_gpu
 
   m = bench_gpu.Model("shape:tiny", "mixed")
   every, _ = bench_gpu.draft_plans(m)
@@ -56,7 +55,7 @@ def test_a_subset_of_draft_rows_times_the_same_plans():
 
 
 def test_an_unknown_draft_row_is_named():
-  out = subprocess.run([sys.executable, "experiments/bench_gpu.py", "--drafts", "0.5,half"],
+  out = subprocess.run([sys.executable, "-m", "experiments.bench_gpu", "--drafts", "0.5,half"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert out.returncode == 2
   assert "unknown draft row 'half'; known: 0.25, 0.5, 0.75" in out.stderr
@@ -69,7 +68,7 @@ def test_conditionals_check_measures_under_the_command_buffer_flags(tmp_path):
   lines = tmp_path / "cond.jsonl"
   argv = ["--model", "shape:tiny", "--settings", "cmdbuf", "--tokens", "8", "--loop-steps",
           "2", "--repeats", "1", "--out", str(lines)]
-  out = subprocess.run([sys.executable, "experiments/gpu_conditionals.py", *argv], cwd=ROOT,
+  out = subprocess.run([sys.executable, "-m", "experiments.gpu_conditionals", *argv], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-2000:]
   rows = [json.loads(line) for line in lines.read_text().splitlines()]
@@ -83,7 +82,7 @@ def test_conditionals_check_measures_under_the_command_buffer_flags(tmp_path):
 
 
 def test_conditionals_check_names_an_unknown_setting():
-  out = subprocess.run([sys.executable, "experiments/gpu_conditionals.py", "--settings",
+  out = subprocess.run([sys.executable, "-m", "experiments.gpu_conditionals", "--settings",
                         "default,graphs"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
   assert out.returncode == 2
@@ -93,7 +92,7 @@ def test_conditionals_check_names_an_unknown_setting():
 def test_host_loop_rounds_sets_each_call_beside_the_step_alone():
   """experiments/host_loop_rounds.py on a CPU smoke run: each step alone, then the host
   loop's rounds, traced and frozen, their call times summarised and the same tokens."""
-  out = subprocess.run([sys.executable, "experiments/host_loop_rounds.py", "--model",
+  out = subprocess.run([sys.executable, "-m", "experiments.host_loop_rounds", "--model",
                         "shape:tiny", "--tokens", "12", "--repeats", "1"], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-2000:]
@@ -111,8 +110,7 @@ def test_dtype_check_measures_each_dtype_and_tables_mixed_against_bf16(tmp_path,
   """experiments/bench_gpu_dtype.py in process on a tiny shape, bf16 alone (the float32
   path is what the smoke run above covers): every figure of its row present and positive;
   the table sets a mixed row's step and speed against the bf16 row of the same model."""
-  sys.path.insert(0, str(ROOT / "experiments"))
-  import bench_gpu_dtype
+  from experiments import bench_gpu_dtype
 
   lines = tmp_path / "dtype.jsonl"
   monkeypatch.setattr(sys, "argv", ["bench_gpu_dtype.py", "--models", "shape:tiny", "--dtypes",
@@ -135,8 +133,7 @@ def test_dtype_check_measures_each_dtype_and_tables_mixed_against_bf16(tmp_path,
 def test_the_commit_named_in_the_environment_wins_over_a_carried_git(monkeypatch):
   """A lent GPU machine's copy of the tree carries a .git of the session's start, not of
   the code that runs there: `SPECJAX_COMMIT` names that code."""
-  sys.path.insert(0, str(ROOT / "experiments"))
-  import report
+  from experiments import report
 
   monkeypatch.setenv("SPECJAX_COMMIT", "0123abc")
   assert report.git_revision() == "0123abc"
@@ -147,8 +144,7 @@ def test_the_commit_named_in_the_environment_wins_over_a_carried_git(monkeypatch
 def test_ar_is_set_against_the_cards_datasheet_bandwidth():
   """The measured reduction can read slower than AR does (136 % of it on an H200), so the
   section also divides by the published figure, and says "–" for a card it does not know."""
-  sys.path.insert(0, str(ROOT / "experiments"))
-  import bench_gpu
+  from experiments import bench_gpu
 
   row = {"machine": "GPU (NVIDIA H200), Intel(R) Xeon(R) Processor (AVX-512), 16 cores",
          "decode_tok_s": 223.1, "weight_mb": 15010.0}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "experiments" / "bench_jax_versions.py"
+SCRIPT = ("-m", "experiments.bench_jax_versions")  # run from ROOT
 
 # Prints its run number n (1, 2, ...) as a figure; fails on the run named by FAIL_AT.
 EXPERIMENT = """
@@ -38,7 +38,7 @@ def compare(tmp_path: Path, *extra: str, fail_at: str = "") -> subprocess.Comple
   experiment.write_text(EXPERIMENT)
   env = {**os.environ, "FAIL_AT": fail_at}
   return subprocess.run(
-      [sys.executable, str(SCRIPT), "--pythons", f"{sys.executable},{wrapper}",
+      [sys.executable, *SCRIPT, "--pythons", f"{sys.executable},{wrapper}",
        "--repeats", "2", "--figures", "run.n,missing", "--out", str(tmp_path / "out"),
        *extra, "--", str(experiment), str(tmp_path / "count")],
       capture_output=True, text=True, env=env, cwd=ROOT)
@@ -71,17 +71,17 @@ def test_a_failed_run_keeps_the_others_and_resume_goes_on(tmp_path):
 
 
 def test_an_interpreter_that_is_not_there_is_named(tmp_path):
-  proc = subprocess.run([sys.executable, str(SCRIPT), "--pythons", "no/such/python", "--",
+  proc = subprocess.run([sys.executable, *SCRIPT, "--pythons", "no/such/python", "--",
                          "x.py"], capture_output=True, text=True, cwd=ROOT)
   assert proc.returncode == 2 and "no interpreter at no/such/python" in proc.stderr
   assert "make setup-latest" in proc.stderr
   no_jax = tmp_path / "python-without-jax"
   no_jax.write_text('#!/bin/sh\nexec /usr/bin/env python3 -I -c "import sys; sys.exit(1)"\n')
   no_jax.chmod(0o755)
-  proc = subprocess.run([sys.executable, str(SCRIPT), "--pythons", str(no_jax), "--",
+  proc = subprocess.run([sys.executable, *SCRIPT, "--pythons", str(no_jax), "--",
                          "x.py"], capture_output=True, text=True, cwd=ROOT)
   assert proc.returncode == 2 and "cannot import jax" in proc.stderr
-  proc = subprocess.run([sys.executable, str(SCRIPT), "--pythons", sys.executable],
+  proc = subprocess.run([sys.executable, *SCRIPT, "--pythons", sys.executable],
                         capture_output=True, text=True, cwd=ROOT)
   assert proc.returncode == 2 and "name the experiment after `--`" in proc.stderr
 
@@ -91,7 +91,6 @@ def test_an_interpreter_that_is_not_there_is_named(tmp_path):
      {"a": 1.0, "b.c": 2.5, "b.d.e": 3.0}),
 ])
 def test_flatten_keeps_the_numbers_by_path(figures, flat):
-  sys.path.insert(0, str(ROOT / "experiments"))
-  import bench_jax_versions
+  from experiments import bench_jax_versions
 
   assert bench_jax_versions.flatten(figures) == flat

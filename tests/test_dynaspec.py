@@ -165,8 +165,7 @@ def test_router_ablation_never_trains_on_its_held_out_sequences():
 
   from specjax.offline.router import Pairs
 
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-  import router_ablation as ra
+  from experiments import router_ablation as ra
 
   group = np.repeat(np.arange(12, dtype=np.int32), 3)
   pairs = Pairs(np.zeros((36, 2)), np.zeros((36, 1)), np.zeros(36, np.int32), group)
@@ -446,8 +445,7 @@ def test_router_ablation_findings_follow_the_numbers():
   import sys
   from pathlib import Path
 
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-  import router_ablation as ra
+  from experiments import router_ablation as ra
 
   row = lambda n, w, r: {"sequences": n, "weight": w, "outputs": {"16": r}}
   text = ra.findings([row(320, 1.0, 0.95), row(160, 1.0, 0.93), row(320, 4.0, 0.94)])
@@ -461,8 +459,7 @@ def test_router_ablation_without_a_router_names_the_command(tmp_path, monkeypatc
   import sys
   from pathlib import Path
 
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-  import router_ablation as ra
+  from experiments import router_ablation as ra
 
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
   with pytest.raises(SystemExit, match="specjax router train --model gemma3-270m --prompts "

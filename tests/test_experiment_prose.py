@@ -5,10 +5,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 
-import bench_quantspec  # noqa: E402
-import profile_round  # noqa: E402
+from experiments import bench_quantspec
+from experiments import profile_round
 
 
 def test_break_even_prose_follows_the_measured_cost():
@@ -52,7 +51,7 @@ def test_quantspec_memory_prices_a_separate_draft_cache():
 
 
 def test_long_context_verdicts():
-  import bench_long_context
+  from experiments import bench_long_context
 
   from specjax.bench import claims
 
@@ -72,7 +71,7 @@ def test_long_context_verdicts():
 
 
 def test_attention_share_comes_from_the_profile_and_reaches_the_verdict():
-  import bench_long_context
+  from experiments import bench_long_context
   from test_knapspec import synthetic_profile
 
   prof = synthetic_profile()
@@ -93,7 +92,7 @@ def test_attention_share_comes_from_the_profile_and_reaches_the_verdict():
 def test_knapspec_fields_read_through_overlays():
   import types
 
-  import bench_long_context
+  from experiments import bench_long_context
 
   sel = types.SimpleNamespace(round=0, context=10, gamma=3, chosen_bits=[True, False],
                               predicted_tpt=1.0, candidates=[])
@@ -107,7 +106,7 @@ def test_knapspec_fields_read_through_overlays():
 def test_tpt_correlation_decodes_each_candidate():
   import types
 
-  import bench_long_context
+  from experiments import bench_long_context
   from targets import target
 
   config, graphdef, state = target("llama")
@@ -127,7 +126,7 @@ def test_prefill_selection_selects_under_an_overlay_even_with_a_budget():
   its selection over the prompt made none there, so the study asks for one at prefill."""
   import types
 
-  import bench_long_context
+  from experiments import bench_long_context
   from targets import PROMPT, target
   from test_knapspec import synthetic_profile
 
@@ -148,7 +147,7 @@ def test_plan_rows_show_the_plan_each_prompt_ended_with():
   long-context report shows which plan that was."""
   import types
 
-  import bench_long_context
+  from experiments import bench_long_context
 
   sel = types.SimpleNamespace(round=0, context=10, gamma=3, chosen_bits=[True, True],
                               predicted_tpt=1.0, candidates=[])
@@ -166,7 +165,7 @@ def test_plan_rows_show_the_plan_each_prompt_ended_with():
 def test_knn_search_prompt_study_writes_its_own_section():
   import types
 
-  import bench_knn_streams
+  from experiments import bench_knn_streams
 
   assert bench_knn_streams.study_suffix(types.SimpleNamespace(knn_search_prompts=3)) == ""
   assert (bench_knn_streams.study_suffix(types.SimpleNamespace(knn_search_prompts=7))
@@ -179,7 +178,7 @@ def test_long_context_shows_the_quantised_profile_each_knapspec_selected_with(tm
   it: QuantSpec at its default 8 bits shares `knapspec+8bit`'s; plain KnapSpec adds none."""
   import types
 
-  import bench_long_context
+  from experiments import bench_long_context
   from test_drafter_factory import model
   from test_knapspec import synthetic_profile
 

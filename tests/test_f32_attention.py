@@ -191,8 +191,7 @@ def test_bench_attention_times_both_paths(monkeypatch, capsys):
   import sys
   from pathlib import Path
 
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-  import bench_attention
+  from experiments import bench_attention
 
   monkeypatch.setattr(sys, "argv", ["bench_attention.py", "--model", "tiny-llama",
                                     "--contexts", "24", "--repeats", "2"])
@@ -209,8 +208,7 @@ def test_bench_attention_refuses_another_dtype(monkeypatch):
   import sys
   from pathlib import Path
 
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-  import bench_attention
+  from experiments import bench_attention
 
   monkeypatch.setattr(sys, "argv", ["bench_attention.py", "--model", "tiny-llama",
                                     "--dtype", "bfloat16"])

@@ -17,8 +17,7 @@ import pytest
 from specjax.models.registry import get_spec, is_installed
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-import gpu_bundle
+from experiments import gpu_bundle
 
 MODEL = "smollm2-135m-instruct"
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).parent.parent
 
 def test_interpret_smoke_run_checks_the_kernel_and_ends_with_json():
   out = subprocess.run(
-      [sys.executable, "experiments/kernels_gpu.py", "--interpret", "--contexts", "2048",
+      [sys.executable, "-m", "experiments.kernels_gpu", "--interpret", "--contexts", "2048",
        "--repeats", "1", "--splits", "2", "--block", "128"],
       cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-2000:]
@@ -31,6 +31,6 @@ def test_interpret_smoke_run_checks_the_kernel_and_ends_with_json():
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="a GPU is present")
 def test_refuses_to_time_on_cpu_without_interpret():
-  out = subprocess.run([sys.executable, "experiments/kernels_gpu.py", "--contexts", "2048"],
+  out = subprocess.run([sys.executable, "-m", "experiments.kernels_gpu", "--contexts", "2048"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert out.returncode != 0 and "no GPU" in out.stderr

@@ -227,7 +227,7 @@ def test_bench_layer_dp_script_times_both_drafters_shapes():
   import sys
   from pathlib import Path
 
-  out = subprocess.run([sys.executable, "experiments/bench_layer_dp.py", "--model",
+  out = subprocess.run([sys.executable, "-m", "experiments.bench_layer_dp", "--model",
                         "tiny-llama", "--repeats", "1", "--knapspec-slots", "8"],
                        cwd=Path(__file__).parent.parent, capture_output=True, text=True,
                        timeout=600)

@@ -258,8 +258,7 @@ def test_bench_quant_steps_times_steps_and_kernels(monkeypatch, capsys):
   import sys
   from pathlib import Path
 
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-  import bench_quant_steps
+  from experiments import bench_quant_steps
 
   monkeypatch.setattr(sys, "argv", ["bench_quant_steps.py", "--model", "tiny-llama",
                                     "--contexts", "300", "--repeats", "2"])

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 from test_data import write_spec_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 
-import replay_vs_real  # noqa: E402
+from experiments import replay_vs_real
 
 
 def test_pairs_parse_and_bad_ones_are_refused(monkeypatch, tmp_path):

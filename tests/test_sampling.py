@@ -100,8 +100,7 @@ def test_bench_greedy_times_each_form(monkeypatch, capsys):
   import sys
   from pathlib import Path
 
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-  import bench_greedy
+  from experiments import bench_greedy
 
   monkeypatch.setattr(sys, "argv", ["bench_greedy.py", "--shapes", "2x300", "--repeats", "3"])
   bench_greedy.main()

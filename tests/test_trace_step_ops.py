@@ -7,9 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 
-import trace_step_ops  # noqa: E402
+from experiments import trace_step_ops
 
 
 def test_op_kinds_drop_the_instance_number_only():
