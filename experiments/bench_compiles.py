@@ -21,10 +21,10 @@ from specjax import (
   data,
   jit_cache,
 )
-from specjax.bench.drafter_factory import DrafterFactory
 from specjax.bench.harness import prompt_ids
 from specjax.cli import add_dtype_arg
 from specjax.decode.engine import speculative_generate
+from specjax.drafters.factory import DrafterFactory
 from specjax.models.loader import load_model
 
 

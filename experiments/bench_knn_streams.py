@@ -25,10 +25,10 @@ from tqdm.auto import tqdm
 from experiments import report
 from specjax import data, plots
 from specjax.bench import claims, harness, metrics
-from specjax.bench.drafter_factory import ARTEFACT_OPTIONS, DrafterFactory
 from specjax.bench.harness import RunSettings
 from specjax.bench.results_store import ResultsStore
 from specjax.drafters import KNNDrafter
+from specjax.drafters.factory import ARTEFACT_OPTIONS, DrafterFactory
 from specjax.models.loader import load_model
 from specjax.offline.knn_build import domain_prompts, embed_all
 

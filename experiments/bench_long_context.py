@@ -29,12 +29,12 @@ from tqdm.auto import tqdm
 from experiments import report
 from specjax import data, plots
 from specjax.bench import claims, harness, metrics
-from specjax.bench.drafter_factory import DrafterFactory
 from specjax.bench.harness import RunSettings
 from specjax.bench.results_store import ResultsStore
 from specjax.decode.engine import speculative_generate
 from specjax.decode.generate import prefill_prompt
 from specjax.drafters import KnapSpecDrafter, StaticDrafter
+from specjax.drafters.factory import DrafterFactory
 from specjax.models.loader import load_model
 from specjax.plan import DraftPlan
 from specjax.selection import profiler

@@ -23,11 +23,11 @@ import statistics
 
 from experiments import report
 from specjax import data
-from specjax.bench.drafter_factory import DrafterFactory
 from specjax.bench.harness import prompt_ids
 from specjax.cli import add_dtype_arg
 from specjax.decode.engine import speculative_generate
 from specjax.decode.generate import generate
+from specjax.drafters.factory import DrafterFactory
 from specjax.models.loader import load_model
 
 LOOPS = ("host", "device")

@@ -36,9 +36,9 @@ from specjax import (
   data,
 )
 from specjax.bench import claims, harness, metrics
-from specjax.bench.drafter_factory import DrafterFactory
 from specjax.bench.harness import Reference, RunSettings
 from specjax.bench.results_store import ResultsStore
+from specjax.drafters.factory import DrafterFactory
 from specjax.kv_cache import KVCache
 from specjax.models.loader import load_model
 from specjax.quant_kv_cache import QuantKV, QuantKVCache

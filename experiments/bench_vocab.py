@@ -28,10 +28,10 @@ from tqdm.auto import tqdm
 from experiments import report
 from specjax import data
 from specjax.bench import claims, harness, metrics
-from specjax.bench.drafter_factory import DrafterFactory
 from specjax.bench.harness import RunSettings
 from specjax.bench.results_store import ResultsStore
 from specjax.decode.round import draft_step, shortlist_rows
+from specjax.drafters.factory import DrafterFactory
 from specjax.jit_cache import compiled
 from specjax.kv_cache import KVCache
 from specjax.models.loader import load_model

@@ -26,10 +26,10 @@ from tqdm import tqdm
 from experiments import report
 from specjax import data
 from specjax.bench import harness
-from specjax.bench.drafter_factory import DrafterFactory
 from specjax.decode import draft_length
 from specjax.decode.engine import speculative_generate
 from specjax.decode.generate import generate
+from specjax.drafters.factory import DrafterFactory
 from specjax.models.loader import load_model
 
 

@@ -43,10 +43,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     raise ConfigError("the prompt is empty")
   options = _options(args.option)
   if args.drafter:
-    from specjax.bench import drafter_factory
+    from specjax.drafters import names
 
-    drafter_factory.parse(args.drafter)  # bad names and options fail before the model loads
-    drafter_factory.check_options(options)
+    names.parse(args.drafter)  # bad names and options fail before the model loads
+    names.check_options(options)
   model = load_model(args.model, dtype=args.dtype)
   tok = model.tokenizer
   ids = tok.encode_prompt(args.prompt, chat=False if args.no_chat else None)
@@ -85,11 +85,11 @@ def _speculate(args: argparse.Namespace, model, ids: list[int], on_token, kw: di
   """`generate --drafter`: self-speculate the prompt (streamed), then AR on the same
   prompt for the speedup and the losslessness check (unless --no-compare). Both are
   compiled on a warm-up prompt first, so the rates are decoding alone."""
-  from specjax.bench import drafter_factory
   from specjax.decode.engine import speculative_generate
   from specjax.decode.generate import generate
+  from specjax.drafters.factory import DrafterFactory
 
-  factory = drafter_factory.DrafterFactory(model, gamma=args.gamma, seed=args.seed,
+  factory = DrafterFactory(model, gamma=args.gamma, seed=args.seed,
                                            options=options,
                                            data_dir=args.data_dir)
   drafter = factory.make(args.drafter)
@@ -186,7 +186,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
   model = load_model(args.model, dtype=args.dtype)
   weights = None
   if args.draft_weights != "target":
-    from specjax.bench.drafter_factory import DrafterFactory
+    from specjax.drafters.factory import DrafterFactory
 
     weights = DrafterFactory(model, verbose=False).draft_weights(args.draft_weights)
   prof = profiler.measure(model, lengths=lengths, gamma=args.gamma, repeats=args.repeats,
@@ -264,7 +264,7 @@ def _cmd_data_fetch(args: argparse.Namespace) -> int:
 def _option_arg(p: argparse.ArgumentParser) -> None:
   p.add_argument("--option", action="append", metavar="DRAFTER.OPTION=VALUE",
                  help="a drafter's option, repeatable (knapspec.tau=0.3, frspec.size=16384, "
-                 "quantspec.weight_bits=4); see specjax.bench.drafter_factory")
+                 "quantspec.weight_bits=4); see specjax.drafters.names")
 
 
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
@@ -285,8 +285,8 @@ def _model_arg(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from specjax.bench.drafter_factory import BASES, OVERLAYS
   from specjax.bench.runner import DEFAULT_DRAFTERS
+  from specjax.drafters.names import BASES, OVERLAYS
 
   parser = argparse.ArgumentParser(
       prog="specjax", description="Self-speculative decoding in JAX/Flax."

@@ -14,15 +14,10 @@ from test_knapspec import synthetic_profile
 from test_knn import tiny_library
 
 from specjax.bench import harness
-from specjax.bench.drafter_factory import (
-  BASES,
-  OVERLAYS,
-  DrafterFactory,
-  DrafterNameError,
-  parse,
-)
 from specjax.bench.harness import Reference, RunSettings
 from specjax.drafters import UnknownDrafterError
+from specjax.drafters.factory import DrafterFactory
+from specjax.drafters.names import BASES, OVERLAYS, DrafterNameError, parse
 from specjax.drafters.static import save_plan
 from specjax.errors import ConfigError
 from specjax.plan import DraftPlan

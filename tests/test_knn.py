@@ -272,7 +272,7 @@ def test_libraries_with_other_search_settings_share_the_embeddings(tmp_path, mon
 
 
 def test_factory_keeps_a_library_per_search_setting(tmp_path, monkeypatch):
-  from specjax.bench.drafter_factory import DrafterFactory
+  from specjax.drafters.factory import DrafterFactory
   from specjax.offline import knn_library
 
   model = types.SimpleNamespace(name="tiny-llama", config=tiny("llama")[0])

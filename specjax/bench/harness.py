@@ -3,7 +3,7 @@ runner that decodes it with AR and then with every method in the same process, c
 each method's tokens against AR's.
 
 `specjax bench`, the `experiments/` scripts and `specjax sweep` are thin users of it (with
-`drafter_factory` for the drafters and `results_store` for the results), so a speedup in
+`drafters.factory` for the drafters and `results_store` for the results), so a speedup in
 any of their tables is measured the same way: AR and the methods on the same prompt,
 interleaved, with the same budgets.
 """

@@ -21,7 +21,6 @@ from specjax import data, plots
 from specjax.bench import (
   claims,
   docs,
-  drafter_factory,
   harness,
   llama_cpp,
   metrics,
@@ -29,6 +28,8 @@ from specjax.bench import (
 )
 from specjax.bench.harness import RunSettings
 from specjax.bench.results_store import ResultsStore
+from specjax.drafters import names
+from specjax.drafters.factory import DrafterFactory
 
 DEFAULT_DRAFTERS = ("early_exit", "self_sd", "swift", "8bit", "self_sd+8bit")  # as the CLI's
 
@@ -52,7 +53,7 @@ class BenchConfig:
   # γ per drafter from its measured acceptance and step costs (`draft_length`), at most
   # `gamma`; drafters that choose their own draft length (KnapSpec) keep theirs.
   auto_gamma: bool = False
-  # Drafter options by part (`drafter_factory`): {"knapspec": {"tau": 0.3}}.
+  # Drafter options by part (`drafters.names`): {"knapspec": {"tau": 0.3}}.
   options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
   # Also decode every prompt with llama.cpp on the same GGUF file (`bench.llama_cpp`).
   llama_cpp: bool = False
@@ -70,8 +71,8 @@ def settings_of(cfg: BenchConfig) -> dict:
 def validate(cfg: BenchConfig) -> None:
   """Refuse bad settings before anything is loaded."""
   for name in cfg.drafters:
-    drafter_factory.parse(name)
-  drafter_factory.check_options(cfg.options)
+    names.parse(name)
+  names.check_options(cfg.options)
   run_settings(cfg)  # raises on bad values
   if cfg.llama_cpp:
     llama_cpp.check(cfg.model, cfg.temperature, cfg.max_turns)
@@ -95,11 +96,11 @@ def split_prompts(cfg: BenchConfig, data_dir=None) -> tuple[list, list, list]:
 
 
 def factory_for(cfg: BenchConfig, model, out_dir: Path, search_prompts, data_dir=None,
-                verbose: bool = True) -> drafter_factory.DrafterFactory:
+                verbose: bool = True) -> DrafterFactory:
   options = {k: dict(v) for k, v in cfg.options.items()}
   if cfg.plan_file is not None:
     options.setdefault("static", {})["plan"] = cfg.plan_file
-  return drafter_factory.DrafterFactory(
+  return DrafterFactory(
       model, gamma=cfg.gamma, seed=cfg.seed, search_iterations=cfg.search_iterations,
       options=options, work_dir=out_dir, data_dir=data_dir, search_prompts=search_prompts,
       verbose=verbose)

@@ -18,7 +18,7 @@ Keys are `specjax bench` settings (model, drafters, gamma, threshold, max_new_to
 per_category, categories, temperature, …), `context` (long prompts of about that many
 tokens instead of Spec-Bench's), `mix_ratio` (a task stream of `stream_length` held-out
 prompts over the categories as domains, switching domain with that probability after
-each prompt, as in KNN-SSD) or `DRAFTER.OPTION` (any option of `drafter_factory`).
+each prompt, as in KNN-SSD) or `DRAFTER.OPTION` (any option of `drafters.names`).
 `[[points]]` tables list points instead of (or as well as) a grid.
 
 Every point runs AR and its drafters on the same prompts in the same process (the

@@ -1,42 +1,35 @@
 """C++ kernels that XLA:CPU lacks, compiled on first use and called through `jax.ffi`.
 
-Eight kernels:
+Each exists because XLA:CPU's own lowering made a draft or a verification cost more than
+the method assumes; what each saves, per model and CPU, is in docs/BENCHMARKS.md (the
+"CPU kernels matrix by matrix" and "Forward pass" sections; `python -m
+experiments.bench_cpu_kernels` and `python -m experiments.bench_forward` measure it).
 
-* `int8_matmul`, a matmul against int8 weights with one scale per output channel, for
-  8-bit drafts. XLA:CPU widens an int8 matrix to float32 in memory before its dot (31 ms
-  for SmolLM2's LM head at T = 1, against 2.3 ms in float32), so without the kernel an
-  8-bit draft costs more than the full model; with it, 0.7 ms.
-* `int4_matmul`, a matmul against QuantSpec's 4-bit weights (`quant.Int4Matrix`: a
-  minimum and a scale per group of input rows). XLA:CPU widened those to float32 in
-  memory as well, so the paper's 4-bit MLP drafts cost more than 8-bit ones. The kernel
-  multiplies the codes, as integers, with x on a grid of int16 levels per group
-  (`quant.activation_grid`, which every other path applies too).
-* `f32_matmul`, a float32 matmul for one to a few rows (an AR or draft step, a
-  verification forward of γ + 1 tokens) that reads each weight once for all of them.
-  XLA:CPU's M ≥ 2 GEMM streams the weights more slowly than its M = 1 GEMV, which priced
-  a 5-token verification at 1.3–2.2 AR steps (AMD EPYC and Intel Xeon), and its GEMV
-  reaches 13–30 GB/s on a decode step's matrices where the kernel reaches 23–29; `few_rows`
+* `int8_matmul`: against int8 weights, one scale per output channel (8-bit drafts).
+  XLA:CPU widens an int8 matrix to float32 in memory before its dot, so an 8-bit draft
+  read more bytes than the full model; the kernel reads the codes.
+* `int4_matmul`: against QuantSpec's 4-bit weights (`quant.Int4Matrix`, a minimum and a
+  scale per group of input rows), multiplying the codes as integers with x on a grid of
+  int16 levels per group (`quant.activation_grid`, which every other path applies too).
+* `f32_matmul`: float32 for one to a few rows (a step, or a verification of γ + 1
+  tokens), reading each weight once for all of them. XLA:CPU's GEMM for M ≥ 2 streams
+  weights more slowly than its GEMV for M = 1, which made verification dear; `few_rows`
   says when the model takes it.
-* `quant_attention`, attention scores against a quantised KV cache layer's keys and the
-  probability-weighted sum of its values, read from the 4+4-bit codes (`quant_kv_cache`).
-  Dequantised first, XLA:CPU wrote and read a float32 copy of every layer on every step:
-  an int8-KV AR step of SmolLM2 at context 1000 cost 50-54 ms against 35 ms over float32
-  keys; reading the codes, 33 ms. `reads_codes` says when a quantised cache takes it.
-* `f32_attention`, a decode step's or a verification's attention over a float32 cache
-  segment, up to the filled slots only. XLA:CPU spent two YNNPACK dots, a softmax fusion
-  and the copies that gather a kv head's query rows on it: 85 µs a layer at one token and
-  157 µs at five over SmolLM2's 320-slot cache. `attends_here` says when a step takes it.
-* `f32_argmax`, the greedy choice per row of logits: the first maximum's index, and the
-  top softmax probability a draft's confidence is. XLA:CPU spent four threaded reductions
-  on the two, 0.2–0.45 ms for one row of SmolLM2's vocabulary; one pass takes tens of µs.
-  `sampling.argmax` and `sampling.argmax_and_top_probability` take it for a step's few rows.
-* `gguf_matmul`, a matmul against a GGUF file's own blocks (`gguf_matrix.GGUFMatrix`,
-  `--dtype gguf`): each block dequantised in registers to the float32 weights gguf-py
-  gives, bit for bit, and met there by every row of the call (up to 8 a pass). The float32
-  target read 4 bytes a weight; the file's blocks hold 0.56 (Q4_1) to 1.06 (Q8_0): SmolLM2's
-  AR decoding went from 48 to 130 tokens/s, Qwen2.5-Coder-0.5B's from 13 to 33 (Intel Xeon).
-* `q4_0_int8_matmul`, a draft's matmul against Q4_0 blocks (`4bit`) with x quantised to 8
-  bits per 32 inputs and each block's products summed as integers by AVX-512 VNNI, where
+* `quant_attention`: scores and the weighted sum of values read from a quantised KV
+  cache layer's 4+4-bit codes (`quant_kv_cache`), where XLA:CPU wrote and read a
+  dequantised float32 copy of every layer each step; `reads_codes` says when.
+* `f32_attention`: a step's or a verification's attention over a float32 cache segment,
+  up to its filled slots, in place of two dots, a softmax fusion and the gathers of a kv
+  head's query rows; `attends_here` says when.
+* `f32_argmax`: the greedy choice per row and its top softmax probability (a draft's
+  confidence) in one pass, where XLA:CPU ran four threaded reductions
+  (`sampling.argmax`, `sampling.argmax_and_top_probability`).
+* `gguf_matmul`: against a GGUF file's own blocks (`gguf_matrix.GGUFMatrix`, `--dtype
+  gguf`), each block dequantised in registers to the floats gguf-py gives, bit for bit,
+  and met there by every row of the call: the target reads the file's 0.56-1.06 bytes a
+  weight instead of float32's 4.
+* `q4_0_int8_matmul`: a draft's matmul against Q4_0 blocks (`4bit`) with x quantised to 8
+  bits per 32 inputs and each block's products summed as integers (AVX-512 VNNI), where
   `gguf_matmul` computes every weight's float (a draft's numbers need only be close).
 
 Each source is compiled once per machine with the host's C++ compiler (`$CXX`, else
@@ -377,7 +370,7 @@ def quant_partials(q: jax.Array, q_pos: jax.Array, length: jax.Array, k_codes, v
 
   One call does the scores, the softmax and the value sums, over the filled slots only:
   with the softmax between two kernels in XLA, a verification wrote and reread a
-  [B, K, R, S] score array over the allocated slots (5 of SmolLM2's 57 ms at 2048 tokens).
+  [B, K, R, S] score array over every allocated slot, filled or not.
   A vmap over q (and q_pos) alone, the sampling tests' rounds over one cache layer,
   becomes more rows of one call, which reads the layer's codes once; with the length or
   the codes batched too, one call per element (jax's `sequential`)."""

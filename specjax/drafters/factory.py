@@ -1,10 +1,4 @@
-"""Every drafter and every composition, built by name, with the artefacts it reads.
-
-A name is a layer drafter followed by overlays, joined by `+`: `knapspec+8bit+dynaspec` is
-DynaSpec's head over 8-bit weights over KnapSpec's layer plans. An overlay alone drafts
-with the full model (`8bit`, `4bit`, `quantspec`, `frspec+quantspec`). Overlays apply left to
-right, each on top of the drafter before it; two overlays that set the same plan fields
-(`frspec+dynaspec`: both the head; `quantspec+8bit`: both the weights) are refused.
+"""Every drafter and every composition, built by name (`names`), with the artefacts it reads.
 
 Artefacts are found where specjax keeps them, or built (and kept) on first use: the
 Self-SD skip set (searched on prompts outside the evaluation), KnapSpec's latency
@@ -13,11 +7,8 @@ one 4-bit MLP (QuantSpec's) and one Q4_0 copy of the model (`4bit`'s), each shar
 name that reads it. A searched layer plan (Self-SD, KnapSpec) is searched for the weights
 its draft reads: under `8bit`, `4bit` or `quantspec`, it is scored with that copy and
 priced by that copy's bytes or measured times (a profile and a skip set per copy kind,
-`quant.WEIGHT_KINDS`).
-
-Options per part (`options={"knapspec": {"tau": 0.3}, "frspec": {"size": 16384}}`) are the
-drafter's constructor fields, plus the artefact settings in `ARTEFACT_OPTIONS`; every
-option changes the numbers, so runs fingerprint them (`BenchConfig.options`).
+`quant.WEIGHT_KINDS`). Every option changes the numbers, so runs fingerprint them
+(`BenchConfig.options`).
 """
 
 from __future__ import annotations
@@ -45,72 +36,20 @@ from specjax.drafters import (
   SelfSDDrafter,
   StaticDrafter,
   SwiftDrafter,
-  drafter_class,
 )
-from specjax.errors import ConfigError, SpecjaxError
+from specjax.drafters.names import (
+  ARTEFACT_OPTIONS,
+  CLASSES,
+  DrafterNameError,
+  check_options,
+  option_fields,
+  parse,
+)
+from specjax.errors import ConfigError
 from specjax.models.source import artefact_key
 
-BASES = ("static", "early_exit", "self_sd", "swift", "clasp", "knapspec", "knn")
-OVERLAYS = ("8bit", "4bit", "quantspec", "frspec", "dynaspec")
-_CLASSES: dict[str, type[Drafter]] = {
-    "static": StaticDrafter, "early_exit": EarlyExitDrafter, "self_sd": SelfSDDrafter,
-    "swift": SwiftDrafter, "clasp": ClaspDrafter, "knapspec": KnapSpecDrafter,
-    "knn": KNNDrafter, "8bit": Int8WeightsDrafter, "4bit": Q4WeightsDrafter,
-    "quantspec": QuantSpecDrafter,
-    "frspec": FRSpecDrafter, "dynaspec": DynaSpecDrafter}
-# Options that shape an artefact rather than a constructor field, with their defaults.
-ARTEFACT_OPTIONS: dict[str, dict[str, Any]] = {
-    "static": {"plan": None},  # a plan file saved by a search
-    "self_sd": {"iterations": None},  # Bayesian-optimisation steps (default: the factory's)
-    # k-means anchors per domain; representative prompts each domain's search scores on
-    "knn": {"anchors": 10, "search_prompts": 3},
-    "quantspec": {"weight_bits": None, "group": 128, "residual": 128},  # bits None: the default (8)
-    "frspec": {"size": 32768},  # FR-Spec's shortlist: the paper's 32k
-    # k, a decoding setting, is the drafter's own field; core: that many frequent tokens
-    # scored beside the routed clusters (0: none)
-    "dynaspec": {"clusters": 1024, "core": 0},
-}
 ARTEFACTS = ("profile", "int8_profile", "int4_profile", "q4_0_profile", "library", "counts",
              "bundle", "self_sd_plan", "int8_weights", "int4_weights", "q4_weights")
-# Constructor fields the factory fills itself (artefacts), not options.
-_FILLED = {"fixed", "profile", "library", "weights", "base", "kv_cache", "shortlist", "bundle",
-           "core"}
-
-
-class DrafterNameError(SpecjaxError, ValueError):
-  """A drafter name the factory cannot build (the message lists what it can)."""
-
-
-def parse(name: str) -> tuple[str | None, list[str]]:
-  """(layer drafter or None, overlays in order) of a composed name, validated."""
-  parts = [p for p in name.split("+")]
-  if not name or any(not p for p in parts):
-    raise DrafterNameError(f"drafter name {name!r}: empty part; names are a layer drafter "
-                           f"({', '.join(BASES)}) and/or overlays ({', '.join(OVERLAYS)}) "
-                           f"joined by '+'")
-  for p in parts:
-    if p not in _CLASSES:
-      drafter_class(p)  # an unknown name: UnknownDrafterError lists them all
-      raise DrafterNameError(f"{p!r} is not built by name")
-  base = parts[0] if parts[0] in BASES else None
-  overlays = parts[1:] if base else parts
-  misplaced = [p for p in overlays if p in BASES]
-  if misplaced:
-    raise DrafterNameError(f"{name!r}: {misplaced[0]!r} is a layer drafter; a name holds at "
-                           f"most one, first (e.g. knapspec+8bit+dynaspec)")
-  owner: dict[str, str] = {}
-  for p in overlays:
-    for field in _CLASSES[p].fields:
-      if field in owner:
-        raise DrafterNameError(f"{name!r}: {owner[field]} and {p} both set the draft's "
-                               f"{field}; keep one")
-      owner[field] = p
-  return base, overlays
-
-
-def all_names() -> list[str]:
-  """Every single part the factory builds (compositions join them with '+')."""
-  return list(BASES) + list(OVERLAYS)
 
 
 @dataclasses.dataclass
@@ -156,7 +95,7 @@ class DrafterFactory:
 
   def _kwargs(self, part: str) -> dict[str, Any]:
     """The constructor fields among this part's options."""
-    return {k: v for k, v in self.options.get(part, {}).items() if k in _fields(_CLASSES[part])}
+    return {k: v for k, v in self.options.get(part, {}).items() if k in option_fields(CLASSES[part])}
 
   @functools.cached_property
   def int8_weights(self):
@@ -455,22 +394,6 @@ def _plan_suffix(kind: str | None) -> str:
   if kind is None:
     return ""
   return "-" + {"int8": "8bit", "int4": "4bit"}.get(kind, kind)
-
-
-def check_options(options: Mapping[str, Mapping[str, Any]]) -> None:
-  """Refuse an option no drafter part has, listing the part's options."""
-  for part, opts in options.items():
-    if part not in _CLASSES:
-      raise DrafterNameError(f"options for {part!r}: not a drafter ({', '.join(_CLASSES)})")
-    allowed = set(ARTEFACT_OPTIONS.get(part, {})) | _fields(_CLASSES[part])
-    bad = sorted(set(opts) - allowed)
-    if bad:
-      raise DrafterNameError(f"{part} has no option {bad[0]!r}; its options: "
-                             f"{', '.join(sorted(allowed))}")
-
-
-def _fields(cls) -> set[str]:
-  return {f.name for f in dataclasses.fields(cls) if f.init} - _FILLED
 
 
 def default_search_prompts(data_dir=None) -> list:
