@@ -1,7 +1,7 @@
 """Compiled programs kept on disk, so the next process loads them instead of compiling.
 
 A decode compiles a few large programs per model, prompt bucket and drafter: seconds each
-on a CPU, and 35-45 s for a first prompt on an H100 or H200 (docs/BENCHMARKS.md). Within
+on a CPU, and tens of seconds for a first prompt on a GPU (docs/GPU.md). Within
 a process `jit_cache` keeps them; this keeps them across processes, for a `specjax bench
 --resume` after a crash, the next cell of a sweep, or `profile` before `bench`. It is
 jax's own persistent compilation cache, pointed at the specjax cache folder and bounded

@@ -90,8 +90,8 @@ class Rotation:
 
   Computed once per forward and base, and read by every layer. Computed inside each
   layer's rotation, the cos and sin were fused into it and evaluated once per rotated
-  element, each angle for every head: 13 µs a layer's q in a five-token verification of
-  SmolLM2 (`experiments/trace_step_ops.py`)."""
+  element, each angle for every head and every layer (`python -m
+  experiments.trace_step_ops` shows the op)."""
 
   cos: jax.Array
   sin: jax.Array
@@ -230,9 +230,9 @@ class Attention(nnx.Module):
   def _codes_partial(self, q, positions, read: QuantRead):
     """`_partial` of q[B, T, N, H] over a quantised layer's slots [0, Q), from its codes by
     `cpu_kernels`' C++ kernels (`pallas_kernels.quant_attention.cpu_partials`), in the
-    tokens' layout, to merge with `_kernel_partial`s. Before, the full-precision buffer
-    beside the codes went through XLA's dots, after a concatenation with the tokens' K/V:
-    4 ms of SmolLM2's 30 ms AR step on the 8-bit cache at 256 tokens."""
+    tokens' layout, to merge with `_kernel_partial`s. Through XLA's dots the full-precision
+    buffer beside the codes was first concatenated with the tokens' K/V, a copy every
+    step."""
     from pallas_kernels.quant_attention import cpu_partials
 
     T = q.shape[1]
@@ -271,9 +271,9 @@ class Attention(nnx.Module):
     S = seg.k.shape[2]
     spans = [S >> i for i in range(SPAN_LEVELS - 1, -1, -1) if (S >> i) >= MIN_SPAN]
     # XLA:CPU copies the prefix a branch slices (never the whole layer: the tests check
-    # the HLO), and still beats reading all S slots at every context (SmolLM2, 2048 slots:
-    # 21.8 -> 16.2 ms at 256 tokens, 21.3 -> 18.9 ms at 1900). A fori_loop over blocks up
-    # to `filled` copied every block and lost to the full read past half the cache.
+    # the HLO), and still beats reading all S slots at every context measured. A
+    # fori_loop over blocks up to `filled` copied every block and lost to the full read
+    # past half the cache.
 
     def over(span):
       def run(rows, row_pos, k, v, pos, valid):
@@ -374,8 +374,8 @@ class MLP(nnx.Module):
     D, F = config.embed_dim, config.hidden_dim
     # [gate | up]: one matmul, stored output-major ([2F, D]): the few-row CPU kernel reads
     # it as two far-apart streams of whole rows, where [D, 2F] costs eight short row
-    # segments at a time. SmolLM2's 30, from DRAM: 7.8-8.1 -> 6.7-7.8 ms at one row,
-    # 10.0-10.6 -> 8.5-8.8 at five (docs/BENCHMARKS.md, "gate_up stored output-major").
+    # segments at a time (faster at one row and at five: docs/BENCHMARKS.md, "gate_up
+    # stored output-major").
     # Drawn [D, 2F] and transposed, so a tiny model's random init is the one it had before.
     self.gate_up = nnx.Param(_param(rngs, (D, 2 * F), D, dtype)[...].T)
     self.down = _param(rngs, (F, D), F, dtype)
@@ -654,8 +654,7 @@ def float32_dots(dtype) -> contextlib.AbstractContextManager:
   JAX's default lets an NVIDIA GPU compute a float32 dot in TF32 (inputs rounded to a
   10-bit mantissa): a verification forward's rows would then differ from the AR step's by
   far more than float32 rounding, and `--dtype mixed` would lose the token-exactness it
-  is for (one of five prompts left AR's tokens on an H200: docs/BENCHMARKS.md,
-  `gpu-forward-h200`). A CPU computes float32 dots in float32 either way; bfloat16
+  is for (docs/GPU.md). A CPU computes float32 dots in float32 either way; bfloat16
   activations keep the default. It overrides a global `jax_default_matmul_precision`.
   """
   if jnp.dtype(dtype) != jnp.float32:

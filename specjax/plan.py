@@ -27,7 +27,7 @@ def conditionals_skip_cheaply() -> bool:
   """Whether a `lax.cond` costs next to nothing on this backend. On a CPU it runs its
   branch in place: a traced plan really skips its sub-layers, and the quantised cache
   skips idle flushes. An accelerator copies each predicate to the host and waits (XLA:GPU;
-  measured on an H200), so there plans that hold are frozen (`DraftPlan.freeze`) and
+  docs/GPU.md), so there plans that hold are frozen (`DraftPlan.freeze`) and
   flushes run unconditionally."""
   return jax.default_backend() == "cpu"
 

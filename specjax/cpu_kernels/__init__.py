@@ -80,7 +80,7 @@ _SOURCE = Path(__file__).with_name(_KERNELS["int8_matmul"][0])
 # The most rows `f32_matmul` takes: verification forwards (γ ≤ 8, so T ≤ 9) and a little
 # more; past this XLA's GEMM has the reuse it needs.
 FEW_ROWS = 16
-# Let the vectoriser reorder the dot's sums (2.5x faster than without), but not -ffast-math:
+# Let the vectoriser reorder the dot's sums (several times faster), but not -ffast-math:
 # with it GCC links crtfastmath.o into the shared object, whose loading switches the
 # whole process to flush-to-zero (a test of subnormal floats caught it).
 _REASSOCIATE = ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")

@@ -21,10 +21,9 @@ at a loss. So (γ, τ) are chosen together by replaying a pilot run (drafted at 
 (`PilotTrack`): under (γ, τ) a round starting at position t drafts n tokens, up to γ or the
 first below τ, commits its accepted drafts and one token more, and costs n·d + v(γ)
 (verification runs at the executable's γ, whatever early stop cut); the next round starts
-where it stopped. Replaying the pilot's rounds one for one instead (until 2026-11-27) let a
-round cut short skip the rest of the pilot's round for free: it picked τ = 0.3–0.4 for
-SmolLM2's 8-bit draft, which ran at 1.31–1.44x AR where τ = 0 ran at ~1.6x. Drafts past a
-rejection, which no later round repeats, take the probabilities the pilot recorded after
+where it stopped. Replaying the pilot's rounds one for one instead would let a round cut
+short skip the rest of the pilot's round for free, and so pick an early stop that loses
+in a real decode. Drafts past a rejection, which no later round repeats, take the probabilities the pilot recorded after
 its own rejection there.
 """
 
@@ -50,11 +49,10 @@ class StepCosts:
   """Costs in AR steps: one draft step, and verification of γ + 1 tokens at measured γs.
 
   A draft with an early stop (τ > 0) loops until a traced condition, a draft without one
-  a known γ times, and the first costs more per step: on an H200 0.554 against 0.527 of a
-  Llama-3-8B-shaped step (0.58 against 0.53 at a 1.5B shape) in the jitted loop, where
-  XLA:GPU copies each predicate to the host and waits; on an AMD EPYC 0.641 against
-  0.616. `draft_early_stop` is that step where it was measured (else `draft` stands for
-  both), so a fit weighs τ > 0 at what it costs."""
+  a known γ times, and the first costs more per step (on a GPU, XLA copies each
+  predicate to the host and waits; docs/GPU.md has the figures). `draft_early_stop` is
+  that step where it was measured (else `draft` stands for both), so a fit weighs τ > 0
+  at what it costs."""
 
   draft: float
   verify: dict[int, float]
@@ -250,8 +248,8 @@ def step_times(graphdef, state, config, plans: dict, *, gammas: Sequence[int] = 
   dispatched back to back per sample, one wait at the end: the host loop's cost, dispatch
   included), or with `loop` = n, n steps chained inside one jitted `fori_loop`, each
   step's output feeding the next (the device loop's cost: device time alone). On a GPU the
-  two differ by the launch and the wait of a call (measured on an H100: SmolLM2's AR step
-  2.50 ms a call, 1.25 ms in a loop). A draft step is a draft of γ = 1 without early stop,
+  two differ by the launch and the wait of a call, which for a small model is as much as
+  the step itself. A draft step is a draft of γ = 1 without early stop,
   a loop of known length (as 8bit, 4bit and quantspec draft): on a GPU an early-stopping
   draft pays one host round trip more per step, for its loop's predicate: the plans named
   in `early_stop` are timed in such a loop (of length 1, its limit traced)."""
@@ -393,9 +391,9 @@ def measure_step_costs(graphdef, state, config, plan: DraftPlan, *,
   (`LOOP_STEPS` chained in a jitted loop; on an accelerator with the plan frozen into the
   executable, as that loop does for a fixed plan, unless `static_plan` is False: a
   chunked drafter's plans stay traced). For the host loop each step is a call. On a CPU the
-  difference is not small: SmolLM2's 8-bit draft step costs 0.43-0.44 AR steps as calls
-  and 0.33-0.38 in a loop (Intel Xeon), and timed as calls the fit chose γ = 5 where
-  γ = 8 ran fastest (`experiments/replay_vs_real.py`).
+  difference is not small either: timed as calls, a draft step looked dear enough that
+  the fit chose a shorter γ than the one that ran fastest (`python -m
+  experiments.replay_vs_real` measures it).
 
   `early_stop`: also time the draft step in the loop of unknown length that a draft with
   τ > 0 runs (`StepCosts.draft_early_stop`). The host loop passes each round's length as

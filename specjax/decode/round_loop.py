@@ -122,8 +122,8 @@ def decode_rounds(state: nnx.State, carry: Decoding, plan: DraftPlan, budget: ja
 def freezes(static_plan: bool | None, chunked: bool, rounds_left: int | None) -> bool:
   """Whether the device loop compiles a plan into its executable (`DraftPlan.freeze`).
   `static_plan` True / False decides; None takes the backend's default: on an accelerator,
-  where each traced sub-layer's `lax.cond` is a host round trip (a traced 50 % draft step
-  cost 1.78 AR steps in an H200's loop, frozen 0.58), freeze a plan that holds for the rest
+  where each traced sub-layer's `lax.cond` is a host round trip (a traced half-depth draft
+  step cost more than a full AR step; docs/GPU.md), freeze a plan that holds for the rest
   of the generation: a fixed plan, or a chunked drafter's once it says so (`rounds_left`
   None: SWIFT after its search), one compile each. Plans that change at selections stay
   traced there (a compile per selection), and everything stays traced on a CPU, where a

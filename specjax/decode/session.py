@@ -25,11 +25,10 @@ from specjax.sampling import SamplingParams
 
 # The static shortlists' head rows gathered last, newest first, kept from one generation to
 # the next: FR-Spec's shortlist and the model stay the same from prompt to prompt, and
-# gathering the rows again cost 30-35 ms a prompt on SmolLM2 on the CPU (32k rows, 75 MB);
-# an H200 run booked a fifth of FR-Spec's decode time to selection, where this gather is.
-# More than one: a bench run alternates drafters prompt by prompt, and `self_sd+frspec`
-# beside `8bit+frspec` (float32 rows, then int8 rows) re-gathered at every prompt when one
-# set was held, 6 % of self_sd+frspec's decode time on Qwen2.5-0.5B. Entries are (weakref
+# gathering the rows again (tens of MB for a 32k shortlist) is a real share of a short
+# prompt's decode time, booked to selection. More than one: a bench run alternates drafters
+# prompt by prompt, and `self_sd+frspec` beside `8bit+frspec` (float32 rows, then int8
+# rows) would re-gather at every prompt if one set were held. Entries are (weakref
 # to the state, vocab, weights, rows).
 _HEAD_ROWS: list[tuple] = []
 _HEAD_ROWS_HELD = 4  # Qwen2.5-0.5B's 32k float32 rows are 117 MB, its untied head 545

@@ -23,13 +23,12 @@ not pay a DP at every prefill. Until that DP, the last one's candidates are pric
 at each new prompt's cache size (profile times only, no DP), so a long prompt can move to
 a candidate that skips more attention. With `selection_budget=None` it reruns every `interval`
 rounds and at every prompt, as in the paper — on a GPU the batched DP costs about one
-forward, on a 2-core CPU ~10 draft steps.
+forward, on a 2-core CPU several draft steps.
 
 Realised acceptance (`realised=True`, not in the paper). α̂ counts agreements over a
 window of a few tokens (4 on a CPU), so cheap candidates can score α̂ = 1 and win on
-cost, then accept far less when they draft. On the 1.5B, `knapspec+8bit` drafted at
-α 0.87 with α̂ alone and at 0.97 with `realised` (M 2.91 → 3.16; docs/BENCHMARKS.md,
-knapspec-8bit-realised-*). With `realised`, a candidate whose plan
+cost, then accept far less when they draft (docs/BENCHMARKS.md,
+`knapspec-8bit-realised-*`, measures both). With `realised`, a candidate whose plan
 drafted in earlier rounds is priced at the acceptance it realised there (maximum
 likelihood under the geometric model), blended with its α̂ as `window` tokens of prior
 evidence; plans never run keep their optimistic α̂, so each choice either exploits the

@@ -26,11 +26,10 @@ def default_weight_bits() -> int:
   """8 on every backend: the cheaper draft weights wherever measured (docs/BENCHMARKS.md).
   On a CPU both read their codes with C++ kernels, and the 8-bit draft, which quantises the
   attention matrices and the LM head too, reads half the bytes of the paper's (4-bit MLP
-  only) and agreed more often on SmolLM2 (QuantSpec at 1024 tokens: 1.08x against 0.86x
-  the fp AR, α 0.84 against 0.73; `docs/BENCHMARKS.md`, 2026-11-29). On an H100 in bf16
-  (`gpu-forward`), where XLA dequantises either inside the jitted step, a full draft step
-  costs 0.89 AR steps with 8-bit weights against 2.08 with the paper's 4-bit MLP at the 8B
-  shape (1.17 against 1.27 on SmolLM2). `weight_bits=4` keeps the paper's setting."""
+  only) and agreed more often (the `quantspec-*` sections of docs/BENCHMARKS.md). On a
+  GPU in bf16, where XLA dequantises either inside the jitted step, the paper's 4-bit
+  MLP made a full draft step dearer than an AR step (docs/GPU.md). `weight_bits=4` keeps
+  the paper's setting."""
   return 8
 
 

@@ -21,7 +21,6 @@ import orbax.checkpoint as ocp
 
 from specjax.errors import SpecjaxError
 
-
 FILES = "files.json"  # beside meta.json: the size of each array data file under tree/
 
 

@@ -72,8 +72,8 @@ DTYPE_CHOICES = ("auto", *DTYPES, MIXED, GGUF)
 def default_dtype(backend: str | None = None):
   """bfloat16 on an accelerator (half the bytes a decode step reads); float32 on a CPU,
   where XLA's bfloat16 dots are slower than float32 ones (measured). Not `mixed` on an
-  accelerator, though only it is token-exact there: on an H200 it made verification cost
-  1.56-1.76 AR steps against 1.04-1.06 in bfloat16 (docs/BENCHMARKS.md, fourth lease)."""
+  accelerator, though only it is token-exact there: it makes verification cost half as
+  much again as in bfloat16 (docs/GPU.md)."""
   backend = backend or jax.default_backend()
   return jnp.float32 if backend == "cpu" else jnp.bfloat16
 

@@ -124,8 +124,8 @@ def _loss(state, tokens, *, graphdef, config: ModelConfig):
 def optimised():
   """XLA's optimisations on for what is compiled inside, whatever the process default. The
   test suite turns most of them off (its programs are small and run once), but training
-  runs one program for hundreds of steps: optimised, a step of the L = 6 model took 112 ms
-  against 284 ms, for 15 s of compile against 9 s (two busy cores)."""
+  runs one program for hundreds of steps, where a step's time outweighs the longer
+  compile."""
   off = jax.config.read("jax_disable_most_optimizations")
   jax.config.update("jax_disable_most_optimizations", False)
   try:

@@ -84,8 +84,8 @@ class RouterPlan:
   table: jax.Array  # int32[M, capacity], -1 padded
   ks: tuple[int, ...] = flax.struct.field(pytree_node=False)  # k per draft position
   # An untied LM head [D, V] as rows [V, D], held once (`session.Session.with_head_rows`):
-  # each draft step then gathers its shortlist's rows, not columns 600 KB apart (2976 of
-  # Qwen2.5-0.5B's columns took 36 ms, twice a pass over the whole head; rows 0.7 ms).
+  # each draft step then gathers its shortlist's rows, not columns a row of the head apart
+  # (a few thousand scattered columns cost more than reading the whole head).
   head_rows: jax.Array | None = None
 
   def shortlist(self, h: jax.Array, k: int) -> jax.Array:

@@ -29,9 +29,9 @@ def _to_vector(params: dict) -> np.ndarray:
 def _suggest(opt) -> np.ndarray:
   """The next point to probe: the acquisition maximum over 5000 random candidates.
 
-  bayes_opt's default then polishes it with L-BFGS-B restarts, which in 2L = 60
-  dimensions took 5-10 s per step after 20 points (measured); without them a step takes
-  ~30 ms, and the point is rounded to skip bits anyway."""
+  bayes_opt's default then polishes it with L-BFGS-B restarts, which in 2L dimensions
+  cost seconds a step, a hundred times more than the step without them, and the point is
+  rounded to skip bits anyway."""
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     if len(opt.space) == 0:

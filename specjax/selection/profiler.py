@@ -10,10 +10,9 @@ The steps are timed the way the decode loop pays them (`draft_length.step_times`
 default `LOOP_STEPS` of each chained inside one jitted loop, as KnapSpec's rounds run in
 the device loop, so no host dispatch is counted; `loop_steps=0` times each step as a call
 from the host (the host loop's cost, and every profile made before `loop_steps` was
-recorded). Timed as calls, an H200 put SmolLM2's base at 2.6-3.6 ms, its host dispatch
-and wait included, against 0.003-0.023 ms per sub-layer; the device loop pays no call per
-step, so a profile of calls overprices every draft there (by how much on a GPU is not
-measured yet).
+recorded). Timed as calls, a GPU's base cost is mostly the host's dispatch and wait,
+hundreds of times a sub-layer's on a small model; the device loop pays no call per step,
+so a profile of calls overprices every draft there.
 
 A draft that reads quantised copies of the weights (`8bit`, `4bit`; QuantSpec's 8- or
 4-bit weights) costs a fraction of the full step per sub-layer, so a selection under it
