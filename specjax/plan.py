@@ -41,8 +41,9 @@ class DraftPlan:
   """`attn[l]` / `mlp[l]`: run the attention / MLP sub-layer of layer l. `vocab`, when
   set, is the draft's LM-head shortlist: full-vocabulary ids, -1 for padding; the draft
   scores only those rows (verification always uses the full vocabulary). `router`, when
-  set, picks the shortlist per draft step (DynaSpec); with `vocab` too, the routed
-  clusters are scored beside `vocab`, a static core the router leaves out."""
+  set, picks the shortlist per draft step (DynaSpec, `Transformer.routed_head`); with
+  `vocab` too, the routed clusters are scored beside `vocab`, a static core the router
+  leaves out."""
 
   attn: jax.Array  # bool[L]
   mlp: jax.Array  # bool[L]

@@ -69,8 +69,9 @@ def _draft(state, cache, last, plan, key, limit, *, graphdef, vocab, gamma, thre
                         logits="none" if routed else "last", buffer=buffer)
     key, sub = jax.random.split(key)
     h = out.hidden[0, -1].astype(jnp.float32)
-    if routed:
-      nxt, confidence, q = _routed_choice(state, graphdef, plan, h, i, sub, vocab, sampling)
+    if routed:  # DynaSpec: the shortlist is chosen from this step's hidden state
+      ids, logits = nnx.merge(graphdef, state).routed_head(h, i, plan)
+      nxt, confidence, q = _choose(logits, ids, sub, vocab, sampling)
     else:
       nxt, confidence, q = _choose(out.logits[0, 0], plan.vocab, sub, vocab, sampling)
     if q is not None:
@@ -102,35 +103,6 @@ def _choose(logits, ids, key, vocab, sampling):
   if ids is not None:
     q = jnp.zeros((vocab,), q.dtype).at[jnp.maximum(ids, 0)].add(q)
   return nxt, jnp.max(q), q
-
-
-def _routed_choice(state, graphdef, plan, h, i, key, vocab, sampling):
-  """DynaSpec: the router picks k(i) clusters from the draft's final hidden state h; the
-  head scores their tokens only, beside the plan's static core (`plan.vocab`, rows held)
-  when it has one. One `lax.switch` branch per distinct k, so each draft position gathers
-  a shortlist of its own static size."""
-  model = nnx.merge(graphdef, state)
-  router = plan.router
-  sizes = sorted(set(router.ks), reverse=True)
-  branch_of = jnp.asarray([sizes.index(k) for k in router.ks], jnp.int32)
-  core = None if plan.vocab is None else (
-      plan.vocab, model.head_shortlist(h[None, None], plan.vocab, plan.weights,
-                                       plan.head_rows)[0, 0])
-
-  def branch(k):
-    def run(h, key):
-      ids = router.shortlist(h, k)
-      logits = model.head_shortlist(h[None, None], ids, plan.weights,
-                                    head_rows=router.head_rows)[0, 0]
-      if core is not None:  # the router's table leaves the core's ids out: no duplicates
-        ids, logits = jnp.concatenate([core[0], ids]), jnp.concatenate([core[1], logits])
-      nxt, conf, q = _choose(logits, ids, key, vocab, sampling)
-      return nxt, conf, (jnp.zeros((0,), jnp.float32) if q is None else q)
-    return run
-
-  b = branch_of[jnp.minimum(i, len(router.ks) - 1)]
-  nxt, conf, q = jax.lax.switch(b, [branch(k) for k in sizes], h, key)
-  return nxt, conf, (None if sampling.greedy else q)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
