@@ -5,7 +5,8 @@ For each workload (Spec-Bench, then one per context length) and each prompt: AR,
 every drafter; greedy outputs are checked against AR's. Per method: tokens/s, speedup, M,
 α, KnapSpec's predicted TPT, and the share of decode time spent in selection. Also:
   * the masks KnapSpec chose, over rounds and over context length (a plot);
-  * predicted TPT vs measured throughput across KnapSpec's candidates (Pearson r): the
+  * how well KnapSpec's TPT predicts measured throughput across its candidates, against
+    its acceptance estimate α̂ and its tokens per round alone (Pearson r each): the
     candidates of one selection, each decoded as a fixed plan with its own γ.
 Results go to the shared results store prompt by prompt; --resume continues a crashed run
 made with the same settings.
@@ -151,10 +152,23 @@ def tpt_correlation(model, ids, sel: dict, args, ar_tps: float) -> dict:
     rows.append(dict(budget=c["budget"], gamma=c["gamma"], alpha_hat=c["alpha"],
                      predicted=c["tpt"], measured=g.decode_tokens_per_s,
                      measured_alpha=g.acceptance_rate))
-  pred = np.asarray([r["predicted"] for r in rows])
-  meas = np.asarray([r["measured"] for r in rows])
-  r = float(np.corrcoef(pred, meas)[0, 1]) if len(rows) > 2 and np.std(pred) > 0 else None
-  return dict(rows=rows, pearson=r, ar_tokens_per_s=ar_tps)
+  return dict(rows=rows, pearson=predictor_correlations(rows)["tpt"], ar_tokens_per_s=ar_tps)
+
+
+def predictor_correlations(rows: list[dict]) -> dict[str, float | None]:
+  """Pearson r of the candidates' measured tokens/s with each predictor: KnapSpec's TPT,
+  its acceptance estimate α̂ alone, and the tokens a round is expected to commit at that
+  α̂ and γ (TPL, (1 − α̂^{γ+1}) / (1 − α̂)); None with fewer than 3 candidates or a
+  predictor that does not vary."""
+  meas = np.asarray([r["measured"] for r in rows], float)
+  alpha = np.asarray([r["alpha_hat"] for r in rows], float)
+  gamma = np.asarray([r["gamma"] for r in rows], float)
+  tpl = np.where(alpha < 1, (1 - alpha ** (gamma + 1)) / np.maximum(1 - alpha, 1e-9),
+                 gamma + 1)
+  predictors = {"tpt": np.asarray([r["predicted"] for r in rows], float), "alpha": alpha,
+                "tpl": tpl}
+  return {name: (float(np.corrcoef(x, meas)[0, 1]) if len(rows) > 2 and np.std(x) > 0
+                 and np.std(meas) > 0 else None) for name, x in predictors.items()}
 
 
 def run(args) -> dict:
@@ -219,20 +233,23 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
                      s["mismatches"]])
   table = report.markdown_table(header, rows)
   corr = [r for r in records if r["method"] == "tpt_correlation"]
-  corr_rows = [[c["workload"], len(c["rows"]),
-                "n/a" if c["pearson"] is None else f"{c['pearson']:.2f}",
+  rs = {c["workload"]: predictor_correlations(c["rows"]) for c in corr}
+  shown = lambda v: "n/a" if v is None else f"{v:.2f}"
+  corr_rows = [[c["workload"], len(c["rows"]), shown(rs[c["workload"]]["tpt"]),
+                shown(rs[c["workload"]]["alpha"]), shown(rs[c["workload"]]["tpl"]),
                 f"{min(x['measured'] for x in c['rows']):.1f}–"
                 f"{max(x['measured'] for x in c['rows']):.1f}",
                 f"{min(x['predicted'] for x in c['rows']):.1f}–"
                 f"{max(x['predicted'] for x in c['rows']):.1f}"] for c in corr]
   corr_table = report.markdown_table(
-      ["workload", "candidates", "Pearson r", "measured tok/s", "predicted TPT"], corr_rows)
+      ["workload", "candidates", "r: TPT", "r: α̂", "r: TPL", "measured tok/s",
+       "predicted TPT"], corr_rows)
   plans = report.markdown_table(
       ["workload", "prompt tokens", "method", "attention run", "MLP run", "γ", "DP runs"],
       plan_rows(runs, order))
   profile = DrafterFactory(model, gamma=args.gamma, verbose=False).latency_profile
-  found = verdicts(args.drafters, summary, ctx_len, {c["workload"]: c["pearson"] for c in corr},
-                   metrics.summarize(runs), attention_shares(profile, ctx_len.values()))
+  found = verdicts(args.drafters, summary, ctx_len, rs, metrics.summarize(runs),
+                   attention_shares(profile, ctx_len.values()))
   masks_png = plot_masks(runs, order, out_dir / "knapspec_masks.png")
   rss = peak_rss_gib()
   print(f"\n{table}\n\nKnapSpec's plan at each prompt's end\n{plans}\n\n"
@@ -245,7 +262,8 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
                     for w in order},
       "prompt_tokens": ctx_len,
       "knapspec_predicted_tpt": tpt,
-      "tpt_pearson": {c["workload"]: c["pearson"] for c in corr},
+      "tpt_pearson": {w: r["tpt"] for w, r in rs.items()},
+      "predictor_pearson": rs,
       "peak_rss_gib": round(rss, 2),
       "mismatches": sum(metrics.total_mismatches(summary[w]) for w in order),
       "verdicts": [v.to_json() for v in found],
@@ -271,8 +289,10 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
         "The (plan, γ) each KnapSpec prompt ended drafting with; with no DP run in the "
         "prompt it is the carried candidates' choice priced at the prompt's cache size:",
         "", plans, "",
-        "KnapSpec: predicted tokens-per-time vs measured throughput across the candidates "
-        "of one selection (each decoded as a fixed plan with its own γ):", "", corr_table,
+        "KnapSpec's candidates of one selection, each decoded as a fixed plan with its own "
+        "γ: how well its tokens-per-time (TPT), its acceptance estimate α̂ alone and the "
+        "tokens a round is expected to commit (TPL) predict their measured throughput "
+        "(Pearson r):", "", corr_table,
         "", f"Peak resident memory of the run: {rss:.1f} GiB.", "", image, "",
         claims.section(found)])
     report.write_section(f"long-context-{model.name}", body)
@@ -306,7 +326,7 @@ def attention_shares(profile, lengths) -> dict[int, float]:
   return {int(n): profile.t_attn(n) / (profile.t_attn(n) + profile.t_mlp(n)) for n in lengths}
 
 
-def verdicts(drafters: list[str], summary: dict, ctx_len: dict, pearson: dict,
+def verdicts(drafters: list[str], summary: dict, ctx_len: dict, correlations: dict,
              overall: dict, attention_share: dict | None = None) -> list[claims.Verdict]:
   """Each layer drafter against AR on every workload; KnapSpec against its rivals over
   context and its TPT prediction; each composition against its parts over all workloads."""
@@ -322,7 +342,7 @@ def verdicts(drafters: list[str], summary: dict, ctx_len: dict, pearson: dict,
     contexts = {w: n for w, n in ctx_len.items() if w.startswith("ctx-")}
     out.append(claims.beats_rivals_as_context_grows(summary, contexts, method=ks,
                                                     attention_share=attention_share))
-    out.append(claims.predicted_tpt_tracks(pearson))
+    out.append(claims.tpt_predicts_throughput(correlations))
   return out
 
 

@@ -61,7 +61,8 @@ def test_long_context_verdicts():
              for w, k in (("spec-bench", 1.0), ("ctx-1024", 1.0), ("ctx-4096", 1.1))}
   ctx = {"spec-bench": 270, "ctx-1024": 1024, "ctx-4096": 4096}
   found = bench_long_context.verdicts(["self_sd", "clasp", "knapspec", "8bit", "knapspec+8bit"],
-                                      summary, ctx, {"ctx-1024": 0.9}, summary["ctx-4096"])
+                                      summary, ctx, {"ctx-1024": {"tpt": 0.9, "alpha": 0.5, "tpl": 0.6}},
+                                      summary["ctx-4096"])
   by = {v.subject: v.outcome for v in found}
   assert by["knapspec+8bit"] == claims.NOT_REPRODUCED  # 1.2× < 8bit's 1.6×
   assert by[claims.PAPERS["clasp"][0]] == claims.NOT_REPRODUCED
