@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
-
 
 from experiments import bench_cpu_kernels
-
 from specjax import cpu_kernels  # noqa: E402
 
 

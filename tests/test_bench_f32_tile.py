@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from pathlib import Path
 
 import pytest
-
 
 from experiments import bench_f32_tile
 

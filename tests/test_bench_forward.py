@@ -11,9 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-
 from experiments import bench_forward
-
 from specjax.models.loader import load_model  # noqa: E402
 from specjax.plan import DraftPlan  # noqa: E402
 from specjax.quant import model_matrices, quantize_weights_int8  # noqa: E402

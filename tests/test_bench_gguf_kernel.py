@@ -4,16 +4,11 @@ a timing (a tiny model in Q8_0 blocks)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
 
-
 from experiments import bench_gguf_kernel
-
 from specjax import cpu_kernels  # noqa: E402
 from specjax.models.loader import load_model  # noqa: E402
 

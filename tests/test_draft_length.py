@@ -261,8 +261,9 @@ def test_run_pilot_times_steps_as_the_drafters_loop_pays_them(monkeypatch):
   device loop (steps chained in one jitted loop, the plan traced on a CPU), a drafter that
   updates after every round as host calls. Verification is measured at 1, γ/2 and γ, so a
   fit at any γ ≤ the pilot's reads measured costs around it."""
-  from specjax.drafters import StaticDrafter
   from test_round_loop import _EveryRound
+
+  from specjax.drafters import StaticDrafter
 
   config, graphdef, state = target("llama")
   plan = DraftPlan.from_skips(config.num_layers, [1, 3], [2])

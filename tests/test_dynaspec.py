@@ -160,12 +160,9 @@ def test_continuation_weights_mark_the_positions_that_predict_own_tokens():
 
 
 def test_router_ablation_never_trains_on_its_held_out_sequences():
-  import sys
-  from pathlib import Path
-
-  from specjax.offline.router import Pairs
 
   from experiments import router_ablation as ra
+  from specjax.offline.router import Pairs
 
   group = np.repeat(np.arange(12, dtype=np.int32), 3)
   pairs = Pairs(np.zeros((36, 2)), np.zeros((36, 1)), np.zeros(36, np.int32), group)
@@ -442,8 +439,6 @@ def test_bad_router_settings_are_clear_errors():
 
 
 def test_router_ablation_findings_follow_the_numbers():
-  import sys
-  from pathlib import Path
 
   from experiments import router_ablation as ra
 
@@ -456,8 +451,6 @@ def test_router_ablation_findings_follow_the_numbers():
 def test_router_ablation_without_a_router_names_the_command(tmp_path, monkeypatch):
   """No router built yet: the script says which `router train` to run, before it loads
   the model or makes its results folder."""
-  import sys
-  from pathlib import Path
 
   from experiments import router_ablation as ra
 

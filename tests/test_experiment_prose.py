@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-
-from experiments import bench_quantspec
-from experiments import profile_round
+from experiments import bench_quantspec, profile_round
 
 
 def test_break_even_prose_follows_the_measured_cost():
@@ -52,7 +47,6 @@ def test_quantspec_memory_prices_a_separate_draft_cache():
 
 def test_long_context_verdicts():
   from experiments import bench_long_context
-
   from specjax.bench import claims
 
   r = lambda s: {"speedup": s, "M": 2.0, "alpha": 0.5}
@@ -72,8 +66,9 @@ def test_long_context_verdicts():
 
 
 def test_attention_share_comes_from_the_profile_and_reaches_the_verdict():
-  from experiments import bench_long_context
   from test_knapspec import synthetic_profile
+
+  from experiments import bench_long_context
 
   prof = synthetic_profile()
   shares = bench_long_context.attention_shares(prof, [1024, 4096])
@@ -107,8 +102,9 @@ def test_knapspec_fields_read_through_overlays():
 def test_tpt_correlation_decodes_each_candidate():
   import types
 
-  from experiments import bench_long_context
   from targets import target
+
+  from experiments import bench_long_context
 
   config, graphdef, state = target("llama")
   model = types.SimpleNamespace(graphdef=graphdef, state=state, config=config)
@@ -127,10 +123,10 @@ def test_prefill_selection_selects_under_an_overlay_even_with_a_budget():
   its selection over the prompt made none there, so the study asks for one at prefill."""
   import types
 
-  from experiments import bench_long_context
   from targets import PROMPT, target
   from test_knapspec import synthetic_profile
 
+  from experiments import bench_long_context
   from specjax.drafters import Int8WeightsDrafter, KnapSpecDrafter
 
   config, graphdef, state = target("llama")
@@ -179,10 +175,10 @@ def test_long_context_shows_the_quantised_profile_each_knapspec_selected_with(tm
   it: QuantSpec at its default 8 bits shares `knapspec+8bit`'s; plain KnapSpec adds none."""
   import types
 
-  from experiments import bench_long_context
   from test_drafter_factory import model
   from test_knapspec import synthetic_profile
 
+  from experiments import bench_long_context
   from specjax.selection import profiler
 
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))

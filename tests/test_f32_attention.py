@@ -189,7 +189,6 @@ def test_bench_attention_times_both_paths(monkeypatch, capsys):
   at the end."""
   import json
   import sys
-  from pathlib import Path
 
   from experiments import bench_attention
 
@@ -206,7 +205,6 @@ def test_bench_attention_times_both_paths(monkeypatch, capsys):
 def test_bench_attention_refuses_another_dtype(monkeypatch):
   """--dtype other than float32 stops with a message (the kernel takes float32 only)."""
   import sys
-  from pathlib import Path
 
   from experiments import bench_attention
 

@@ -23,6 +23,7 @@ from specjax.errors import ConfigError
 from specjax.gguf_matrix import KINDS, GGUFMatrix
 from specjax.plan import PlanError
 
+
 def test_q4_0_copies_cover_every_matrix():
   model = model_of("qwen2")
   config, L = model.config, model.config.num_layers

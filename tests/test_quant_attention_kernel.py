@@ -256,7 +256,6 @@ def test_bench_quant_steps_times_steps_and_kernels(monkeypatch, capsys):
   at the end."""
   import json
   import sys
-  from pathlib import Path
 
   from experiments import bench_quant_steps
 

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 from test_data import write_spec_bench
-
 
 from experiments import replay_vs_real
 

@@ -98,7 +98,6 @@ def test_bench_greedy_times_each_form(monkeypatch, capsys):
   the end; a malformed --shapes stops with a message."""
   import json
   import sys
-  from pathlib import Path
 
   from experiments import bench_greedy
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
-
 
 from experiments import trace_step_ops
 
