@@ -102,9 +102,11 @@ def _speculate(args: argparse.Namespace, model, ids: list[int], on_token, kw: di
   if on_token:
     print()
   stats = {"model": model.name, "drafter": args.drafter, "prompt_tokens": len(ids),
-           "new_tokens": len(out.tokens), "M": round(out.mean_accepted, 3),
-           "alpha": round(out.acceptance_rate, 3),
+           "new_tokens": len(out.tokens), "rounds": out.rounds,
+           "M": round(out.mean_accepted, 3), "alpha": round(out.acceptance_rate, 3),
            "tokens_per_s": round(out.decode_tokens_per_s, 2)}
+  if (chosen := drafter.selections(out.drafter_state)) is not None:
+    stats["selections"] = chosen  # plans chosen as it decoded (CLaSp's, KnapSpec's DPs)
   line = (f"[{args.drafter}: {stats['new_tokens']} tokens, M {out.mean_accepted:.2f}, "
           f"α {out.acceptance_rate:.2f}, {out.decode_tokens_per_s:.1f} tok/s")
   if not args.no_compare:

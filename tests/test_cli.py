@@ -83,6 +83,22 @@ def test_generate_with_a_drafter_streams_and_reports_the_speedup(capsys):
   assert "DRAFTER.OPTION=VALUE" in capsys.readouterr().err
 
 
+def test_clasp_selects_after_every_verification_by_default(capsys):
+  """The paper's CLaSp re-selects after each verification: `selections` (plans chosen as
+  it decoded) is at least the rounds less one. The interval of our CPU variant shows in
+  the count, and a drafter that selects nothing reports none."""
+  base = ["generate", "--model", "tiny-llama", "--prompt", "the cat sat on", "--no-chat",
+          "--max-new-tokens", "16", "--no-compare", "--quiet", "--json"]
+  assert main(base + ["--drafter", "clasp"]) == 0
+  stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert stats["rounds"] >= 3 and stats["selections"] >= stats["rounds"] - 1
+  assert main(base + ["--drafter", "clasp", "--option", "clasp.interval=8"]) == 0
+  stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert stats["selections"] <= 1 + stats["rounds"] // 8
+  assert main(base + ["--drafter", "early_exit"]) == 0
+  assert "selections" not in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
 def test_generate_over_gguf_blocks_matches_ar(capsys):
   """`--dtype gguf` end to end: a tiny model (no file: its matrices quantised to Q8_0 by
   gguf-py) decodes through the blocks kernel, and an 8-bit draft over it keeps AR's

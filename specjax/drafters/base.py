@@ -78,6 +78,11 @@ class Drafter(abc.ABC):
     """Fold one round's outcome (`round.RoundOut`, on host) into the state."""
     return state
 
+  def selections(self, state: Any) -> int | None:
+    """How many times this generation chose a new plan (a per-round selector's DP runs);
+    None for a drafter that selects nothing as it decodes."""
+    return None
+
   # --- `chunked` drafters only ----------------------------------------------------------
   def carried_window(self, state: Any) -> Any:
     """The window of verified rows that the device loop carries and extends each round."""

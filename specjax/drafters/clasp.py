@@ -5,9 +5,10 @@ them skipped, best meaning closest (cosine) to the full model's residual after l
 for the last verified token(s); g[l+1][m] comes from running layer l on g[l][m] or
 skipping it from g[l][m−1]. All m-branches of a layer run as one batched call against the
 verified KV cache (`layer_dp` with run cost 0, skip cost 1); the plan at m = `skip` is
-backtracked. Selection reruns every `interval` rounds on the newest verified tokens;
-between selections the plan is fixed, so the device loop runs those rounds as one call
-(`chunked`), extending the window on the device.
+backtracked. As in the paper, selection reruns after every verification (`interval` = 1)
+on the newest verified tokens. `interval` = k > 1 is our variant for a CPU, where a DP
+costs several draft steps: between selections the plan is fixed, so the device loop
+runs those rounds as one call (`chunked`), extending the window on the device.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class ClaspDrafter(Drafter):
   chunked: ClassVar[bool] = True  # the device loop runs the rounds between selections
   skip: int | None = None  # layers skipped; default half of them
   window: int = 1  # verified tokens compared (CLaSp: the last one)
-  interval: int = 8  # rounds between selections
+  interval: int = 1  # rounds between selections (the paper: every verification)
 
   def __post_init__(self):
     if self.skip is not None and self.skip < 0:
@@ -65,6 +66,9 @@ class ClaspDrafter(Drafter):
 
   def update(self, state: ClaspState, out, session) -> ClaspState:
     return self._after(state, push_round(state.window, out, session), 1, session)
+
+  def selections(self, state: ClaspState) -> int:
+    return len(state.plans)
 
   def carried_window(self, state: ClaspState):
     return state.window

@@ -203,6 +203,11 @@ class KnapSpecDrafter(Drafter):
     return self.resume(state, push_round(state.window, out, session), [int(out.n_drafted)],
                        [int(out.n_commit) - 1], session)
 
+  def selections(self, state: KnapSpecState) -> int:
+    """The DP runs of this generation (a carried selection re-priced at a new prompt is
+    not one)."""
+    return len(state.selections)
+
   def carried_window(self, state: KnapSpecState) -> Window:
     return state.window
 

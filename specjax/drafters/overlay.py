@@ -86,6 +86,9 @@ class OverlayDrafter(Drafter):
       return state
     return dataclasses.replace(state, base=self.base.update(state.base, out, session))
 
+  def selections(self, state: OverlayState) -> int | None:
+    return self.base.selections(state.base) if self.base else None
+
   def carried_window(self, state: OverlayState) -> Any:
     return self.base.carried_window(state.base)
 
