@@ -74,9 +74,29 @@ def test_clasp_is_lossless_and_skips_exactly_m(arch):
     assert np.sum(~bits[0::2]) == 2 and np.array_equal(bits[0::2], bits[1::2])
 
 
+def test_knapspec_defaults_are_the_papers():
+  """By default KnapSpec runs the paper's method: a DP after every round (and at the
+  prompt), sub-layers weighed at the context each DP runs at, budgets up to half the full
+  model's weight (K/2), values over the last 5 verified tokens."""
+  # attention outweighs the MLP as the context grows: 1:2 at 15 tokens, 3:1 at 70
+  d = KnapSpecDrafter(profile=synthetic_profile(a=4e-6, b=1e-6, c=1e-4))
+  assert (d.interval, d.selection_budget, d.window, d.max_budget_share) == (1, None, 5, 0.5)
+  out = run(d, n=60)
+  assert out.tokens == ar(n=60)
+  st = out.drafter_state
+  assert d.selections(st) >= out.rounds - 1
+  contexts = [sel.context for sel in st.selections]
+  assert contexts == sorted(contexts) and contexts[-1] > contexts[0]  # one per round
+  assert np.array_equal(st.weights, d._weights(contexts[-1]))
+  assert not np.array_equal(st.weights, d._weights(contexts[0]))
+  for sel in st.selections:
+    half = 0.5 * float(np.sum(d._weights(sel.context)))
+    assert all(c["budget"] <= half for c in sel.candidates)
+
+
 def test_selection_budget_spaces_selections_and_carries_across_prompts():
   """With a budget, selection waits until the DP's measured cost is within that share of
-  the decode time since the last one; the next prompt (same cache size) starts from the
+  the decode time since the last one; the next prompt starts from the
   carried selection instead of a new DP."""
   d = KnapSpecDrafter(profile=synthetic_profile(), interval=2, selection_budget=0.05)
   first = run(d)
@@ -92,26 +112,29 @@ def test_selection_budget_spaces_selections_and_carries_across_prompts():
                                 gamma=5, eos_ids=(), drafter_state=st)
   assert second.tokens == ar()
   assert all(s.round > st.total_rounds for s in second.drafter_state.selections)
-  # A longer generation needs a larger cache, where attention weighs more: the carried
-  # selection still drafts from the first round, and the next DP uses the new weights.
+  # A longer generation reaches longer contexts, where attention weighs more: the carried
+  # selection still drafts from the first round, and each DP weighs the sub-layers at the
+  # context it runs at.
   third = speculative_generate(graphdef, state, config, PROMPT, d, max_new_tokens=240,
                                gamma=5, eos_ids=(), drafter_state=second.drafter_state)
   assert third.tokens == ar(n=240)
   t = third.drafter_state
-  assert not np.array_equal(t.weights, st.weights)
-  assert np.array_equal(t.weights, d._weights(512))
+  assert t.selections and t.selections[-1].context > len(PROMPT) + 40
+  assert np.array_equal(t.weights, d._weights(t.selections[-1].context))
+  assert not np.array_equal(t.weights, d._weights(len(PROMPT)))
   assert all(s.round > second.drafter_state.total_rounds for s in t.selections)
   with pytest.raises(ValueError, match="selection_budget"):
     KnapSpecDrafter(profile=synthetic_profile(), selection_budget=1.5)
 
 
 def test_a_carried_choice_is_priced_again_at_the_new_context():
-  """A carried state's last DP candidates are re-priced at each prompt's cache size, and
+  """A carried state's last DP candidates are re-priced at each prompt's context, and
   (`realised`) after each round: where attention grows costly with context, a plan that
   skips attention overtakes the full plan it lost to at a short context, with no DP (the
   budget keeps DPs rare on a CPU; the 1.5B's long prompts drafted with a plan chosen at
   52 tokens before this)."""
-  d = KnapSpecDrafter(profile=synthetic_profile(a=1e-7, b=1e-6, c=1e-4), max_gamma=4)
+  d = KnapSpecDrafter(profile=synthetic_profile(a=1e-7, b=1e-6, c=1e-4), max_gamma=4,
+                      selection_budget=0.05, interval=16)  # the budgeted variant carries
   mlp_only, full = np.zeros(8, bool), np.ones(8, bool)
   mlp_only[1::2] = True  # sub-layers alternate attention, MLP
   st = run(d, n=8).drafter_state
@@ -119,7 +142,7 @@ def test_a_carried_choice_is_priced_again_at_the_new_context():
                            bits=mlp_only, gamma=4, plan=DraftPlan.from_bits(mlp_only))
   assert np.array_equal(d._rechoose(st, 64).bits, full)  # attention cheap: the exact plan
   assert np.array_equal(d._rechoose(st, 4096).bits, mlp_only)  # attention dear: skip it
-  # The next prompt (a short one) drafts with the choice priced at its own cache size,
+  # The next prompt (a short one) drafts with the choice priced at its own context,
   # not the carried one.
   config, graphdef, state = tiny()
   out = speculative_generate(graphdef, state, config, PROMPT, d, max_new_tokens=12, gamma=5,

@@ -1,11 +1,14 @@
 """`knapspec`: per-round sub-layer selection as a knapsack over latency (KnapSpec).
 
 The 2L items are the attention and MLP sub-layers apart. Their integer weights come from
-the latency profile at the current cache size (w = round(t / Δ), Δ = min(t_attn, t_mlp),
-capped), so attention grows heavier with context while the MLP does not. One jitted DP
+the latency profile at the current context length, taken again at every selection (w =
+round(t / Δ), Δ = min(t_attn, t_mlp), capped), so attention grows heavier with context
+while the MLP does not. One jitted DP
 (`layer_dp`) fills the table over (item, used weight) for every budget at once, keeping
 per cell the state closest (cosine) to the full model's residuals of the last verified
-tokens, and pruning cells below τ. Each budget's candidate then gets an acceptance
+tokens (the paper's m = 5), and pruning cells below τ. Budgets run to half the full
+model's weight (the paper's K/2; `max_budget_share`). Each budget's candidate then gets an
+acceptance
 estimate α̂ (top-1 agreement of its final state with the target over the window) and a
 draft time from the profile, and the pair (candidate, γ) maximising tokens per time
 
@@ -14,19 +17,19 @@ draft time from the profile, and the pair (candidate, γ) maximising tokens per 
 is used — γ included, and every candidate, the empty one too (the public code neither
 uses its best γ nor considers candidate 0).
 
-When to select again. With `selection_budget` (default 5 %), a selection reruns once the
-decode time since the last one (predicted from the profile) is large enough that the DP's
-measured cost stays within that share of it, and no sooner than `interval` rounds; the
-state carries across prompts (pass the final state as the next generation's `prior`),
-also to another cache size, whose weights the next DP uses, so a stream of prompts does
-not pay a DP at every prefill. Until that DP, the last one's candidates are priced again
-at each new prompt's cache size (profile times only, no DP), so a long prompt can move to
-a candidate that skips more attention. With `selection_budget=None` it reruns every `interval`
-rounds and at every prompt, as in the paper — on a GPU the batched DP costs about one
-forward, on a 2-core CPU several draft steps.
+When to select again. As in the paper, by default after every round (`interval` = 1,
+`selection_budget` None) and at every prompt: on a GPU the batched DP costs about one
+forward, on a 2-core CPU several draft steps. Our variant for a CPU, `selection_budget`
+(e.g. 0.05, with `interval` 16): a selection reruns once the decode time since the last
+one (predicted from the profile) is large enough that the DP's measured cost stays within
+that share of it, and no sooner than `interval` rounds; the state carries across prompts
+(pass the final state as the next generation's `prior`), so a stream of prompts does not
+pay a DP at every prefill. Until that DP, the last one's candidates are priced again at
+each new prompt's context (profile times only, no DP), so a long prompt can move to a
+candidate that skips more attention.
 
 Realised acceptance (`realised=True`, not in the paper). α̂ counts agreements over a
-window of a few tokens (4 on a CPU), so cheap candidates can score α̂ = 1 and win on
+window of a few tokens, so cheap candidates can score α̂ = 1 and win on
 cost, then accept far less when they draft (docs/BENCHMARKS.md,
 `knapspec-8bit-realised-*`, measures both). With `realised`, a candidate whose plan
 drafted in earlier rounds is priced at the acceptance it realised there (maximum
@@ -82,12 +85,12 @@ class KnapSpecState:
   total_rounds: int
   dp_seconds: float  # wall time of the last selection (compilation excluded)
   since_s: float  # predicted decode seconds since the last selection
-  weights: np.ndarray  # int[2L] at this cache size
+  weights: np.ndarray  # int[2L] at the context of the last selection
   selections: list[Selection]
   # plan bits -> (accepted drafts, rejections) over the rounds it drafted (`realised`)
   tallies: dict[bytes, tuple[int, int]] = dataclasses.field(default_factory=dict)
   # the last DP's alive candidates: bits[C, 2L] and window α̂[C], chosen among again after
-  # each round (`realised`) and at each new prompt's cache size (a carried state)
+  # each round (`realised`) and at each new prompt's context (a carried state)
   candidates: tuple[np.ndarray, np.ndarray] | None = None
 
 
@@ -138,16 +141,19 @@ class KnapSpecDrafter(Drafter):
   # and a round adds its rows to the window and its drafts to the predicted time.
   chunked: ClassVar[bool] = True
   profile: LatencyProfile  # `profiler.load_profile`, or `specjax profile`
-  # Verified tokens scored, the newest (the paper: those of the last m = 5 rounds). The
-  # DP runs (budgets × window) token-states through the model: cheap on a GPU, but
-  # compute-bound on a CPU, where it sets the selection cost (see BENCHMARKS.md).
-  window: int = 4
+  # Verified tokens scored, the newest: the paper's m = 5 (it counts the tokens of the last
+  # 5 steps; a fixed count keeps one executable). The DP runs (budgets × window)
+  # token-states through the model: cheap on a GPU, compute-bound on a CPU.
+  window: int = 5
   tau: float = 0.5  # prune cells whose mean cosine falls below
   prune: bool = True
   cap: int = 5  # largest integer weight
   max_gamma: int = 6
-  interval: int = 16  # rounds between selections (the minimum, with a budget)
-  selection_budget: float | None = 0.05  # share of decode time the DP may take
+  interval: int = 1  # rounds between selections (the minimum, with a budget)
+  # share of decode time the DP may take (our CPU variant); None: select every `interval`
+  selection_budget: float | None = None
+  # the largest budget as a share of the full model's weight (the paper: K/2); None: all
+  max_budget_share: float | None = 0.5
   objective: str = "tpt"  # or "cosine" (ablation)
   cosine_share: float = 0.5  # "cosine" objective: budget as a share of the capacity
   coupled: bool = False  # ablation: whole layers as items
@@ -164,6 +170,9 @@ class KnapSpecDrafter(Drafter):
     if self.selection_budget is not None and not 0.0 < self.selection_budget < 1.0:
       raise ConfigError(f"selection_budget must be in (0, 1) or None, got "
                        f"{self.selection_budget}")
+    if self.max_budget_share is not None and not 0.0 < self.max_budget_share <= 1.0:
+      raise ConfigError(f"max_budget_share must be in (0, 1] or None, got "
+                       f"{self.max_budget_share}")
     if self.window < 1 or self.interval < 1 or self.max_gamma < 1 or self.cap < 1:
       raise ConfigError("window, interval, max_gamma and cap must be >= 1")
 
@@ -175,10 +184,10 @@ class KnapSpecDrafter(Drafter):
           f"the latency profile is for {self.profile.model} ({self.profile.num_layers} "
           f"layers); this model has {cfg.num_layers}: run `specjax profile` for it")
     window = prompt_window(session, self.window)
-    weights = self._weights(session.cache.size)
+    weights = self._weights(len(session.context))
     if (self.selection_budget is not None and isinstance(prior, KnapSpecState)
         and prior.weights.shape == weights.shape):
-      # Keep drafting with the carried selection, at any cache size: every plan is
+      # Keep drafting with the carried selection, at any context: every plan is
       # lossless, and the budget decides when a DP over this size's weights pays. (A
       # forced DP at each new size once took 61 % of a 48-token prompt's decode.) The
       # last DP's candidates are priced again at this size, which costs no DP: a long
@@ -186,7 +195,7 @@ class KnapSpecDrafter(Drafter):
       # 1k-4k prompts on the 1.5B before this.
       state = dataclasses.replace(prior, window=window, weights=weights, selections=[])
       if self.objective == "tpt" and state.candidates is not None:
-        state = self._rechoose(state, session.cache.size)
+        state = self._rechoose(state, len(session.context))
       return state
     state = KnapSpecState(window, DraftPlan.full(cfg.num_layers),
                           np.ones(2 * cfg.num_layers, bool), self.max_gamma, 0, 0, 0.0, 0.0,
@@ -219,7 +228,7 @@ class KnapSpecDrafter(Drafter):
       return 1
     rounds = self.interval - state.rounds
     if self.selection_budget is not None:
-      n = session.cache.size
+      n = len(session.context)
       most = (state.gamma * float(self.profile.draft_time(state.bits, n))
               + self.profile.t_target(n, state.gamma + 1))  # the most a round adds
       short = state.dp_seconds / self.selection_budget - state.since_s
@@ -230,7 +239,7 @@ class KnapSpecDrafter(Drafter):
              session) -> KnapSpecState:
     """Each round's drafts priced by the profile, and, under `realised`, tallied for its
     plan; then a selection if one is due, else (`realised`) the best candidate again."""
-    n = session.cache.size
+    n = len(session.context)
     t_draft = float(self.profile.draft_time(state.bits, n))
     t_target = self.profile.t_target(n, state.gamma + 1)
     tallies, since_s = state.tallies, state.since_s
@@ -251,7 +260,7 @@ class KnapSpecDrafter(Drafter):
     return self.realised and self.objective == "tpt" and state.candidates is not None
 
   def _rechoose(self, state: KnapSpecState, n: int) -> KnapSpecState:
-    """The best (plan, γ) among the last DP's candidates at cache size n, priced by what
+    """The best (plan, γ) among the last DP's candidates at context n, priced by what
     they realised (`realised`) and by the profile's times at n."""
     bits, window_alpha = state.candidates[:2]  # a state pickled before kept t_draft too
     t_draft = self.profile.draft_time(bits, n)
@@ -288,8 +297,8 @@ class KnapSpecDrafter(Drafter):
     return w
 
   def _select(self, state: KnapSpecState, session) -> KnapSpecState:
-    n = session.cache.size
-    weights = state.weights
+    n = len(session.context)
+    weights = self._weights(n)  # at the context now: attention weighs more as it grows
     slots = slots_for(weights)
     clock = session.clock  # the generation's: its compiles are booked as compilation
     t0, c0 = time.perf_counter(), clock.seconds
@@ -301,6 +310,9 @@ class KnapSpecDrafter(Drafter):
         (cands.bits, cands.alive, cands.cosine, cands.agreement))
     dp_seconds = time.perf_counter() - t0 - (clock.seconds - c0)
     budgets = np.flatnonzero(alive)
+    if self.max_budget_share is not None and budgets.size:
+      within = budgets[budgets <= self.max_budget_share * float(np.sum(weights))]
+      budgets = within if within.size else budgets[:1]  # else the cheapest alive
     if budgets.size == 0:  # everything pruned: draft with the full model's first layers
       budgets = np.asarray([slots - 1]) if alive.size else np.asarray([0])
     t_draft = self.profile.draft_time(bits[budgets], n)
@@ -325,7 +337,7 @@ class KnapSpecDrafter(Drafter):
                     chosen_bits=chosen, gamma=gamma, predicted_tpt=best_tpt,
                     candidates=records)
     return dataclasses.replace(state, plan=DraftPlan.from_bits(chosen), bits=chosen, gamma=gamma,
-                               rounds=0,
+                               rounds=0, weights=weights,
                                selections=state.selections + [sel], dp_seconds=dp_seconds,
                                since_s=0.0,
                                candidates=(bits[budgets], window_alpha[budgets]))
