@@ -103,7 +103,8 @@ def test_swift_replays_from_its_state(tmp_path):
   every time, and a finished generation's state, continued twice as a prior, gives the
   same run twice (continuing from it never changes it)."""
   plans = lambda out: [p.to_json() for p in out.plans]
-  drafter = SwiftDrafter(trials=60, bo_every=5, window=16, seed=3)
+  # max_score 2: no plan ends the search early, so every continuation adds trials
+  drafter = SwiftDrafter(trials=60, bo_every=5, window=16, seed=3, max_score=2.0)
   first = ssd("qwen3", drafter, gamma=3, record_rounds=True)
   assert plans(first) == plans(ssd("qwen3", drafter, gamma=3, record_rounds=True))
   prior = first.drafter_state
@@ -120,6 +121,30 @@ def test_swift_replays_from_its_state(tmp_path):
   assert prior.trials == first.drafter_state.trials and runs[0].drafter_state.trials > prior.trials
   for bits in prior.xs:  # plan bits: the first and last layers always run
     assert bits[:2].all() and bits[-2:].all()
+
+
+def test_swift_defaults_and_stopping_rules_are_the_papers():
+  """SWIFT's public constants (eval_llama.sh): skip ratio 0.45, a BO proposal every 25th,
+  a 32-token window, and a search that ends at a plan scoring 0.9, after 300 candidates
+  without a better one, or after 1,000."""
+  import jax
+
+  from specjax.drafters.swift import SwiftState
+  from specjax.plan import DraftPlan
+
+  d = SwiftDrafter()
+  assert (d.skip_ratio, d.bo_every, d.window, d.trials, d.tolerance, d.max_score) == (
+      0.45, 25, 32, 1000, 300, 0.9)
+  st = lambda **kw: SwiftState(**{**dict(best=DraftPlan.full(4), best_score=0.5, trials=10,
+                                         xs=(), ys=(), key=jax.random.key(0),
+                                         best_trial=5), **kw})
+  assert d.searching(st())
+  assert not d.searching(st(best_score=0.9))  # good enough
+  assert not d.searching(st(trials=306, best_trial=6))  # 300 without a better plan
+  assert d.searching(st(trials=305, best_trial=6))
+  assert not d.searching(st(trials=1000, best_trial=999))  # the most it tries
+  assert d.rounds_left(st(best_score=0.95), None) is None  # frozen: the loop runs them all
+  assert d.rounds_left(st(), None) == 1
 
 
 def test_self_sd_objective_ranks_an_agreeing_plan_above_a_cheap_useless_one():

@@ -92,6 +92,7 @@ class KnapSpecState:
   # the last DP's alive candidates: bits[C, 2L] and window α̂[C], chosen among again after
   # each round (`realised`) and at each new prompt's context (a carried state)
   candidates: tuple[np.ndarray, np.ndarray] | None = None
+  context: int = 0  # the context `weights` and the predicted round times are taken at
 
 
 def tokens_per_time(alpha: np.ndarray, gamma: np.ndarray, t_draft: np.ndarray,
@@ -193,13 +194,14 @@ class KnapSpecDrafter(Drafter):
       # last DP's candidates are priced again at this size, which costs no DP: a long
       # prompt's attention weighs more, and a plan chosen at 52 tokens drafted whole
       # 1k-4k prompts on the 1.5B before this.
-      state = dataclasses.replace(prior, window=window, weights=weights, selections=[])
+      state = dataclasses.replace(prior, window=window, weights=weights, selections=[],
+                                  context=len(session.context))
       if self.objective == "tpt" and state.candidates is not None:
         state = self._rechoose(state, len(session.context))
       return state
     state = KnapSpecState(window, DraftPlan.full(cfg.num_layers),
                           np.ones(2 * cfg.num_layers, bool), self.max_gamma, 0, 0, 0.0, 0.0,
-                          weights, [])
+                          weights, [], context=len(session.context))
     return self._select(state, session)
 
   def plan(self, state: KnapSpecState) -> DraftPlan:
@@ -237,11 +239,13 @@ class KnapSpecDrafter(Drafter):
 
   def resume(self, state: KnapSpecState, window, drafted, accepted,
              session) -> KnapSpecState:
-    """Each round's drafts priced by the profile, and, under `realised`, tallied for its
-    plan; then a selection if one is due, else (`realised`) the best candidate again."""
+    """Each round's drafts priced by the profile at the context of the last selection
+    (the same whether the rounds come one by one or in a chunk from the device loop), and,
+    under `realised`, tallied for its plan; then a selection if one is due, else
+    (`realised`) the best candidate again."""
     n = len(session.context)
-    t_draft = float(self.profile.draft_time(state.bits, n))
-    t_target = self.profile.t_target(n, state.gamma + 1)
+    t_draft = float(self.profile.draft_time(state.bits, state.context))
+    t_target = self.profile.t_target(state.context, state.gamma + 1)
     tallies, since_s = state.tallies, state.since_s
     for d, a in zip(drafted, accepted):
       if self.realised:
@@ -337,7 +341,7 @@ class KnapSpecDrafter(Drafter):
                     chosen_bits=chosen, gamma=gamma, predicted_tpt=best_tpt,
                     candidates=records)
     return dataclasses.replace(state, plan=DraftPlan.from_bits(chosen), bits=chosen, gamma=gamma,
-                               rounds=0, weights=weights,
+                               rounds=0, weights=weights, context=n,
                                selections=state.selections + [sel], dp_seconds=dp_seconds,
                                since_s=0.0,
                                candidates=(bits[budgets], window_alpha[budgets]))

@@ -4,8 +4,12 @@ While optimising, each round proposes a candidate skip set — random, with a Ba
 optimisation proposal every `bo_every`-th time — and scores it by top-1 agreement with
 the target over the last `window` committed tokens (teacher-forced against the verified
 cache, no writes). The best plan so far drafts. The first and last layers are never
-skipped. After `trials` candidates the plan is frozen. As in SWIFT, the search spans a
-stream of prompts: pass a generation's final state as the next one's `prior`.
+skipped. The search ends, and the plan is frozen, as SWIFT's public code ends it: once
+the best plan scores `max_score`, after `tolerance` candidates without a better one, or
+after `trials` candidates (1,000). As in SWIFT, the search spans a stream of prompts:
+pass a generation's final state as the next one's `prior`. Its constants are the paper's
+(`eval_llama.sh` of github.com/hemingkx/SWIFT: skip ratio 0.45, a BO proposal every 25th,
+a 32-token window); `trials=40` is the short search our CPU benchmarks used.
 
 Its update reads the session, not the round (`chunked`): while it optimises, the device
 loop runs one round a call and the host scores a candidate between calls; once the plan
@@ -32,6 +36,7 @@ class SwiftState:
   xs: tuple[np.ndarray, ...]  # candidate plan bits (for BO)
   ys: tuple[float, ...]  # their scores
   key: jax.Array  # trial t draws from fold_in(key, t): a state replays exactly
+  best_trial: int = 0  # the trial count when the best plan was found (`tolerance`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +44,17 @@ class SwiftDrafter(Drafter):
   name = "swift"
   chunked: ClassVar[bool] = True
   skip_ratio: float = 0.45  # share of the skippable sub-layers a candidate skips
-  trials: int = 40  # candidates evaluated before the plan is frozen
+  trials: int = 1000  # candidates evaluated at most before the plan is frozen
+  tolerance: int = 300  # candidates without a better plan before it is frozen
+  max_score: float = 0.9  # a plan scoring this ends the search
   bo_every: int = 25
   window: int = 32
   seed: int = 0
+
+  def searching(self, state: SwiftState) -> bool:
+    """Whether the search goes on: no stopping rule has fired."""
+    return (state.trials < self.trials and state.best_score < self.max_score
+            and state.trials - state.best_trial < self.tolerance)
 
   def _skippable(self, L: int) -> np.ndarray:
     """Plan-bit indices (sub-layer order, `plan.py`) that may be skipped: all but the
@@ -62,12 +74,12 @@ class SwiftDrafter(Drafter):
 
   def init(self, session, prior: SwiftState | None = None) -> SwiftState:
     if prior is not None:  # keep optimising where the previous prompt stopped
-      return dataclasses.replace(prior, best_score=-1.0 if prior.trials < self.trials else
+      return dataclasses.replace(prior, best_score=-1.0 if self.searching(prior) else
                                  prior.best_score)
     key = jax.random.key(self.seed)
     start = jax.random.fold_in(key, 1 << 30)  # a stream apart from the trials'
     bits = self._random_bits(session.config.num_layers, start)
-    return SwiftState(DraftPlan.from_bits(bits), -1.0, 0, (), (), key)
+    return SwiftState(DraftPlan.from_bits(bits), -1.0, 0, (), (), key, 0)
 
   def plan(self, state: SwiftState) -> DraftPlan:
     return state.best
@@ -77,13 +89,13 @@ class SwiftDrafter(Drafter):
 
   def rounds_left(self, state: SwiftState, session) -> int | None:
     """One while it optimises (a candidate after every round), then all of them."""
-    return 1 if state.trials < self.trials else None
+    return 1 if self.searching(state) else None
 
   def resume(self, state: SwiftState, window, drafted, accepted, session) -> SwiftState:
     return self.update(state, None, session)  # one round while it optimises
 
   def update(self, state: SwiftState, out, session) -> SwiftState:
-    if state.trials >= self.trials:
+    if not self.searching(state):
       return state
     L = session.config.num_layers
     if state.best_score < 0:  # score the starting plan once there is enough context
@@ -99,12 +111,12 @@ class SwiftDrafter(Drafter):
       bits = self._random_bits(L, key)
     cand = DraftPlan.from_bits(bits)
     score = session.score(cand, self.window)
-    best, best_score = state.best, state.best_score
+    best, best_score, best_trial = state.best, state.best_score, state.best_trial
     if score > best_score:
-      best, best_score = cand, score
+      best, best_score, best_trial = cand, score, state.trials + 1
     return dataclasses.replace(state, best=best, best_score=best_score,
                                trials=state.trials + 1, xs=state.xs + (bits,),
-                               ys=state.ys + (score,))
+                               ys=state.ys + (score,), best_trial=best_trial)
 
   def _bo_proposal(self, state: SwiftState, L: int, key: jax.Array) -> np.ndarray:
     """Gaussian-process UCB over the scored plans, with the same skip budget."""
