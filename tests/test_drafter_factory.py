@@ -91,8 +91,8 @@ def test_compositions_set_the_fields_of_each_part(plan_file):
   assert d.own_gamma and d.wants_residuals  # KnapSpec's policy passes through
   assert d.base.base.profile.draft == "int8"  # priced at the 8-bit sub-layer times
   assert f.make("knapspec+dynaspec").base.profile.draft == "target"
-  # QuantSpec prices KnapSpec at the times of the weights it drafts with (8 bits, the
-  # CPU default, or the paper's 4), and its drafter, profile and search share one copy
+  # QuantSpec prices KnapSpec at the times of the weights it drafts with (the paper's 4
+  # bits by default, or 8), and its drafter, profile and search share one copy
   for bits, kind in ((8, "int8"), (4, "int4"), (16, None)):
     g = DrafterFactory(model(), gamma=4, verbose=False,
                        options={"quantspec": {"weight_bits": bits}}, artefacts=f.artefacts)
@@ -113,7 +113,8 @@ def test_compositions_set_the_fields_of_each_part(plan_file):
   q = f.make("frspec+quantspec")  # FR-Spec alone, under QuantSpec
   assert q.name == "quantspec" and q.base.name == "frspec" and q.kv_cache == KV
   assert f.make("8bit").weights is f.make("self_sd+8bit").weights  # one int8 copy
-  assert f.make("quantspec").weights is f.make("8bit").weights  # 8-bit on a CPU
+  assert f.make("quantspec").weights is f.int4_weights  # the paper's 4-bit MLP
+  assert f.make("quantspec").weights is f.make("self_sd+quantspec").weights  # one copy
   assert f.make("4bit").weights is f.make("early_exit+4bit+frspec").base.weights  # one Q4_0
   assert f.make("4bit").weights is f.make("knapspec+4bit").weights
   assert (f.make("4bit").weights.bits, f.make("4bit").weights.kind) == (4, "q4_0")
@@ -188,7 +189,9 @@ def test_overlays_hand_their_base_its_own_prior(plan_file):
   counts = np.bincount(np.asarray(PROMPT) % 97, minlength=97).astype(np.int64) + 1
   f = DrafterFactory(model(), gamma=4, verbose=False, artefacts={"counts": counts},
                      options={"frspec": {"size": 48},
-                              "swift": {"trials": 100, "bo_every": 4, "window": 8}})
+                              # max_score 2: no plan ends the search before prompt two
+                              "swift": {"trials": 100, "bo_every": 4, "window": 8,
+                                        "max_score": 2.0}})
   names = ("swift", "swift+8bit", "swift+8bit+frspec")
   drafters = {n: f.make(n) for n in names}
   base = lambda s: s if hasattr(s, "trials") else base(s.base)

@@ -172,7 +172,7 @@ def test_knn_search_prompt_study_writes_its_own_section():
 def test_long_context_shows_the_quantised_profile_each_knapspec_selected_with(tmp_path,
                                                                               monkeypatch):
   """Each quantised profile a KnapSpec composition read gets its table, naming who read
-  it: QuantSpec at its default 8 bits shares `knapspec+8bit`'s; plain KnapSpec adds none."""
+  it: QuantSpec at its default (the paper's 4 bits) has its own; plain KnapSpec adds none."""
   import types
 
   from test_drafter_factory import model
@@ -182,12 +182,15 @@ def test_long_context_shows_the_quantised_profile_each_knapspec_selected_with(tm
   from specjax.selection import profiler
 
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
-  profiler.save_profile(synthetic_profile(4, c=1e-4, draft="int8"))
+  for kind in ("int8", "int4"):
+    profiler.save_profile(synthetic_profile(4, c=1e-4, draft=kind))
   args = types.SimpleNamespace(gamma=4, drafters=["knapspec", "knapspec-fixed", "self_sd+8bit",
                                                   "knapspec+8bit", "knapspec+quantspec"])
   lines = bench_long_context.quantised_profile_lines(model(), args)
-  assert len(lines) == 4 and "8-bit weights (what `knapspec+8bit`, `knapspec+quantspec`" in (
-      lines[0])
-  assert lines[2] == profiler.table(synthetic_profile(4, c=1e-4, draft="int8"))
+  # one table per copy: QuantSpec's 4-bit MLP (its default, the paper's), then 8-bit
+  assert len(lines) == 8
+  assert "`knapspec+quantspec`" in lines[0] and "--draft-weights int4" in lines[0]
+  assert "`knapspec+8bit`" in lines[4] and "--draft-weights int8" in lines[4]
+  assert lines[6] == profiler.table(synthetic_profile(4, c=1e-4, draft="int8"))
   args.drafters = ["knapspec", "self_sd+8bit"]
   assert bench_long_context.quantised_profile_lines(model(), args) == []
