@@ -28,8 +28,9 @@ from specjax.bench import claims, harness, metrics
 from specjax.bench.harness import RunSettings
 from specjax.bench.results_store import ResultsStore
 from specjax.drafters import KNNDrafter
-from specjax.drafters.factory import ARTEFACT_OPTIONS, DrafterFactory
+from specjax.drafters.factory import DrafterFactory
 from specjax.models.loader import load_model
+from specjax.offline.artefacts import ARTEFACT_OPTIONS
 from specjax.offline.knn_build import domain_prompts, embed_all
 
 METHODS = ("ssd_f", "ssd_m", "knn")

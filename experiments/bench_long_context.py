@@ -37,6 +37,7 @@ from specjax.decode.generate import prefill_prompt
 from specjax.drafters import KnapSpecDrafter, StaticDrafter
 from specjax.drafters.factory import DrafterFactory
 from specjax.models.loader import load_model
+from specjax.offline.artefacts import ArtefactStore
 from specjax.plan import DraftPlan
 from specjax.selection import profiler
 
@@ -247,7 +248,7 @@ def finish(model, args, out_dir: Path, records: list[dict]) -> dict:
   plans = report.markdown_table(
       ["workload", "prompt tokens", "method", "attention run", "MLP run", "γ", "DP runs"],
       plan_rows(runs, order))
-  profile = DrafterFactory(model, gamma=args.gamma, verbose=False).latency_profile
+  profile = ArtefactStore(model, gamma=args.gamma, verbose=False).latency_profile
   found = verdicts(args.drafters, summary, ctx_len, rs, metrics.summarize(runs),
                    attention_shares(profile, ctx_len.values()))
   masks_png = plot_masks(runs, order, out_dir / "knapspec_masks.png")
@@ -316,7 +317,7 @@ def quantised_profile_lines(model, args) -> list[str]:
     lines += [f"The same with the draft steps reading {WEIGHT_KINDS[kind]} (what "
               f"{', '.join(names)} prices its sub-layers by; `specjax profile "
               f"--draft-weights {kind}`):", "",
-              profiler.table(factory.latency_profile_for(kind)), ""]
+              profiler.table(factory.store.latency_profile_for(kind)), ""]
   return lines
 
 

@@ -37,6 +37,7 @@ from specjax.kv_cache import KVCache
 from specjax.models.loader import load_model
 from specjax.models.source import artefact_key
 from specjax.offline import shortlists
+from specjax.offline.artefacts import ArtefactStore
 from specjax.offline.router import collect_pairs, k_schedule, recall_at, select
 from specjax.offline.token_counts import frequent_shortlist
 from specjax.plan import DraftPlan
@@ -159,7 +160,7 @@ def main(argv=None) -> None:
   # 3. End to end: every method is a factory name with its options.
   artefacts = {"counts": counts, "bundle": bundle}
   if any("knapspec" in m for m in methods):
-    artefacts["profile"] = DrafterFactory(model, gamma=args.gamma).latency_profile
+    artefacts["profile"] = ArtefactStore(model, gamma=args.gamma).latency_profile
   drafters = {}
   for m in methods:
     name, options = METHODS[m]

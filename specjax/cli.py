@@ -188,9 +188,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
   model = load_model(args.model, dtype=args.dtype)
   weights = None
   if args.draft_weights != "target":
-    from specjax.drafters.factory import DrafterFactory
+    from specjax.offline.artefacts import ArtefactStore
 
-    weights = DrafterFactory(model, verbose=False).draft_weights(args.draft_weights)
+    weights = ArtefactStore(model, verbose=False).draft_weights(args.draft_weights)
   prof = profiler.measure(model, lengths=lengths, gamma=args.gamma, repeats=args.repeats,
                           draft_weights=weights, loop_steps=args.loop_steps)
   path = profiler.save_profile(prof, args.out)

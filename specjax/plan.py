@@ -12,7 +12,9 @@ layer i // 2, attention when i is even. `DraftPlan.to_bits` / `from_bits` conver
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import flax.struct
@@ -232,3 +234,18 @@ def _as_mask(values: Sequence[bool], name: str) -> np.ndarray:
       raise PlanError(f"{name} must hold booleans, got {arr.tolist()}")
     arr = arr.astype(bool)
   return arr
+
+
+def save_plan(path: str | Path, plan: DraftPlan, *, model: str, **meta) -> None:
+  """A plan file: the masks plus the model they were made for (checked on load)."""
+  Path(path).write_text(json.dumps({"model": model, **plan.to_json(), **meta}, indent=1))
+
+
+def load_plan(path: str | Path, *, model: str) -> DraftPlan:
+  try:
+    obj = json.loads(Path(path).read_text())
+  except (OSError, ValueError) as err:
+    raise PlanError(f"cannot read plan file {path}: {err}") from err
+  if obj.get("model") not in (None, model):
+    raise PlanError(f"plan file {path} was made for model {obj['model']!r}, not {model!r}")
+  return DraftPlan.from_json(obj)

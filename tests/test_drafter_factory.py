@@ -18,9 +18,8 @@ from specjax.bench.harness import Reference, RunSettings
 from specjax.drafters import UnknownDrafterError
 from specjax.drafters.factory import DrafterFactory
 from specjax.drafters.names import BASES, OVERLAYS, DrafterNameError, parse
-from specjax.drafters.static import save_plan
 from specjax.errors import ConfigError
-from specjax.plan import DraftPlan
+from specjax.plan import DraftPlan, save_plan
 from specjax.quant_kv_cache import QuantKV
 from specjax.selection import profiler
 
@@ -98,7 +97,7 @@ def test_compositions_set_the_fields_of_each_part(plan_file):
                        options={"quantspec": {"weight_bits": bits}}, artefacts=f.artefacts)
     d = g.make("knapspec+quantspec")
     assert d.base.profile.draft == profiler.draft_label(kind)
-    assert d.weights is g.draft_weights(kind)
+    assert d.weights is g.store.draft_weights(kind)
     assert d.weights is None or (d.weights.bits, d.weights.kind) == (bits, kind)
     assert g.draft_kind("self_sd+quantspec") == kind
   names = ("knapspec", "knapspec+dynaspec", "8bit+frspec", "self_sd+4bit+frspec")
@@ -106,14 +105,14 @@ def test_compositions_set_the_fields_of_each_part(plan_file):
   # under 4bit, KnapSpec prices its sub-layers at their Q4_0 times
   assert f.make("knapspec+4bit+frspec").base.base.profile.draft == "q4_0"
   with pytest.raises(ConfigError, match="unknown draft weights 'int5'"):
-    f.draft_weights("int5")
+    f.store.draft_weights("int5")
   five = DrafterFactory(model(), verbose=False, options={"quantspec": {"weight_bits": 5}})
   with pytest.raises(ConfigError, match="4, 8 or 16 bits, got 5"):
     five.make("knapspec+quantspec")
   q = f.make("frspec+quantspec")  # FR-Spec alone, under QuantSpec
   assert q.name == "quantspec" and q.base.name == "frspec" and q.kv_cache == KV
   assert f.make("8bit").weights is f.make("self_sd+8bit").weights  # one int8 copy
-  assert f.make("quantspec").weights is f.int4_weights  # the paper's 4-bit MLP
+  assert f.make("quantspec").weights is f.store.int4_weights  # the paper's 4-bit MLP
   assert f.make("quantspec").weights is f.make("self_sd+quantspec").weights  # one copy
   assert f.make("4bit").weights is f.make("early_exit+4bit+frspec").base.weights  # one Q4_0
   assert f.make("4bit").weights is f.make("knapspec+4bit").weights
@@ -232,7 +231,7 @@ def test_frspec_counts_its_tokens_without_training_a_router(tmp_path, monkeypatc
                                 frequent_shortlist(counts, 48, model().config.eos_ids))
   monkeypatch.setattr(shortlists, "sequences", None)  # nothing is generated again
   again = DrafterFactory(m, gamma=4, verbose=False, options={"frspec": {"size": 48}})
-  np.testing.assert_array_equal(again.token_counts, counts)
+  np.testing.assert_array_equal(again.store.token_counts, counts)
 
 
 def test_knapspec_under_8bit_measures_its_own_profile_once(tmp_path, monkeypatch):

@@ -35,10 +35,9 @@ from specjax.drafters import (
   drafter_class,
 )
 from specjax.drafters.overlay import OverlayState
-from specjax.drafters.static import load_plan, save_plan
 from specjax.kv_cache import KVCache
 from specjax.offline import self_sd_search as self_sd
-from specjax.plan import DraftPlan, PlanError
+from specjax.plan import DraftPlan, PlanError, load_plan, save_plan
 from specjax.sampling import SamplingParams, probs
 
 

@@ -280,9 +280,9 @@ def test_factory_keeps_a_library_per_search_setting(tmp_path, monkeypatch):
   monkeypatch.setattr(knn_library, "default_dir", lambda name: tmp_path / name)
   monkeypatch.setattr(knn_build, "domain_prompts", lambda data_dir: ({}, {}))
   monkeypatch.setattr(knn_build, "build", lambda m, d, path, **kw: seen.update(path=path, **kw))
-  DrafterFactory(model, options={"knn": {"search_prompts": 7}}, verbose=False).knn_library()
+  DrafterFactory(model, options={"knn": {"search_prompts": 7}}, verbose=False).store.knn_library()
   assert seen["path"] == tmp_path / "tiny-llama-search-prompts7"
   assert seen["search_prompts"] == 7 and seen["anchors"] == 10
   assert seen["embeddings"] == knn_build.parts_dir(tmp_path / "tiny-llama")
-  DrafterFactory(model, verbose=False).knn_library()
+  DrafterFactory(model, verbose=False).store.knn_library()
   assert seen["path"] == tmp_path / "tiny-llama" and seen["search_prompts"] == 3

@@ -1,23 +1,13 @@
-"""Every drafter and every composition, built by name (`names`), with the artefacts it reads.
-
-Artefacts are found where specjax keeps them, or built (and kept) on first use: the
-Self-SD skip set (searched on prompts outside the evaluation), KnapSpec's latency
-profile, the KNN-SSD library, FR-Spec's token counts and DynaSpec's router, and one int8,
-one 4-bit MLP (QuantSpec's) and one Q4_0 copy of the model (`4bit`'s), each shared by every
-name that reads it. A searched layer plan (Self-SD, KnapSpec) is searched for the weights
-its draft reads: under `8bit`, `4bit` or `quantspec`, it is scored with that copy and
-priced by that copy's bytes or measured times (a profile and a skip set per copy kind,
-`quant.WEIGHT_KINDS`). Every option changes the numbers, so runs fingerprint them
-(`BenchConfig.options`).
+"""Every drafter and every composition, built by name (`names`), from the artefacts it
+reads (`offline.artefacts.ArtefactStore`: found where specjax keeps them or built on first
+use, one of each shared by every name that reads it). A searched layer plan (Self-SD,
+KnapSpec) is searched for the weights its draft reads (`draft_kind`). Every option changes
+the numbers, so runs fingerprint them (`BenchConfig.options`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hashlib
-import json
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +28,6 @@ from specjax.drafters import (
   SwiftDrafter,
 )
 from specjax.drafters.names import (
-  ARTEFACT_OPTIONS,
   CLASSES,
   DrafterNameError,
   check_options,
@@ -47,18 +36,15 @@ from specjax.drafters.names import (
 )
 from specjax.errors import ConfigError
 from specjax.models.source import artefact_key
-
-ARTEFACTS = ("profile", "int8_profile", "int4_profile", "q4_0_profile", "library", "counts",
-             "bundle", "self_sd_plan", "int8_weights", "int4_weights", "q4_weights")
+from specjax.offline.artefacts import ArtefactStore
 
 
 @dataclasses.dataclass
 class DrafterFactory:
   """Builds drafters for one model. `gamma`, `seed` and `search_iterations` are the
-  defaults of the drafters and searches that take them; `work_dir` keeps run-specific
-  artefacts (the Self-SD skip set); `search_prompts` are the prompts offline searches
-  score on (default: the last Spec-Bench prompt of each category, which `specjax bench`
-  never evaluates with its default settings)."""
+  defaults of the drafters and searches that take them; `options` each part's options
+  (`names`); the rest, and `artefacts` (given ones, `offline.artefacts.ARTEFACTS`), go to
+  the `store` its drafters' artefacts come from."""
 
   model: Any
   gamma: int = 4
@@ -71,13 +57,13 @@ class DrafterFactory:
   # Artefacts already at hand, used instead of finding or building them (`ARTEFACTS`).
   artefacts: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   verbose: bool = True
-  _profiles: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
+  store: ArtefactStore = dataclasses.field(init=False, repr=False)
 
   def __post_init__(self):
-    unknown = set(self.artefacts) - set(ARTEFACTS)
-    if unknown:
-      raise ConfigError(f"unknown artefact {sorted(unknown)[0]!r}; known: {', '.join(ARTEFACTS)}")
     check_options(self.options)
+    self.store = ArtefactStore(self.model, self.gamma, self.seed, self.search_iterations,
+                               self.options, self.work_dir, self.data_dir,
+                               self.search_prompts, self.artefacts, self.verbose)
 
   # -- public ------------------------------------------------------------------------
 
@@ -88,204 +74,13 @@ class DrafterFactory:
       drafter = self._overlay(part, drafter)
     return drafter
 
-  # -- artefacts, built once per factory ---------------------------------------------
-
   def _opts(self, part: str) -> dict[str, Any]:
-    return {**ARTEFACT_OPTIONS.get(part, {}), **self.options.get(part, {})}
+    return self.store.option(part)
 
   def _kwargs(self, part: str) -> dict[str, Any]:
     """The constructor fields among this part's options."""
-    return {k: v for k, v in self.options.get(part, {}).items() if k in option_fields(CLASSES[part])}
-
-  @functools.cached_property
-  def int8_weights(self):
-    """The int8 copy every 8-bit name shares (`8bit`, and `quantspec` at 8 weight bits)."""
-    from specjax.quant import quantize_weights_int8
-
-    if "int8_weights" in self.artefacts:
-      return self.artefacts["int8_weights"]
-    return quantize_weights_int8(self.model.state, self.model.config.num_layers)
-
-  @functools.cached_property
-  def int4_weights(self):
-    """QuantSpec's 4-bit copy (the paper's: MLP matrices in groups of 128 rows), shared by
-    its drafter, its KnapSpec profile and its Self-SD search."""
-    from specjax.quant import quantize_mlp_weights
-
-    if "int4_weights" in self.artefacts:
-      return self.artefacts["int4_weights"]
-    return quantize_mlp_weights(self.model.state, self.model.config.num_layers)
-
-  @functools.cached_property
-  def q4_weights(self):
-    """The Q4_0 copy every `4bit` name shares."""
-    from specjax.drafters.q4_weights import Q4WeightsDrafter
-
-    if "q4_weights" in self.artefacts:
-      return self.artefacts["q4_weights"]
-    return Q4WeightsDrafter.for_model(self.model).weights
-
-  def draft_weights(self, kind: str | None):
-    """The quantised copy of this kind (`quant.WEIGHT_KINDS`) a draft reads; None: the
-    target's own weights."""
-    if kind is None:
-      return None
-    copies = {"int8": "int8_weights", "int4": "int4_weights", "q4_0": "q4_weights"}
-    if kind not in copies:
-      raise ConfigError(f"unknown draft weights {kind!r}; known: {', '.join(copies)}")
-    return getattr(self, copies[kind])
-
-  @property
-  def latency_profile(self):
-    """The saved profile of this model on this device; measured now (and saved) when
-    there is none. A profile of another model or device is refused, not replaced."""
-    return self.latency_profile_for(None)
-
-  @property
-  def int8_latency_profile(self):
-    """The profile KnapSpec selects with under `8bit`: its sub-layers at their 8-bit times."""
-    return self.latency_profile_for("int8")
-
-  def latency_profile_for(self, kind: str | None):
-    """The profile of draft steps that read the copy of this kind (None: the target's
-    weights), kept for this factory: KnapSpec under QuantSpec's 4-bit weights prices a
-    sub-layer at what its 4-bit MLP costs, not at the target's time."""
-    if kind not in self._profiles:
-      self._profiles[kind] = self._profile(kind)
-    return self._profiles[kind]
-
-  def _profile(self, kind: str | None):
-    from specjax.decode.generate import precision_name
-    from specjax.selection import profiler
-
-    artefact = "profile" if kind is None else f"{kind}_profile"
-    if artefact in self.artefacts:
-      return self.artefacts[artefact]
-    try:  # a profile of the precision the model runs at (a bfloat16 step costs less)
-      return profiler.load_profile(artefact_key(self.model), self.model.config.num_layers,
-                                   dtype=precision_name(self.model.config, self.model.state),
-                                   draft=profiler.draft_label(kind))
-    except profiler.MissingProfileError as err:
-      self._say(f"{err}\nrunning the profiler now")
-      # the quantised copy is made only to measure (a saved profile needs none)
-      prof = profiler.measure(self.model, gamma=self.gamma, verbose=self.verbose,
-                              draft_weights=self.draft_weights(kind))
-      profiler.save_profile(prof)
-      return prof
-
-  @functools.cached_property
-  def token_counts(self):
-    """FR-Spec's token counts: `specjax router train`'s, or counted now from training
-    prompts when absent (minutes; no router is trained for them)."""
-    from specjax.offline import shortlists
-    from specjax.storage import cache_root
-
-    if "counts" in self.artefacts or "bundle" in self.artefacts:
-      return self.artefacts.get("counts")
-    out = cache_root() / "shortlists" / artefact_key(self.model)
-    if not (out / "counts.npz").exists():
-      self._say(f"no FR-Spec counts for {self.model.name} at {out}: counting them now "
-                f"(`specjax router train` does the same, and trains DynaSpec's router)")
-    return shortlists.build_counts(self.model, out, data_dir=self.data_dir,
-                                   verbose=self.verbose)
-
-  @functools.cached_property
-  def shortlists(self):
-    """(FR-Spec token counts, DynaSpec router bundle): `specjax router train`'s, built
-    now from training prompts when absent."""
-    from specjax.offline import shortlists
-    from specjax.offline.router import is_current
-    from specjax.storage import cache_root
-
-    if "counts" in self.artefacts or "bundle" in self.artefacts:
-      return self.artefacts.get("counts"), self.artefacts.get("bundle")
-    o = self._opts("dynaspec")
-    root = cache_root() / "shortlists" / artefact_key(self.model)
-    default = o["clusters"] == ARTEFACT_OPTIONS["dynaspec"]["clusters"]
-    out = root if default else root / f"c{o['clusters']}"
-    if not (out / "counts.npz").exists() or not is_current(out / "router"):
-      self._say(f"no FR-Spec counts / current DynaSpec router for {self.model.name} at {out}: "
-                f"building them now (`specjax router train` does the same)")
-      if not default and (root / "sequences.json").exists() and not (out / "sequences.json"
-                                                                      ).exists():
-        out.mkdir(parents=True, exist_ok=True)  # the training continuations are shared
-        (out / "sequences.json").write_text((root / "sequences.json").read_text())
-    counts, bundle, _ = shortlists.build(self.model, out, clusters=o["clusters"],
-                                         data_dir=self.data_dir,
-                                         verbose=self.verbose)
-    return counts, bundle
-
-  def knn_library(self):
-    """The model's KNN-SSD library for these anchors and search prompts; built now (and
-    kept) when absent, a library with other settings in a folder of its own that shares
-    the default one's prompt embeddings. Another model's library is refused, not
-    replaced."""
-    from specjax.offline import knn_build, knn_library
-
-    if "library" in self.artefacts:
-      return self.artefacts["library"]
-    o = self._opts("knn")
-    default = knn_library.default_dir(artefact_key(self.model))
-    path = default.with_name(default.name + "".join(
-        f"-{key.replace('_', '-')}{o[key]}" for key in ("anchors", "search_prompts")
-        if o[key] != ARTEFACT_OPTIONS["knn"][key]))
-    cfg = self.model.config
-    if (path / "meta.json").exists():
-      try:
-        return knn_library.load_library(path, model=artefact_key(self.model), num_layers=cfg.num_layers,
-                                        embed_dim=cfg.embed_dim)
-      except knn_library.StaleLibraryError as err:
-        self._say(f"{err}: rebuilding it")
-    self._say(f"no KNN-SSD library for {self.model.name} at {path}: building it now "
-              f"(`specjax knn build --model {self.model.name}` does the same)")
-    build, _ = knn_build.domain_prompts(self.data_dir)
-    return knn_build.build(self.model, {d: ps[:40] for d, ps in build.items()}, path,
-                           anchors=o["anchors"], search_prompts=o["search_prompts"],
-                           iterations=self.search_iterations, gamma=self.gamma,
-                           seed=self.seed, verbose=self.verbose,
-                           embeddings=knn_build.parts_dir(default))
-
-  def self_sd_plan(self, kind: str | None = None):
-    """A Self-SD skip set searched on `search_prompts`, kept in `work_dir` under a name
-    that says what it was searched with (a resumed run reuses it). `kind`: searched for a
-    draft that reads that quantised copy (scored with it, costed in its bytes)."""
-    from specjax.data import prompt_ids
-    from specjax.drafters.static import load_plan, save_plan
-    from specjax.offline import self_sd_search as self_sd
-    from specjax.storage import cache_root
-
-    if "self_sd_plan" in self.artefacts:
-      return self.artefacts["self_sd_plan"]
-    from specjax.decode.generate import precision_name, weight_bits
-
-    iterations = self._opts("self_sd")["iterations"] or self.search_iterations
-    prompts = list(self.search_prompts if self.search_prompts is not None
-                   else default_search_prompts(self.data_dir))
-    if not prompts:
-      raise ConfigError("self_sd needs search prompts (none given and no Spec-Bench data)")
-    ids = [prompt_ids(self.model.tokenizer, list(p.turns[:1])) for p in prompts]
-    # plans searched under an older objective are not reused (a new key)
-    precision = precision_name(self.model.config, self.model.state)
-    key = hashlib.sha256(json.dumps([f"v{self_sd.OBJECTIVE_VERSION}", iterations, self.gamma,
-                                     self.seed, ids]
-                                    + ([] if precision == "float32" else [precision])).encode()
-                         ).hexdigest()[:10] + _plan_suffix(kind)
-    folder = Path(self.work_dir) if self.work_dir else cache_root() / "searches" / artefact_key(self.model)
-    path = folder / f"self_sd_plan-{key}.json"
-    if path.exists():
-      return load_plan(path, model=artefact_key(self.model))
-    m = self.model
-    res = self_sd.search(m.graphdef, m.state, m.config, ids, iterations=iterations,
-                         gamma=self.gamma, seed=self.seed,
-                         weights=self.draft_weights(kind),
-                         target_bits=weight_bits(m.state))
-    folder.mkdir(parents=True, exist_ok=True)
-    save_plan(path, res.plan, model=artefact_key(m), objective=res.objective, alpha=res.alpha,
-              cost=res.cost, search_prompts=[p.id for p in prompts], iterations=iterations)
-    if res.objective < 1.0:
-      self._say(f"self_sd: no skip set found is predicted to beat AR on {m.name} (best "
-                f"predicted {res.objective:.2f}x, agreement {res.alpha:.2f}); using it anyway")
-    return res.plan
+    fields = option_fields(CLASSES[part])
+    return {k: v for k, v in self.options.get(part, {}).items() if k in fields}
 
   # -- construction ------------------------------------------------------------------
 
@@ -296,7 +91,7 @@ class DrafterFactory:
     kw = self._kwargs(name)
     L = self.model.config.num_layers
     if name == "static":
-      from specjax.drafters.static import load_plan
+      from specjax.plan import load_plan
 
       plan = self._opts("static")["plan"]
       if plan is None:
@@ -308,14 +103,14 @@ class DrafterFactory:
       return SwiftDrafter(**{"seed": self.seed, **kw})
     kind = self._draft_kind_under(overlays)
     if name == "self_sd":
-      return SelfSDDrafter(self.self_sd_plan(kind), **kw)
+      return SelfSDDrafter(self.store.self_sd_plan(kind), **kw)
     if name == "clasp":
       return ClaspDrafter(**kw)
     if name == "knapspec":
-      return KnapSpecDrafter(profile=self.latency_profile_for(kind),
+      return KnapSpecDrafter(profile=self.store.latency_profile_for(kind),
                              **{"max_gamma": self.gamma, **kw})
     if name == "knn":
-      return KNNDrafter(self.knn_library(), **kw)
+      return KNNDrafter(self.store.knn_library(), **kw)
     raise DrafterNameError(f"{name!r} is not a layer drafter")  # parse() prevents this
 
   def _quantspec_weight_bits(self) -> int | None:
@@ -351,20 +146,20 @@ class DrafterFactory:
     kw = self._kwargs(name)
     cfg = self.model.config
     if name == "8bit":
-      return Int8WeightsDrafter(weights=self.int8_weights, base=base, **kw)
+      return Int8WeightsDrafter(weights=self.store.int8_weights, base=base, **kw)
     if name == "4bit":
-      return Q4WeightsDrafter(weights=self.q4_weights, base=base, **kw)
+      return Q4WeightsDrafter(weights=self.store.q4_weights, base=base, **kw)
     if name == "quantspec":
       from specjax.quant_kv_cache import QuantKV
 
       o = self._opts("quantspec")
       kv = QuantKV(group=o["group"], residual=o["residual"])
-      weights = self.draft_weights(self._draft_kind_under(["quantspec"]))  # the shared copy
+      weights = self.store.draft_weights(self._draft_kind_under(["quantspec"]))  # the shared copy
       return QuantSpecDrafter(weights=weights, base=base, kv_cache=kv, **kw)
     if name == "frspec":
       from specjax.offline.token_counts import frequent_shortlist
 
-      counts = self.token_counts
+      counts = self.store.token_counts
       if counts is None:
         raise ConfigError("frspec needs token counts (artefact 'counts')")
       size = min(self._opts("frspec")["size"], cfg.vocab_size)
@@ -372,7 +167,7 @@ class DrafterFactory:
     if name == "dynaspec":
       from specjax.offline.token_counts import frequent_shortlist
 
-      counts, bundle = self.shortlists
+      counts, bundle = self.store.shortlists
       if bundle is None:
         raise ConfigError("dynaspec needs a router bundle (artefact 'bundle')")
       size = self._opts("dynaspec")["core"]
@@ -381,25 +176,3 @@ class DrafterFactory:
       core = frequent_shortlist(counts, min(size, cfg.vocab_size), cfg.eos_ids) if size else None
       return DynaSpecDrafter(bundle, base, core=core, **kw)
     raise DrafterNameError(f"{name!r} is not an overlay")  # parse() prevents this
-
-  def _say(self, text: str) -> None:
-    if self.verbose:
-      print(text, file=sys.stderr)
-
-
-def _plan_suffix(kind: str | None) -> str:
-  """The file-name suffix of a Self-SD skip set searched under this copy; the int8 and
-  QuantSpec int4 ones keep the names they had when copies were named by bits (a resumed
-  run finds its plan)."""
-  if kind is None:
-    return ""
-  return "-" + {"int8": "8bit", "int4": "4bit"}.get(kind, kind)
-
-
-def default_search_prompts(data_dir=None) -> list:
-  """Prompts for offline searches that `specjax bench` does not evaluate (its defaults)."""
-  from specjax import data
-
-  return data.evaluation_and_search(data.load_spec_bench(data_dir), per_category=1)[1]
-
-

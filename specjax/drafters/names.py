@@ -9,7 +9,7 @@ two overlays that set the same plan fields (`frspec+dynaspec`: both the head;
 `parse`; `factory.DrafterFactory` builds them with the artefacts they read.
 
 Options per part (`{"knapspec": {"tau": 0.3}}`, `--option knapspec.tau=0.3`) are the
-part's constructor fields, plus the artefact settings in `ARTEFACT_OPTIONS`.
+part's constructor fields, plus the artefact settings in `offline.artefacts.ARTEFACT_OPTIONS`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from specjax.drafters import (
   drafter_class,
 )
 from specjax.errors import SpecjaxError
+from specjax.offline.artefacts import ARTEFACT_OPTIONS
 
 BASES = ("static", "early_exit", "self_sd", "swift", "clasp", "knapspec", "knn")
 OVERLAYS = ("8bit", "4bit", "quantspec", "frspec", "dynaspec")
@@ -44,18 +45,6 @@ CLASSES: dict[str, type[Drafter]] = {
     "knn": KNNDrafter, "8bit": Int8WeightsDrafter, "4bit": Q4WeightsDrafter,
     "quantspec": QuantSpecDrafter,
     "frspec": FRSpecDrafter, "dynaspec": DynaSpecDrafter}
-# Options that shape an artefact rather than a constructor field, with their defaults.
-ARTEFACT_OPTIONS: dict[str, dict[str, Any]] = {
-    "static": {"plan": None},  # a plan file saved by a search
-    "self_sd": {"iterations": None},  # Bayesian-optimisation steps (default: the factory's)
-    # k-means anchors per domain; representative prompts each domain's search scores on
-    "knn": {"anchors": 10, "search_prompts": 3},
-    "quantspec": {"weight_bits": None, "group": 128, "residual": 128},  # bits None: the default (8)
-    "frspec": {"size": 32768},  # FR-Spec's shortlist: the paper's 32k
-    # k, a decoding setting, is the drafter's own field; core: that many frequent tokens
-    # scored beside the routed clusters (0: none)
-    "dynaspec": {"clusters": 1024, "core": 0},
-}
 # Constructor fields the factory fills itself (artefacts), not options.
 FILLED = {"fixed", "profile", "library", "weights", "base", "kv_cache", "shortlist", "bundle",
           "core"}
