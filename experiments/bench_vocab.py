@@ -149,11 +149,11 @@ def main(argv=None) -> None:
   step_plans |= {f"FR-Spec {n // 1024}k": rows(full.with_shortlist(fr[n], cfg.vocab_size,
                                                                     cfg.eos_ids))
                  for n in FR_SIZES}  # its rows gathered once, as the engine does
-  step_plans["DynaSpec"] = full.replace(router=bundle.plan_field(args.gamma))
+  step_plans["DynaSpec"] = full.replace(router=bundle.plan_field(args.gamma, decay=True))
   cored = rows(full.with_shortlist(fr[CORE], cfg.vocab_size, cfg.eos_ids))
   step_plans["DynaSpec + 1k core"] = cored.replace(
-      router=bundle.plan_field(args.gamma, core=cored.vocab))
-  step_plans |= {f"DynaSpec k{k}": full.replace(router=bundle.plan_field(args.gamma, k))
+      router=bundle.plan_field(args.gamma, core=cored.vocab, decay=True))
+  step_plans |= {f"DynaSpec k{k}": full.replace(router=bundle.plan_field(args.gamma, k, decay=True))
                  for k in DYNASPEC_KS if f"dynaspec-k{k}" in methods}
   steps = draft_step_times(model, step_plans, args.gamma, args.repeats)
 
@@ -190,7 +190,7 @@ def main(argv=None) -> None:
                         bundle.clusters, verbose=False)
   decode = select(pairs, np.concatenate([
       np.arange(len(h) + len(r["tokens"][0])) >= len(h) - 1 for h, r in zip(heads, ar_runs)]))
-  sched = bundle.plan_field(args.gamma).ks
+  sched = bundle.plan_field(args.gamma, decay=True).ks  # the drafter's (the paper's) schedule
   M = bundle.clusters.num_clusters
   # Each DynaSpec method's k (the same router for every k).
   k_of = {m: METHODS[m][1](L).get("dynaspec", {}).get("k", bundle.k_max) for m in methods

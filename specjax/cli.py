@@ -406,7 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
   q.add_argument("--clusters", type=int, default=1024, help="M token clusters")
   q.add_argument("--k-max", type=int, default=16, help="clusters per shortlist")
   q.add_argument("--decay", action="store_true",
-                 help="the paper's k schedule: k_max for two positions, then shrinking")
+                 help="save the paper's k schedule (k_max for two positions, then shrinking) "
+                 "as the bundle's own; the dynaspec drafter uses it whatever the bundle says "
+                 "(--option dynaspec.decay=false: flat k)")
   q.add_argument("--hidden", type=int, default=1024, help="router MLP width")
   q.add_argument("--epochs", type=int, default=10)
   q.add_argument("--continuation-weight", type=float, default=1.0,

@@ -280,14 +280,18 @@ def test_an_untied_head_is_held_as_rows_for_the_routed_gathers(monkeypatch):
 
 
 def test_k_is_a_decoding_setting():
-  """One router serves every k: the shortlist grows with it, the output never changes."""
+  """One router serves every k: the shortlist grows with it, the output never changes.
+  The paper's shrinking schedule is the default; a flat k is its DynaSpec-F ablation."""
   m = tiny()
   b, _ = bundle(k_max=1)
+  session = type("S", (), {"config": m.config})()
+  assert DynaSpecDrafter(b, k=8).overlay_plan(session).router.ks == k_schedule(8, 8, decay=True)
+  assert DynaSpecDrafter(b, k=8).overlay_plan(session).router.ks[:3] == (8, 8, 1)
   ar = generate(m.graphdef, m.state, m.config, PROMPT, max_new_tokens=24, eos_ids=()).tokens
   alphas = []
   for k in (1, 4):
-    drafter = DynaSpecDrafter(b, k=k)
-    plan = drafter.overlay_plan(type("S", (), {"config": m.config})())
+    drafter = DynaSpecDrafter(b, k=k, decay=False)
+    plan = drafter.overlay_plan(session)
     assert plan.router.ks == (k,) * drafter.positions
     out = speculative_generate(m.graphdef, m.state, m.config, PROMPT, drafter,
                                max_new_tokens=24, gamma=4, eos_ids=(), threshold=0.0)

@@ -38,6 +38,9 @@ class DynaSpecDrafter(OverlayDrafter):
   base: Drafter | None = None
   positions: int = 8  # draft positions with their own k (later ones reuse the last)
   k: int | None = None  # clusters per shortlist; None: the bundle's k_max
+  # The paper's schedule: k at the first two draft positions, then k // ((t + 1) · 2)
+  # (`router.k_schedule`). False: the same k at every position, its DynaSpec-F ablation.
+  decay: bool = True
   core: np.ndarray | None = None  # ids always scored (`token_counts.frequent_shortlist`)
 
   def __post_init__(self):
@@ -57,4 +60,5 @@ class DynaSpecDrafter(OverlayDrafter):
     plan = DraftPlan.full(cfg.num_layers)
     if self.core is not None:  # checked as a shortlist: distinct, in range, EOS in
       plan = plan.with_shortlist(self.core, cfg.vocab_size, cfg.eos_ids)
-    return plan.replace(router=self.bundle.plan_field(self.positions, self.k, plan.vocab))
+    return plan.replace(router=self.bundle.plan_field(self.positions, self.k, plan.vocab,
+                                                      decay=self.decay))

@@ -297,13 +297,16 @@ class RouterBundle:
   hidden: int
   decay: bool = False  # the paper's shrinking k schedule (`k_schedule`)
 
-  def plan_field(self, positions: int, k: int | None = None, core=None) -> RouterPlan:
-    """The router for a draft plan; `k` clusters per shortlist (default k_max). `core`:
-    token ids the draft scores at every step anyway (`DraftPlan.vocab`); they are taken
-    out of the clusters, so that no token is scored twice."""
+  def plan_field(self, positions: int, k: int | None = None, core=None,
+                 decay: bool | None = None) -> RouterPlan:
+    """The router for a draft plan; `k` clusters per shortlist (default k_max), shrinking
+    over the draft positions with `decay` (default: the bundle's). `core`: token ids the
+    draft scores at every step anyway (`DraftPlan.vocab`); they are taken out of the
+    clusters, so that no token is scored twice."""
     graphdef, state = nnx.split(self.router)
+    decay = self.decay if decay is None else decay
     return RouterPlan(graphdef, state, jnp.asarray(self.clusters.without(core)),
-                      k_schedule(self.k_max if k is None else k, positions, self.decay))
+                      k_schedule(self.k_max if k is None else k, positions, decay))
 
 
 def save_bundle(directory: str | Path, bundle: RouterBundle, **meta) -> None:
