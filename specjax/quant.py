@@ -371,6 +371,19 @@ def quantize_weights_int8(state, num_layers: int) -> DraftWeights:
   return DraftWeights(tuple(LayerWeights(**kw) for kw in layers), head=head, bits=8, kind="int8")
 
 
+def q4_0_draft_weights(state, num_layers: int, *,
+                        int8_inputs: bool | None = None) -> DraftWeights:
+  """`quantize_weights_q4_0` for a draft that will read them: refused, naming why, where
+  the `gguf_matmul` CPU kernel that reads Q4_0 blocks cannot run."""
+  from specjax.errors import ConfigError
+
+  why = cpu_kernels.unavailable("gguf_matmul")
+  if why:
+    raise ConfigError(f"the 4bit draft reads Q4_0 blocks through the gguf_matmul CPU "
+                      f"kernel ({why}); use 8bit elsewhere")
+  return quantize_weights_q4_0(state, num_layers, int8_inputs=int8_inputs)
+
+
 def quantize_weights_q4_0(state, num_layers: int, *,
                           int8_inputs: bool | None = None) -> DraftWeights:
   """Q4_0 copies of every matmul the draft runs, as gguf-py quantises them: 0.56 bytes a

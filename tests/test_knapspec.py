@@ -326,6 +326,9 @@ def test_bad_settings_are_clear_errors():
     KnapSpecDrafter(profile=None)
   with pytest.raises(ValueError, match="objective"):
     KnapSpecDrafter(profile=p, objective="speed")
+  for share in (0.0, 1.5):
+    with pytest.raises(ValueError, match="max_budget_share must be in"):
+      KnapSpecDrafter(profile=p, max_budget_share=share)
   with pytest.raises(ProfileMismatchError, match="8 layers"):
     run(KnapSpecDrafter(profile=synthetic_profile(layers=8)))
   with pytest.raises(PlanError, match="cannot skip 9 layers of a 4-layer"):

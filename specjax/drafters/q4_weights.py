@@ -22,12 +22,10 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from specjax import cpu_kernels
 from specjax.drafters.base import Drafter
 from specjax.drafters.overlay import OverlayDrafter
-from specjax.errors import ConfigError
 from specjax.plan import DraftPlan, PlanError
-from specjax.quant import DraftWeights, quantize_weights_q4_0
+from specjax.quant import DraftWeights, q4_0_draft_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,12 +48,8 @@ class Q4WeightsDrafter(OverlayDrafter):
     """Quantise the model's matrices once (gguf-py; seconds), held beside the target's;
     `int8_inputs`: whether a step's x meets them at 8 bits (`quant.quantize_weights_q4_0`;
     None: where that is the faster path)."""
-    why = cpu_kernels.unavailable("gguf_matmul")
-    if why:
-      raise ConfigError(f"the 4bit draft reads Q4_0 blocks through the gguf_matmul CPU "
-                        f"kernel ({why}); use 8bit elsewhere")
-    return cls(weights=quantize_weights_q4_0(model.state, model.config.num_layers,
-                                             int8_inputs=int8_inputs), base=base)
+    return cls(weights=q4_0_draft_weights(model.state, model.config.num_layers,
+                                          int8_inputs=int8_inputs), base=base)
 
   def overlay_plan(self, session) -> DraftPlan:
     L = session.config.num_layers

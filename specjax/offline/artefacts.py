@@ -92,16 +92,11 @@ class ArtefactStore:
   @functools.cached_property
   def q4_weights(self):
     """The Q4_0 copy every `4bit` name shares."""
-    from specjax import cpu_kernels
-    from specjax.quant import quantize_weights_q4_0
+    from specjax.quant import q4_0_draft_weights
 
     if "q4_weights" in self.given:
       return self.given["q4_weights"]
-    why = cpu_kernels.unavailable("gguf_matmul")
-    if why:
-      raise ConfigError(f"the 4bit draft reads Q4_0 blocks through the gguf_matmul CPU "
-                        f"kernel ({why}); use 8bit elsewhere")
-    return quantize_weights_q4_0(self.model.state, self.model.config.num_layers)
+    return q4_0_draft_weights(self.model.state, self.model.config.num_layers)
 
   def draft_weights(self, kind: str | None):
     """The quantised copy of this kind (`quant.WEIGHT_KINDS`) a draft reads; None: the
