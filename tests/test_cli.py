@@ -89,8 +89,10 @@ def test_clasp_selects_after_every_verification_by_default(capsys):
   the count, and a drafter that selects nothing reports none."""
   base = ["generate", "--model", "tiny-llama", "--prompt", "the cat sat on", "--no-chat",
           "--max-new-tokens", "16", "--no-compare", "--quiet", "--json"]
-  assert main(base + ["--drafter", "clasp"]) == 0
+  compared = [a for a in base if a != "--no-compare"]  # the default: checked against AR
+  assert main(compared + ["--drafter", "clasp"]) == 0
   stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert stats["matches_ar"] is True
   assert stats["rounds"] >= 3 and stats["selections"] >= stats["rounds"] - 1
   assert main(base + ["--drafter", "clasp", "--option", "clasp.interval=8"]) == 0
   stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
