@@ -15,7 +15,7 @@ Part 2: greedy AR decoding of `--tokens` tokens on one prompt: specjax vs HF tra
 `--runs` runs, prefill included (end-to-end) and decode-only; and the roofline: weight
 bytes read per token over a bandwidth this script measures (a jitted reduction over a
 1 GiB array).
-Writes the `forward` section of docs/BENCHMARKS.md; the last line is JSON.
+Writes the `forward-MODEL` section of docs/results/step-costs.md; the last line is JSON.
 """
 
 from __future__ import annotations

@@ -203,7 +203,7 @@ def measure(name: str, args) -> dict:
 
 
 def section(rows: list[dict], bench: list[dict] | None = None, bench_command: str = "") -> str:
-  """The `gpu-forward` section of docs/BENCHMARKS.md from the JSON lines, and the records
+  """The `gpu-forward` section of docs/results/gpu.md from the JSON lines, and the records
   of a `specjax bench` run on the same machine (`bench`) when given."""
   first = rows[0]
   steps = [["AR step (ms)"] + [f"{r['ar_ms']:.3f}" for r in rows],
@@ -226,7 +226,8 @@ def section(rows: list[dict], bench: list[dict] | None = None, bench_command: st
             ["share of the card's datasheet bandwidth"] + [_datasheet_share(r) for r in rows]]
   header = ["", *[r["model"] for r in rows]]
   parts = [
-      f"## GPU: step costs and AR decode speed ({_card(first['machine'])})",
+      f"## GPU: step costs and AR decode speed ({_card(first['machine'])}, commit "
+      f"{first['commit']})",
       "",
       "Measured by " + ", ".join(sorted({f"`{r['command']}`" for r in rows})) + ".",
       "",

@@ -125,7 +125,7 @@ def main() -> None:
   ap.add_argument("--resume", action="store_true",
                   help="continue an interrupted comparison made with the same settings")
   ap.add_argument("--write-docs", action="store_true",
-                  help="write this comparison's section of docs/BENCHMARKS.md")
+                  help="write this comparison's section of docs/results/cpu-kernels.md")
   args = ap.parse_args(argv[:split])
   experiment = argv[split + 1:]
   if not experiment:

@@ -9,7 +9,8 @@ on the last 4 with `--knapspec-slots` budgets (sub-layer weights 1-3 here, so ev
 is reachable). Nothing is pruned (τ = -1), so every budget does its work. Compile time is
 one ahead-of-time compile (no compilation cache); a selection is the median of `--repeats`
 calls. A first prompt pays the compile inside its first round; later selections pay the
-run. Writes the `layer-dp-MODEL` section of docs/BENCHMARKS.md; the last line is JSON.
+run. Writes the `layer-dp-MODEL` section of docs/results/step-costs.md; the last line is
+JSON.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 # under the 600 s a call may run). Run through a bundle (experiments/gpu_bundle.py), which
 # sets SPECJAX_CACHE and SPECJAX_DATA_DIR; results go to $OUT (8 files at most come back).
 #
-#   bash experiments/gpu_checks.sh STEP [STEP ...]     STEP: forward, fixed, cmdbuf, profile,
-#                                                      adaptive, loops, conditionals, all
+#   bash experiments/gpu_checks.sh STEP [STEP ...]     STEP: forward, fixed, profile,
+#                                                      adaptive, loops, all
 #
 #   forward   issue 17's step-cost table in bf16 (experiments/bench_gpu.py, steps timed as host
 #             calls and inside a jitted loop, AR decoding against the HBM roofline) for
@@ -16,10 +16,6 @@
 #   fixed     the device-loop drafters end to end in --dtype mixed: 0 mismatches now that
 #             float32 dots ask for HIGHEST precision (efe3747), and FR-Spec's selection
 #             share now that its head rows are gathered once (a94978f)
-#   cmdbuf    the step table in the device loop with and without CUDA-graph conditionals
-#             (XLA_FLAGS=--xla_gpu_enable_command_buffer=...): do traced plans stop
-#             paying a host round trip per lax.cond? (conditionals answered it on an H200,
-#             2026-11-27: no, a traced draft step cost 2.7 times more with them)
 #   profile   KnapSpec's latency profile at two cache sizes (what `adaptive` and `loops`
 #             read; a profile saved by an older specjax is refused: measure it here), or
 #             with PROFILE_FROM=FILE the one a past run printed (the last line of
@@ -30,12 +26,10 @@
 #             (the adaptive drafters run their rounds between selections there since
 #             2026-11-27; experiments/bench_loops.py, --dtype mixed): same tokens, the
 #             speed ratio, AR on the same prompts. After `profile`, which KnapSpec reads
-#   conditionals  the same question as cmdbuf on a random-init SmolLM2 shape, end to end
-#             too (experiments/gpu_conditionals.py): needs no bundle, so it can run in the
-#             call that carries the bundle's first part
 #
-# Each step's time limit in seconds can be lowered to fit a lease: FIXED_S, CMDBUF_S,
-# PROFILE_S, ADAPTIVE_S, LOOPS_S, CONDITIONALS_S (per flag setting), FORWARD_S.
+# Each step's time limit in seconds can be lowered to fit a lease: FIXED_S, PROFILE_S,
+# ADAPTIVE_S, LOOPS_S, FORWARD_S. CUDA-graph conditionals were measured and dropped
+# (docs/decisions/gpu.md, G1).
 set -uo pipefail
 MODEL=${MODEL:-smollm2-135m-instruct}
 OUT=${OUT:-/tmp/gpu-checks}
@@ -75,10 +69,6 @@ step() {
         --format=csv 2>&1 | tee -a "$OUT/checks.log"
       forward bf16 "" "${FORWARD_MODELS:-$MODEL,shape:qwen2-1.5b,shape:llama-8b}" \
         "${FORWARD_S:-420}" ;;
-    cmdbuf)
-      forward default "" "$MODEL" "${CMDBUF_S:-200}"
-      forward cmdbuf "--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE" "$MODEL" \
-        "${CMDBUF_S:-200}" ;;
     profile)
       if [ -n "${PROFILE_FROM:-}" ]; then
         log "profile from $PROFILE_FROM"
@@ -100,13 +90,8 @@ print(p.save_profile(p.LatencyProfile.from_json(json.loads(line))))' "$PROFILE_F
       timeout "${LOOPS_S:-400}" python3 -m experiments.bench_loops --model "$MODEL" \
         --dtype mixed --drafters "${LOOPS:-clasp,swift,knapspec,8bit}" --repeats 2 2>&1 \
         | grep -v '%|' | tail -n 8 | tee -a "$OUT/checks.log" "$OUT/loops.txt" ;;
-    conditionals)
-      log "gpu_conditionals"
-      # specjax from this checkout: without a bundle, nothing else puts it on the path
-      PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 -m experiments.gpu_conditionals --timeout "${CONDITIONALS_S:-150}" \
-        --out "$OUT/conditionals.jsonl" 2>&1 | tail -n 12 | tee -a "$OUT/checks.log" ;;
-    all) step fixed; step cmdbuf; step adaptive ;;
-    *) echo "unknown step '$1' (forward, fixed, cmdbuf, profile, adaptive, loops, conditionals, all)" >&2
+    all) step fixed; step adaptive ;;
+    *) echo "unknown step '$1' (forward, fixed, profile, adaptive, loops, all)" >&2
        exit 2 ;;
   esac
 }

@@ -7,7 +7,7 @@ full model), one verification forward (T=γ+1, full model), and one draft step (
 under early-exit plans keeping 25/50/75 % of the layers. With these, a round drafting n
 tokens costs n·t_draft + t_verify, and the speedup at mean accepted length M is
 M·t_ar / (n·t_draft + t_verify): the script prints the M each plan needs to break even.
-Writes the `round-MODEL` section of docs/BENCHMARKS.md; the last line is JSON.
+Writes the `round-MODEL` section of docs/results/step-costs.md; the last line is JSON.
 """
 
 from __future__ import annotations

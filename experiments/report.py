@@ -1,17 +1,18 @@
 """Shared helpers for experiment scripts: machine description, tables, the last JSON line,
-and regenerating a section of docs/BENCHMARKS.md (via specjax.bench.docs)."""
+and regenerating a section of a results page under docs/results/ (via specjax.bench.docs)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from specjax.bench import docs
-from specjax.bench.docs import DOCS, copy_image, machine  # noqa: F401  (re-exported for the scripts)
+from specjax.bench import docs, verdict_page
+from specjax.bench.docs import copy_image, machine  # noqa: F401  (re-exported for the scripts)
 from specjax.cli import add_dtype_arg
 
 
@@ -22,8 +23,8 @@ def command_line() -> str:
   if script.parent == Path(__file__).resolve().parent:
     head = ["python", "-m", f"experiments.{script.stem}"]
   else:
-    head = ["python", os.path.relpath(sys.argv[0], DOCS.parent.parent)]
-  return " ".join(head + sys.argv[1:])
+    head = ["python", os.path.relpath(sys.argv[0], ROOT)]
+  return shlex.join(head + sys.argv[1:])  # quoted: an argument with spaces stays one
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +54,7 @@ def common_args(p, default_model: str = "smollm2-135m-instruct", results: bool =
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run made with the same settings")
   p.add_argument("--write-docs", action="store_true",
-                 help="regenerate this experiment's section of docs/BENCHMARKS.md")
+                 help="regenerate this experiment's section of its docs/results/ page")
 
 
 # Arguments that say where things are or what to write, not what is measured.
@@ -66,8 +67,10 @@ def settings(args) -> dict:
 
 
 def write_section(name: str, body: str) -> None:
-  """Replace the `name` section of docs/BENCHMARKS.md, stamped with this command line."""
+  """Replace the `name` section of its results page, stamped with this command line, and
+  regenerate the verdicts page (the section may end with verdict lines)."""
   docs.write_section(name, body, command_line())
+  verdict_page.refresh()
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
@@ -102,7 +105,7 @@ def git_revision() -> str:
     return named
   try:
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, cwd=DOCS.parent.parent).stdout.strip()
+                          text=True, cwd=ROOT).stdout.strip()
   except OSError:
     return "unknown"
 

@@ -355,9 +355,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--out", help="output folder (default runs/bench-MODEL)")
   p.add_argument("--resume", action="store_true", help="continue an interrupted run")
   p.add_argument("--write-docs", action="store_true",
-                 help="regenerate this model's section of docs/BENCHMARKS.md")
+                 help="put this run on docs/results/spec-bench.md (the leaderboard) and "
+                 "regenerate this model's section of docs/results/spec-bench-runs.md")
   p.add_argument("--docs-section", help="with --write-docs: the section to write (default "
-                 "bench-MODEL; name another for another drafter list on the same model)")
+                 "bench-MODEL, or bench-MODEL-DTYPE; name another to keep this run's "
+                 "per-category tables beside the default one)")
   p.add_argument("--specbench-out", metavar="DIR",
                  help="also write each method's answers as Spec-Bench model-answer JSON lines "
                  "in DIR, for its evaluation/speed.py (AR's file is the baseline) and equal.py")
@@ -371,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--out", help="output folder (default runs/sweep-NAME)")
   p.add_argument("--resume", action="store_true", help="continue an interrupted sweep")
   p.add_argument("--write-docs", action="store_true",
-                 help="write the table and plots to docs/BENCHMARKS.md")
+                 help="write the table and plots to docs/results/sweeps.md")
   p.set_defaults(func=_cmd_sweep)
 
   p = sub.add_parser("profile", help="time attention / MLP sub-layers and verification "

@@ -88,7 +88,7 @@ class ModelConfig:
   # but no activation is rounded to bfloat16, so a verification forward's logits match
   # the AR step's to float32 rounding, and greedy SSD stays token for token equal to AR
   # on real models (bfloat16 activations turn the dot's row-count-dependent rounding into
-  # logit differences of up to 0.8 on SmolLM2: docs/BENCHMARKS.md, the GPU paragraph).
+  # logit differences of up to 0.8 on SmolLM2: docs/decisions/gpu.md, G3).
   activation_dtype: str | None = None
 
   def __post_init__(self):

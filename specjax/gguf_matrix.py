@@ -2,7 +2,7 @@
 
 Why: a float32 target streams 4 bytes a weight every decode step; the file holds 0.56 of
 a byte (Q4_1) to 1.06 (Q8_0). llama.cpp decodes from those blocks several times faster
-than specjax's float32 target on the same CPU (docs/BENCHMARKS.md). Here the model keeps
+than specjax's float32 target on the same CPU (docs/decisions/cpu.md, C8). Here the model keeps
 the blocks and `cpu_kernels.gguf_matmul` dequantises them in registers to the float32
 weights gguf-py would give, bit for bit, so the numbers are the float32 model's up to the
 order of each dot product's sums — and that order is the same for one row or a

@@ -374,8 +374,7 @@ class MLP(nnx.Module):
     D, F = config.embed_dim, config.hidden_dim
     # [gate | up]: one matmul, stored output-major ([2F, D]): the few-row CPU kernel reads
     # it as two far-apart streams of whole rows, where [D, 2F] costs eight short row
-    # segments at a time (faster at one row and at five: docs/BENCHMARKS.md, "gate_up
-    # stored output-major").
+    # segments at a time (faster at one row and at five: docs/decisions/cpu.md, C6).
     # Drawn [D, 2F] and transposed, so a tiny model's random init is the one it had before.
     self.gate_up = nnx.Param(_param(rngs, (D, 2 * F), D, dtype)[...].T)
     self.down = _param(rngs, (F, D), F, dtype)

@@ -185,7 +185,7 @@ def test_smollm2_verification_rows_match_ar_steps_in_mixed_precision(smollm2):
   dots, whose rounding differs from the AR step's single row. With bfloat16 activations
   each layer rounds that difference up to bfloat16's resolution: logits differ by up to
   0.8 here, and greedy SSD left AR's tokens on half the Spec-Bench prompts measured, on a
-  CPU and on an H100 (docs/BENCHMARKS.md). Computed in float32 over the same bfloat16
+  CPU and on an H100 (docs/decisions/gpu.md, G3). Computed in float32 over the same bfloat16
   weights, the rows agree to float32 rounding (computed in bfloat16, the same rows differ
   by more than 1e-2 on this prompt: a mixed model that did not take effect fails)."""
   from specjax.models.loader import at_precision

@@ -90,22 +90,3 @@ def test_without_the_kernel_the_xla_forms_answer(monkeypatch):
   finally:
     monkeypatch.undo()
     cpu_kernels.kernel_status.cache_clear()
-
-
-@kernel_built
-def test_bench_greedy_times_each_form(monkeypatch, capsys):
-  """experiments/bench_greedy.py on small logits: all four forms timed, one JSON line at
-  the end; a malformed --shapes stops with a message."""
-  import json
-  import sys
-
-  from experiments import bench_greedy
-
-  monkeypatch.setattr(sys, "argv", ["bench_greedy.py", "--shapes", "2x300", "--repeats", "3"])
-  bench_greedy.main()
-  figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-  assert set(figures["us"]["2x300"]) == set(bench_greedy.FORMS)
-  with pytest.raises(SystemExit, match="--shapes"):
-    bench_greedy.shapes("5by300")
-  with pytest.raises(SystemExit, match="at most 16 rows"):
-    bench_greedy.shapes(f"{cpu_kernels.FEW_ROWS + 1}x300")

@@ -1,7 +1,7 @@
 """The seed papers' claims, each put to the figures of one run.
 
-Every seed section of docs/BENCHMARKS.md ends with verdict lines written by these
-functions: the claim (as its paper reports it), whether the run reproduces it, and the
+Every seed section of the results pages (docs/results/) ends with verdict lines written by
+these functions, gathered on docs/results/verdicts.md: the claim (as its paper reports it), whether the run reproduces it, and the
 numbers that decide. They are pure functions of a run's summary rows (`metrics.summarize`
 output or the figures an experiment prints), so a verdict is recomputed, never typed.
 

@@ -9,6 +9,7 @@ Outputs: results.jsonl, summary.md (tables), speedup.png, and a last line of JSO
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import sys
 from collections.abc import Mapping
@@ -22,9 +23,11 @@ from specjax.bench import (
   claims,
   docs,
   harness,
+  leaderboard,
   llama_cpp,
   metrics,
   spec_bench_answers,
+  verdict_page,
 )
 from specjax.bench.harness import RunSettings
 from specjax.bench.results_store import ResultsStore
@@ -377,8 +380,9 @@ def _lengths_table(saved: dict) -> str:
 
 def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict,
                 lengths: str = "", section: str | None = None, baseline: str = "") -> None:
-  """Regenerate this model's section of docs/BENCHMARKS.md (or `section`: another
-  drafter list on the same model keeps its own table)."""
+  """Put this run on the Spec-Bench leaderboard and regenerate its model's section of
+  docs/results/spec-bench-runs.md (one per model and weight format; `section`: another
+  name, which keeps a section of its own), then the verdicts page."""
   n = overall.get(metrics.AR, {}).get("prompts", 0)
   threshold = (cfg.threshold if cfg.threshold is not None else
                "fitted with γ (alone for KnapSpec, which picks its own γ)" if cfg.auto_gamma else
@@ -390,6 +394,7 @@ def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict,
            if cfg.auto_gamma else f"γ ≤ {cfg.gamma}")
   body = "\n".join([
       f"## SSD vs AR on Spec-Bench ({cfg.model}"
+      + (f", --dtype {cfg.dtype}" if cfg.dtype != "auto" else "")
       + (f": {', '.join(cfg.drafters)}" if section else "")
       + ("; llama.cpp)" if cfg.llama_cpp else ")"), "",
       f"{n} prompts ({cfg.per_category} per category), {cfg.max_new_tokens} new tokens, "
@@ -406,7 +411,17 @@ def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict,
       cat_table,
   ] + (["", "Draft lengths (`--auto-gamma`):", "", lengths, "", PILOT_ALPHA] if lengths else [])
     + ["", claims.section(claims.for_run(overall))])
-  docs.write_section(section or f"bench-{cfg.model}", body, _command(cfg, section))
+  command = _command(cfg, section)
+  docs.write_section(section or default_section(cfg), body, command)
+  leaderboard.record({"date": datetime.date.today().isoformat(), "command": command,
+                      "machine": docs.machine(), "model": cfg.model, "dtype": cfg.dtype,
+                      "methods": overall})
+  verdict_page.refresh()
+
+
+def default_section(cfg: BenchConfig) -> str:
+  """One section per model and weight format: a rerun replaces the last run's."""
+  return f"bench-{cfg.model}" + ("" if cfg.dtype == "auto" else f"-{cfg.dtype}")
 
 
 def _weights(dtype: str) -> str:

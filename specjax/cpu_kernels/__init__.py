@@ -1,8 +1,8 @@
 """C++ kernels that XLA:CPU lacks, compiled on first use and called through `jax.ffi`.
 
 Each exists because XLA:CPU's own lowering made a draft or a verification cost more than
-the method assumes; what each saves, per model and CPU, is in docs/BENCHMARKS.md (the
-"CPU kernels matrix by matrix" and "Forward pass" sections; `python -m
+the method assumes; why each is as it is: docs/decisions/cpu.md; what each saves, per
+model and CPU: docs/results/cpu-kernels.md and docs/results/step-costs.md (`python -m
 experiments.bench_cpu_kernels` and `python -m experiments.bench_forward` measure it).
 
 * `int8_matmul`: against int8 weights, one scale per output channel (8-bit drafts).

@@ -12,7 +12,7 @@ FR-Spec picks them), their head rows gathered once per generation, and left out 
 clusters. It was built on the guess that the router misses frequent tokens; on
 Qwen2.5-1.5B the 1k core added 0.011 recall at 16 clusters with a 160-prompt router and
 nothing with a 640-prompt one, and no acceptance either time, so the misses lie
-elsewhere: more router training text is what raised recall (docs/BENCHMARKS.md,
+elsewhere: more router training text is what raised recall (docs/results/vocab.md,
 vocab- and router-ablation-qwen2.5-coder-1.5b-instruct).
 """
 

@@ -30,8 +30,8 @@ candidate that skips more attention.
 
 Realised acceptance (`realised=True`, not in the paper). α̂ counts agreements over a
 window of a few tokens, so cheap candidates can score α̂ = 1 and win on
-cost, then accept far less when they draft (docs/BENCHMARKS.md,
-`knapspec-8bit-realised-*`, measures both). With `realised`, a candidate whose plan
+cost, then accept far less when they draft (docs/results/spec-bench.md: the
+`knapspec+8bit` rows with `knapspec.realised` on and off, Qwen2.5-Coder-1.5B). With `realised`, a candidate whose plan
 drafted in earlier rounds is priced at the acceptance it realised there (maximum
 likelihood under the geometric model), blended with its α̂ as `window` tokens of prior
 evidence; plans never run keep their optimistic α̂, so each choice either exploits the

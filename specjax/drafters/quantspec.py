@@ -1,7 +1,7 @@
 """`quantspec`: QuantSpec (Tiwari et al. 2025). The draft is the target's own layers
 reading the shared hierarchical KV cache at 4 bits (upper nibbles) with quantised weights
-(`weight_bits`: 8-bit matmuls by default, the cheaper on both backends measured, or the
-paper's 4-bit MLP); verification reads the same cache at 8 bits. With a `base` layer
+(`weight_bits`: the paper's 4-bit MLP by default, or our variant with every matmul at 8
+bits, the cheaper on both backends measured); verification reads the same cache at 8 bits. With a `base` layer
 drafter the two compose: QuantSpec × KnapSpec drafts with KnapSpec's sub-layers at 4-bit
 precision.
 
@@ -26,8 +26,8 @@ def default_weight_bits() -> int:
   """4, the paper's: the MLP matrices in groups of 128 rows. `weight_bits=8` is our
   variant, every matmul and the LM head at 8 bits per output channel: wherever measured it
   was the cheaper and the more agreeing draft (on a CPU it reads half the bytes of the
-  4-bit MLP draft, which leaves attention and the head at full precision: the `quantspec-*`
-  sections of docs/BENCHMARKS.md; on a GPU in bf16 the 4-bit MLP made a full draft step
+  4-bit MLP draft, which leaves attention and the head at full precision: docs/results/quantspec.md;
+  on a GPU in bf16 the 4-bit MLP made a full draft step
   dearer than an AR step: docs/GPU.md)."""
   return 4
 

@@ -3,8 +3,7 @@
 GGUF stores every matrix as [out, in]. specjax keeps q/k/v and gate/up so (the few-row
 CPU kernel streams their rows fastest: `model.Attention`, `model.MLP`) and transposes o to
 [N, H, D] and down to [F, D] (as [out, in], down was slower at a verification's five rows
-and o faster on one model, slower on the other: docs/BENCHMARKS.md, "gate_up stored
-output-major"). llama.cpp leaves the llama Q/K
+and o faster on one model, slower on the other: docs/decisions/cpu.md, C6). llama.cpp leaves the llama Q/K
 rows in Meta's interleaved-RoPE order, so the llama config uses interleaved RoPE instead
 of un-permuting; gemma3 norms are already stored as (1 + w).
 """

@@ -1,0 +1,200 @@
+"""The Spec-Bench leaderboard: docs/results/spec-bench.md, in Spec-Bench's own shape.
+
+Spec-Bench's `Leaderboard.md` gives, per device, an environment line and one table of
+methods with their mean accepted tokens (M) and speedup over AR. Ours does the same per
+machine, model and weight format, with the settings that change a figure (prompts and new
+tokens, the draft length, a method's options) beside it. Every `specjax bench
+--write-docs` run is kept in docs/results/spec-bench.json (`record`); the page shows, for
+each configuration, its latest run only, and a run no cell or verdict still shows is
+dropped from the file (git history keeps it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Mapping
+from pathlib import Path
+
+from specjax.bench import claims, docs, llama_cpp, metrics
+
+STORE = docs.RESULTS / "spec-bench.json"
+PAGE = docs.RESULTS / "spec-bench.md"
+# The summary fields a leaderboard row keeps (metrics.summarize's names).
+FIELDS = ("tokens_per_s", "speedup", "median_speedup", "M", "alpha", "mismatches", "ties")
+
+
+def load(path: Path = STORE) -> list[dict]:
+  """Every kept run, oldest first."""
+  return json.loads(path.read_text())["runs"] if path.exists() else []
+
+
+def record(run: Mapping, path: Path = STORE, page: Path = PAGE) -> None:
+  """Add one run ({date, command, machine, model, dtype, methods: name -> summary row})
+  and regenerate the page; runs that no longer show anything are dropped."""
+  if not docs.DOCS_DIR.exists():
+    return
+  kept = {k: run[k] for k in ("date", "command", "machine", "model", "dtype")}
+  kept["methods"] = {m: {k: _round(r[k]) for k in FIELDS if r.get(k) is not None}
+                     for m, r in run["methods"].items() if m != metrics.AR}
+  runs = [*load(path), kept]
+  runs = [r for r in runs if r is kept or _shown(r, runs)]
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps({"runs": runs}, indent=1, ensure_ascii=False) + "\n")
+  page.write_text(render(runs))
+
+
+def _round(v):
+  return round(v, 4) if isinstance(v, float) else v
+
+
+def settings(command: str, method: str) -> dict[str, str]:
+  """What, in a run's command, changes `method`'s figures: prompts and tokens, the draft
+  length and early stop, sampling, and the options of the method's parts."""
+  args = shlex.split(command)
+  def flag(name: str, default: str | None = None) -> str | None:
+    return args[args.index(name) + 1] if name in args else default
+  parts = set(method.split("+"))
+  options = [o for i, o in enumerate(args) if i and args[i - 1] == "--option"
+             and o.split(".")[0] in parts]
+  gamma = f"≤ {flag('--gamma', '4')}" + (", fitted" if "--auto-gamma" in args else "")
+  if (t := flag("--threshold")) is not None:
+    gamma += f", τ {t}"
+  if method == llama_cpp.METHOD:  # no draft
+    gamma = "–"
+  per_category = flag("--per-category", "1")
+  workload = (f"{per_category}/category × {flag('--max-new-tokens', '64')} tokens"
+              + (f", {flag('--categories')}" if "--categories" in args else ""))
+  if "--temperature" in args and float(flag("--temperature")) > 0:
+    workload += f", T {flag('--temperature')}"
+  return {"workload": workload, "gamma": gamma, "options": ", ".join(sorted(options))}
+
+
+def cells(runs: list[dict]) -> dict[tuple, tuple[int, str, dict]]:
+  """(machine, model, dtype, workload, method, γ, options) -> (run index, method, row) of
+  the latest run with that configuration."""
+  out: dict[tuple, tuple[int, str, dict]] = {}
+  for i, run in enumerate(runs):
+    for method, row in run["methods"].items():
+      s = settings(run["command"], method)
+      key = (run["machine"], run["model"], run["dtype"], s["workload"], method,
+             s["gamma"], s["options"])
+      out[key] = (i, method, row)  # later runs replace earlier ones
+  return out
+
+
+def verdicts(runs: list[dict]) -> dict[tuple, tuple[int, claims.Verdict]]:
+  """(machine, model, dtype, subject) -> (run index, verdict): each claim judged by the
+  current `claims` rules on the latest run that decides it (or the latest run that states
+  it, if none does). A verdict is judged within one run: a composition against its parts
+  measured beside it."""
+  out: dict[tuple, tuple[int, claims.Verdict]] = {}
+  for i, run in enumerate(runs):
+    for v in claims.for_run(run["methods"]):
+      key = (run["machine"], run["model"], run["dtype"], v.subject)
+      if key not in out or v.outcome != claims.UNDECIDED or out[key][1].outcome == claims.UNDECIDED:
+        out[key] = (i, v)
+  return out
+
+
+def _shown(run: dict, runs: list[dict]) -> bool:
+  i = runs.index(run)
+  return (any(j == i for j, _, _ in cells(runs).values())
+          or any(j == i for j, _ in verdicts(runs).values()))
+
+
+def _x(v) -> str:
+  return "–" if v is None else f"{v:.2f}"
+
+
+def _mismatches(row: dict) -> str:
+  n = row.get("mismatches")
+  return "–" if n is None else metrics.mismatch_text(n, row.get("ties"))
+
+
+def weights(dtype: str, machine: str) -> str:
+  """The target's precision in words (`--dtype auto` is float32 on a CPU, bf16 on a GPU)."""
+  if dtype == "auto":
+    return "float32 weights" if machine.startswith("CPU") else "bfloat16 weights"
+  return ("the GGUF file's own blocks (`--dtype gguf`)" if dtype == "gguf"
+          else f"`--dtype {dtype}`")
+
+
+def render(runs: list[dict]) -> str:
+  """The page: per machine, per model and weights, one table of methods."""
+  latest = cells(runs)
+  out = [
+      "# Spec-Bench leaderboard", "",
+      "Lossless decoding speed over autoregressive decoding (AR), measured in the same "
+      "process as AR on Spec-Bench's prompts (Xia et al. 2024; the questions are read from "
+      "`../shared/data`). `M`: tokens committed per verification round; `speedup`: total "
+      "tokens over total decode time, against AR's; `median`: the median of each prompt's "
+      "speedup; `mismatches`: prompts whose tokens differ from AR's (a float32 run must "
+      "show 0). Each row is the latest run of its configuration; the runs are listed "
+      "under each table with the command that reproduces them. Per-category figures and "
+      "draft-length fits of the latest run per model: [spec-bench-runs.md]"
+      "(spec-bench-runs.md); the seed papers' verdicts: [verdicts.md](verdicts.md).",
+  ]
+  by_machine: dict[str, dict[tuple, list]] = {}
+  for key, (i, method, row) in latest.items():
+    machine, model, dtype, workload = key[:4]
+    by_machine.setdefault(machine, {}).setdefault((model, dtype, workload), []).append(
+        (i, method, key[5], key[6], row))
+  for machine in sorted(by_machine):
+    out += ["", f"## {machine}"]
+    for (model, dtype, workload), rows in sorted(by_machine[machine].items()):
+      used = sorted({i for i, *_ in rows})
+      ref = {i: n + 1 for n, i in enumerate(used)}
+      out += ["", f"### {model}: {weights(dtype, machine)}, {workload}", "",
+              "| method | γ | options | M | speedup | median | tok/s | mismatches | run |",
+              "|" + " --- |" * 9]
+      for i, method, gamma, options, row in sorted(
+          rows, key=lambda r: -(r[4].get("speedup") or 0)):
+        out.append(f"| `{method}` | {gamma} | {options or '–'} | {_x(row.get('M'))} | "
+                   f"{_x(row.get('speedup'))}× | {_x(row.get('median_speedup'))} | "
+                   f"{row.get('tokens_per_s', 0):.1f} | {_mismatches(row)} | [{ref[i]}] |")
+      out += [""] + [f"[{ref[i]}] {runs[i]['date']}: `{runs[i]['command']}`" + "  "
+                     for i in used]
+      out[-1] = out[-1].rstrip()
+  return "\n".join(out) + "\n"
+
+
+def from_section(body: str, command: str, date: str) -> dict | None:
+  """A run as a generated `specjax bench` section printed it: how the sections written
+  before this store existed became its first runs."""
+  machine = re.search(r"Machine: (.*?)\.(?:\s|$)", body)
+  model = re.search(r"--model (\S+)", command)
+  if not machine or not model:
+    return None
+  dtype = re.search(r"--dtype (\S+)", command)
+  methods, header = {}, None
+  for line in body.splitlines():
+    cols = [c.strip() for c in line.strip().strip("|").split("|")]
+    if cols[:3] == ["method", "tok/s", "speedup"]:
+      header = cols  # the first table: the run's summary
+      continue
+    if header is None or not line.startswith("|") or cols[0] in ("---", "AR"):
+      if header is not None and methods and not line.startswith("|"):
+        break
+      continue
+    cell = dict(zip(header, cols))
+    num = lambda c: float(c) if c is not None and _is_number(c) else None
+    mism = re.match(r"(\d+)(?: \(\+(\d+) tied\))?", cell.get("mismatches", ""))
+    methods[cols[0]] = {k: v for k, v in {
+        "tokens_per_s": num(cell.get("tok/s")), "speedup": num(cell.get("speedup")),
+        "median_speedup": num(cell.get("median per prompt")), "M": num(cell.get("M")),
+        "alpha": num(cell.get("α")), "mismatches": int(mism.group(1)) if mism else None,
+        "ties": int(mism.group(2)) if mism and mism.group(2) else None}.items()
+        if v is not None}
+  return {"date": date, "command": command, "machine": machine.group(1),
+          "model": model.group(1), "dtype": dtype.group(1) if dtype else "auto",
+          "methods": methods} if methods else None
+
+
+def _is_number(text: str) -> bool:
+  try:
+    float(text)
+    return True
+  except ValueError:
+    return False
