@@ -5,9 +5,8 @@
 // verification's targets, a draft's token and its confidence.
 //
 // Why a kernel: XLA:CPU spends two reductions on an argmax and two more on the top
-// probability, each split over its threads: 0.2-0.45 ms for one row of SmolLM2's 49152
-// logits and 0.85-1.5 ms for five rows of Qwen2.5's 151936 (AMD EPYC), where one pass over
-// a row already in the caches takes a few tens of µs (`experiments/bench_greedy.py`).
+// probability, each split over its threads, where one pass over a row already in the
+// caches is an order of magnitude quicker (docs/decisions/cpu.md, C5).
 #include <cmath>
 #include <cstdint>
 #include <limits>

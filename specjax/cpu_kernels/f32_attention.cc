@@ -6,9 +6,8 @@
 //
 // Why a kernel: XLA:CPU gives a decode step's attention two YNNPACK dots and a softmax
 // fusion per layer, plus copies that put the query heads of a kv head into rows and back.
-// Over a 320-slot cache of SmolLM2 (3 kv heads of 64) they took 85 µs a layer at one
-// token and 157 µs at five (30 layers chained in one jitted call, AMD EPYC), 9 and 15 %
-// of the AR and verification steps. Here a kv head's keys and values are read once for
+// On a small model they were a tenth of the AR step and more of a verification
+// (docs/decisions/cpu.md, C5). Here a kv head's keys and values are read once for
 // all its query rows, straight from the cache's [B, K, S, H] layout and the projection's
 // [B, T, N, H] one, and slots past `bound` (the filled part) are never read.
 //
@@ -58,14 +57,11 @@ inline float Sum(Vec v) {
 }
 
 // The lane sums of four vectors: with AVX2, three horizontal adds and one add of halves
-// for the four, where a lane sum alone takes five shuffles and adds (the kernel's time at
-// five tokens: 2.87 -> 2.35 ms over SmolLM2's 30 layers at 261 slots, AMD EPYC); with
-// AVX-512, each vector's two halves added first, then the same. One key's sum takes the
-// same tree whichever of the four it is, so a score's bits still do not depend on T. In
-// the scalar loop over lanes that AVX-512 took before, the sums were most of the score
-// loop: 30 layers of attention at five tokens over 256 slots of SmolLM2 took 1.29-1.57 ms
-// against 0.87-1.15 this way, at one token 0.49 against 0.41 (AMD EPYC with AVX-512, two
-// threads, variants alternated in one process).
+// for the four, where a lane sum alone takes five shuffles and adds; with AVX-512, each
+// vector's two halves added first, then the same. One key's sum takes the same tree
+// whichever of the four it is, so a score's bits still do not depend on T. A scalar loop
+// over lanes made the sums most of the score loop (measured slower at one token and at
+// five, variants alternated in one process).
 static_assert(kKeys == 4, "Sums4 reduces one score's sums per key");
 inline void Sums4(const Vec* v, float* out) {
 #if defined(__AVX512F__)
@@ -114,8 +110,7 @@ struct Head {
 
 // Which of the slots [0, n) each query token of a batch row sees, and which blocks of
 // kBlock slots it sees whole: one pass per call, where each kv head and part of the
-// slots once redid it for its own blocks (13 % of the kernel's time at five tokens over
-// SmolLM2's three kv heads).
+// slots once redid it for its own blocks (a measurable share of the kernel's time).
 struct Visibility {
   Visibility(const int32_t* qpos, const int32_t* kpos, const bool* valid,
              const int32_t* own_pos, const bool* own_valid, const Dims& d, int64_t bound,
@@ -149,8 +144,7 @@ struct Visibility {
 // Row r of R's share of the cache lines of [next, next + bytes): the block after the one
 // the rows are reading, fetched while they compute, so that the first row to reach it
 // finds it in L1. Row 0 otherwise met every line of a block from L2 or L3 as it read it
-// (at five tokens over SmolLM2's 30 layers, one thread: 2.8-3.6 ms -> 2.4-2.7 ms; at one
-// token 0.72-0.85 -> 0.58-0.75 ms, interleaved runs of a `/tmp` harness, AMD EPYC).
+// (measured faster this way at one token and at five, interleaved runs).
 inline void PrefetchShare(const float* next, int64_t bytes, int64_t r, int64_t R) {
   const int64_t lines = bytes / 64;
   const char* p = reinterpret_cast<const char*>(next);
@@ -209,7 +203,7 @@ void Attend(const Head& a, const Dims& d, int64_t lo, int64_t hi, float scale,
           for (int64_t i = 0; i < j1 - j; ++i) s[j + i] = ok[j + i] ? dots[i] * scale : kMasked;
         } else if (seen) {
           // A block every key of which the row sees (all but a causal edge) reads no
-          // mask: 4-7 % off the kernel at five tokens.
+          // mask (measurably cheaper at five tokens).
 #pragma GCC unroll 4
           for (int i = 0; i < kKeys; ++i) s[j + i] = dots[i] * scale;
         } else {

@@ -3,13 +3,12 @@
 // (`F32MatmulOI`).
 //
 // Why a kernel: a decode step is bound by reading the weights once, and so is a
-// verification of a few tokens (5 tokens of a 0.5B model are ~5 GFLOP, a tenth of what
-// two AVX-512 cores do in the time their memory takes to stream 2 GB). XLA:CPU sends
-// M ≥ 2 dots to a GEMM that streams the weights much more slowly than its M = 1 GEMV (an
-// M = 5 forward cost 1.3–2.2 AR steps on the CPUs we ran), and its GEMV reaches 13–30 GB/s
-// on a small model's matrices where this kernel reaches 23–29 at one row
-// (`experiments/bench_cpu_kernels.py`). Here every weight is read once and used for all
-// M rows while it sits in a register.
+// verification of a few tokens (its arithmetic is a small fraction of what the cores do
+// in the time the weights take to stream). XLA:CPU sends M ≥ 2 dots to a GEMM that streams
+// the weights much more slowly than its M = 1 GEMV, and even its GEMV streams a small
+// model's matrices below this kernel's rate (docs/decisions/cpu.md, C1; figures:
+// docs/results/cpu-kernels.md). Here every weight is read once and used for all M rows
+// while it sits in a register.
 //
 // Work is split into chunks that the caller and XLA's intra-op threads claim from an
 // atomic counter (`workers.h`); the caller waits only for claimed chunks. A chunk is a
@@ -35,8 +34,8 @@ using Matrix = ffi::Buffer<ffi::F32>;
 
 // The vector registers of the target: a tile of sums must fit them with the weight
 // vectors it meets and a broadcast, or GCC spills the sums to the stack on every weight
-// read. AVX2 has half AVX-512's registers, each half as wide: tiles sized for AVX-512 ran
-// five rows 2.8x slower than one on an AMD EPYC (`experiments/bench_cpu_kernels.py`).
+// read. AVX2 has half AVX-512's registers, each half as wide, so tiles sized for AVX-512
+// spilled there (docs/decisions/cpu.md, C2).
 #if defined(__AVX512F__)
 constexpr int kVecBytes = 64, kRegisters = 32;
 #elif defined(__AVX__)
@@ -47,10 +46,9 @@ constexpr int kVecBytes = 16, kRegisters = 32;
 constexpr int kVecBytes = 16, kRegisters = 16;
 #endif
 constexpr int kLanes = kVecBytes / 4;  // floats per vector
-// Rows of x per pass over the weights: up to a γ = 8 verification. At eight, its nine rows
-// took two passes, 1.60 AR steps on SmolLM2 and 1.80 on Qwen2.5-0.5B; in one, 1.45 and 1.26
-// (`experiments/profile_round.py --gamma 8`, Intel Xeon with AVX-512; the tile for nine
-// rows still fits the registers, `FitRegisters`).
+// Rows of x per pass over the weights: up to a γ = 8 verification, whose nine rows would
+// otherwise read every matrix twice; the tile for nine rows still fits the registers
+// (`FitRegisters`; docs/decisions/cpu.md, C2).
 constexpr int kMaxRows = 9;
 constexpr int kIOWidth = 32;   // [I, O]: the widest register tile, 128 bytes of a row
 constexpr int64_t kIOChunk = 512;  // [I, O]: most columns per claimed chunk (2 KiB of a row)
@@ -69,11 +67,9 @@ constexpr int FitRegisters(int MB, int most) {
 constexpr int kPrefetchL2 = 2;
 
 // The line 4 KiB further along a stream of weights, to L2, for two rows or more: there the
-// loop issues its loads more slowly and the hardware prefetchers fell behind. SmolLM2's
-// head (49152 x 576) at five rows took 3.66 ms without it against 3.10-3.12 with it 4 or 8
-// KiB ahead (3.39 16 KiB ahead), Qwen2.5-0.5B's (151936 x 896) 15.9 against 14.3; at eight
-// and nine rows the times did not move (AMD EPYC with AVX-512, alternated). At one row it
-// did not help alone, and within a step the head's one-row time was no better with it.
+// loop issues its loads more slowly and the hardware prefetchers fell behind (measured
+// faster 4 or 8 KiB ahead than 16 on the tied heads at five rows, the same at eight and
+// nine; at one row it did not help).
 // Past the end of the matrix the address is formed as an integer: a prefetch never
 // faults, and no out-of-bounds pointer is made.
 inline void PrefetchAhead(const float* p) {
@@ -88,13 +84,10 @@ inline Vec Load(const float* p) { return *reinterpret_cast<const VecU*>(p); }
 inline void Store(float* p, Vec v) { *reinterpret_cast<VecU*>(p) = v; }
 // a + x·w as one FMA, and x[0] in every lane, each an opaque instruction. Left to itself
 // (this file was built with -fassociative-math until `cpu_kernels._IN_ORDER`), GCC turned
-// a five-row [I, O] tile into trees of multiplies and adds and kept the 40 broadcasts of
-// a group on the stack: under AVX2 the tile ran at a third of the FMA units' rate (a
-// gate_up matrix of SmolLM2 took 611 µs at five rows from L3 against 372 µs this way; one
-// core, AMD EPYC); under AVX-512 (GCC 12, an Intel Xeon) two to five rows ran at 7 % of
-// it, each row costing a whole pass over the weights, and six to eight at 36 %
-// (`experiments/bench_f32_tile.py`). "v" names any of AVX-512's 32 registers; "x" the 16
-// that AVX2 has.
+// a five-row [I, O] tile into trees of multiplies and adds and kept the broadcasts of a
+// group on the stack, far from the FMA units' rate under both AVX2 and AVX-512
+// (docs/decisions/cpu.md, C2). "v" names any of AVX-512's 32 registers; "x" the 16 that
+// AVX2 has.
 #if defined(__AVX512F__)
 #define SPECJAX_VREG "v"
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -127,22 +120,15 @@ inline float Sum(Vec v) {
 // Whether rows of O floats lie a multiple of 4 KiB apart (SmolLM2's gate_up: 12 KiB). Then
 // the same columns of every row, and of the rows `BlockIO` prefetches, fall in one set of
 // an L1 cache whose sets repeat every 4 KiB (32 KiB, 8-way: the CPUs we use), and the
-// prefetched lines evict the tile's before they are read. On an AMD EPYC (two threads, 30
-// layers chained from DRAM as `experiments/bench_cpu_kernels.py` times them) SmolLM2's
-// gate_up at five rows took 9.0-11.6 ms without the prefetch against 10.1-15.5 ms with it,
-// and its AR step 25.4 ms against 27.4 (`experiments/profile_round.py`, medians of 8
-// alternated runs). Rows that spread over the sets (SmolLM2's q/k/v, o and down, all of
-// Qwen2.5-0.5B's) read faster with it: down at five rows took 8.0 ms without, 6.5 with.
+// prefetched lines evict the tile's before they are read, so such matrices skip the
+// prefetch; rows that spread over the sets read faster with it (docs/decisions/cpu.md,
+// C3).
 constexpr bool FourKiBRows(int64_t O) { return O * int64_t(sizeof(float)) % 4096 == 0; }
 
 // Whether rows lie a multiple of 2 KiB apart: two sets of the L1 for a tile's rows and the
-// prefetched ones. At five rows dropping the prefetch there ranged from 9 % faster to 13 %
-// slower (Qwen2.5-1.5B's down); at one row, where the tile runs through its weights
-// fastest, the prefetch lost: Qwen2.5-0.5B's gate_up (38 KiB
-// rows, 42 % of its weights) took 1.36-1.45 ms without it against 1.65-1.69 with, Qwen2.5-
-// 1.5B's (70 KiB) 4.03 against 4.83, rows of 10 and 18 KiB 3-8 % less, of 6 KiB -6 to +2 %
-// (a `/tmp` harness: matrices chained from DRAM, two threads, AMD EPYC; XLA's dot took
-// 1.54-1.56 ms on the first). So one row prefetches only rows that spread over more sets.
+// prefetched ones. At five rows dropping the prefetch there was a wash; at one row, where
+// the tile runs through its weights fastest, the prefetch lost on long rows. So one row
+// prefetches only rows that spread over more sets.
 constexpr bool TwoKiBRows(int64_t O) { return O * int64_t(sizeof(float)) % 2048 == 0; }
 
 // [I, O]: acc[m·stride + c] += Σ_i x[m·I + i] · w[i·O + o0 + c] over rows [i0, i1) of w
@@ -220,8 +206,8 @@ struct ColumnsIO {
 
 // [I, O] by rows: the partial sums part[MB, O] (row stride O) of rows [i0, i1) of w. Each
 // chunk is one contiguous block of memory, which the prefetchers stream far better than
-// column strips: SmolLM2's four layer matrices at MB = 5 take 22.1 ms over 30 layers,
-// less than XLA's dot at one row (24.5 ms; `experiments/bench_cpu_kernels.py`).
+// column strips (five rows this way take less than XLA's dot at one row:
+// docs/results/cpu-kernels.md).
 template <int MB>
 struct RowsIO {
   static void Run(const float* x, const float* w, float* part, int64_t I, int64_t O,
@@ -287,13 +273,9 @@ inline void Dispatch(int64_t rows, Args... args) {
 
 template <int MB>
 struct ChunkOI {
-  // The two halves of the chunk side by side (`StreamsOI`). SmolLM2's head (49152 x 576)
-  // at one row took 5.6-6.0 ms four channels side by side, 5.5-5.8 two and 4.8-5.1 one at a
-  // time in one chain, and two streams 3.8-4.3 ms (AMD EPYC, two threads, from DRAM). At
-  // five rows, four channels side by side with the next four prefetched (until 2026-12-01)
-  // took 3.84-4.21 ms against 3.45-3.80 as two streams, and four streams 3.64-4.06 (AMD
-  // EPYC with AVX-512, the variants alternated in one process; `PrefetchAhead` then took
-  // the two streams' 3.66 to 3.10).
+  // The two halves of the chunk side by side (`StreamsOI`): two long streams far apart
+  // read a tied head faster, at one row and at five, than four or one channel at a time
+  // side by side, or four streams (the variants alternated in one process).
   static void Run(const float* x, const float* w, float* y, int64_t I, int64_t O,
                   int64_t o0, int64_t o1) {
     const int64_t half = (o1 - o0) / 2;
@@ -311,10 +293,9 @@ inline int64_t IOChunk(int64_t O, int64_t threads) {
   return std::min(kIOChunk, (width + kIOWidth - 1) / kIOWidth * kIOWidth);
 }
 
-// [O, I]: output channels per chunk, about kOIChunkBytes of weights (SmolLM2's head took
-// 4-6 % longer in chunks of 32 channels, 74 KiB, than in chunks of 64 to 1024, whose times
-// did not differ), and at least four chunks per worker, so that a helper that starts late
-// costs at most a quarter of its share.
+// [O, I]: output channels per chunk, about kOIChunkBytes of weights (chunks much smaller
+// than that were measured slower; larger ones did not differ), and at least four chunks
+// per worker, so that a helper that starts late costs at most a quarter of its share.
 inline int64_t OIChunk(int64_t I, int64_t O, int64_t threads) {
   const int64_t by_bytes = std::max<int64_t>(8, kOIChunkBytes / (I * int64_t(sizeof(float))));
   const int64_t pieces = 4 * std::max<int64_t>(1, threads);

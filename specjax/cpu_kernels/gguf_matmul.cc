@@ -3,8 +3,8 @@
 // same rows dequantised to float32 (`GgufDequantize`: an embedding lookup, a prefill).
 //
 // Why: a float32 target reads 4 bytes per weight per step; the file holds 0.56 (Q4_1) to
-// 1.06 (Q8_0). llama.cpp, reading the blocks, decoded Qwen2.5-Coder-1.5B 4.6-4.8x faster
-// than specjax's float32 AR on the same 2 cores (docs/BENCHMARKS.md).
+// 1.06 (Q8_0). llama.cpp, reading the blocks, decoded several times faster than
+// specjax's float32 AR on the same cores (docs/decisions/cpu.md, C8).
 //
 // Exactness: each weight is the float32 gguf-py's `dequantize` gives, computed with its
 // expressions in its order — `d * q` (Q4_0, Q5_0, Q8_0, Q6_K's d·scale then ·q),
@@ -23,10 +23,9 @@
 // `int8_matmul.cc`.
 //
 // Cost: with 4- and 5-bit blocks the kernel is bound by the vector work of dequantising,
-// not by memory (SmolLM2's Q4_1 rows at 26 G weights/s on two Xeon cores, 17 GB/s of
-// blocks), so unlike the float32 target's, a verification's five rows cost more than
-// one: 1.4-1.6 AR steps (docs/BENCHMARKS.md, `forward-*-gguf`). Each row of x adds its
-// multiplies and their loads of x: pairing weight rows halves the loads.
+// not by memory, so unlike the float32 target's, a verification's five rows cost clearly
+// more than one AR step (docs/results/step-costs.md, `forward-*-gguf`). Each row of x adds
+// its multiplies and their loads of x: pairing weight rows halves the loads.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -400,8 +399,7 @@ void DotRowPair(const uint8_t* a, const uint8_t* b, const float* x, int64_t I, f
 }
 
 // Rows of x per pass over a weight row: 18 sums in registers, so a verification of γ ≤ 8
-// drafts unpacks each weight once (with 8, γ = 8 took a second pass for its ninth row:
-// Qwen2.5-0.5B's matmuls at 9 rows took 77-88 ms, now 70-72, against 30-34 at 1 row).
+// drafts unpacks each weight once (with 8, γ = 8 took a second pass for its ninth row).
 // A pair of weight rows holds 4R sums: pairs take tiles of up to kPairTile rows.
 constexpr int64_t kTile = 9;
 constexpr int64_t kPairTile = 5;

@@ -9,8 +9,8 @@
 // 8-bit drafts (`int8_matmul.cc`) beat it.
 //
 // Why integer activations: widening every code to a float (vpmovzxbd, vcvtdq2ps and an
-// FMA per 8 codes) bounded the first form of this kernel at 6-8 GB/s of codes on an AMD
-// EPYC, below what a loop that only reads them reaches. So each group of G inputs of a row
+// FMA per 8 codes) bounded the first form of this kernel by its instructions, well below
+// what a loop that only reads the codes reaches. So each group of G inputs of a row
 // is first put on a grid of int16 levels of its own unit, max|x_g| / 32767
 // (`quant.activation_grid`, which XLA's path applies too), and vpmaddwd multiplies and
 // pairs 16 codes with their levels per instruction. A group's sum Σ code · level is then

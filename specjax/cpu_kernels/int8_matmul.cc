@@ -2,24 +2,22 @@
 // float32 scale per output channel (an 8-bit draft's matmuls on a CPU).
 //
 // Why a kernel: XLA:CPU converts an int8 (or bf16) matrix to float32 in memory before
-// its dot, so a weight stored at 8 bits cost 13x more than at 32 (LM head of SmolLM2,
-// T = 1: 31 ms against 2.3 ms, jax 0.10.2). Here each weight row is widened in
-// registers, so the step reads one byte per weight.
+// its dot, so a weight stored at 8 bits cost an order of magnitude more than at 32
+// (docs/decisions/cpu.md, C4). Here each weight row is widened in registers, so the step
+// reads one byte per weight.
 //
 // Each weight row is read front to back, a cache line per iteration into four
 // independent sums, and widened with one vpmovsxbd per 8 (AVX2) or 16 (AVX-512) weights:
 // GCC's vectoriser widened through int16 (commit 5d9dab8), at twice the cost. Rows are
 // contiguous, so a chunk of output channels is one sequential stream, prefetched 4 KiB
 // ahead. Reading eight rows side by side instead (eight streams, as until 2026-11-26)
-// left the loop at 60 % of the bandwidth a plain read reaches from DRAM on an AMD EPYC;
-// see `docs/BENCHMARKS.md`.
+// left the loop well below the bandwidth a plain read reaches from DRAM (C4).
 //
 // Output channels are split into two chunks per worker that the caller and XLA's
 // intra-op threads claim from an atomic counter (`workers.h`). The caller waits only for
 // chunks a helper has claimed, never for a helper to start, so a busy pool cannot
 // deadlock it. Chunks of 64 channels (as until 2026-11-27) restarted the stream, and its
-// prefetch, every 36 KiB of a SmolLM2 matrix: an 8-bit draft step over every sub-layer
-// cost 0.47 AR steps, with two long chunks per worker 0.43 (Intel Xeon).
+// prefetch, every few tens of KiB, which made every 8-bit draft step dearer (C4).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>

@@ -4,10 +4,10 @@
 // tokens' partial (`quant_kv_cache`'s layout; `quant.py` the codes).
 //
 // Why a kernel: XLA:CPU computes a quantised read as a float32 copy of the whole layer
-// (dequantise, then its dot reads the copy): an AR step of SmolLM2 over 1024 slots, 896
-// of them quantised, cost 50-54 ms on the 8-bit cache against 35 ms on a float32 one,
-// though the codes are a quarter of the bytes; with these kernels 33 ms (Intel Xeon; 38
-// before the head dimension became a compile-time constant for H = 64 and 128).
+// (dequantise, then its dot reads the copy), so a step on the 8-bit cache cost more than
+// one on a float32 cache though the codes are a quarter of the bytes; with these kernels
+// it costs less (docs/decisions/drafting.md, D5). The head dimension is a compile-time
+// constant for H = 64 and 128, which the loops need to be fast.
 // Here each slot's codes are widened into one row of H floats, in L1, and met by every
 // query row at once; the statistics enter per group (`Scores`, `Values` say how), and
 // slots at or past Q are never read, so a step costs the context, not the allocation.
@@ -19,10 +19,10 @@
 //
 // Work is split into (kv head, ~512 slots) items shared with XLA's threads (`workers.h`)
 // once a call has enough of it; an item's scores, softmax terms and value sums stay in
-// its own buffer. At 2048 tokens (1920 quantised), SmolLM2's verification of 5 tokens on
-// the 8-bit cache took 57 ms with the scores and the value sums as two kernels and the
-// softmax between them in XLA (which wrote and reread [B, K, R, S] over the allocated
-// slots), and 46 ms with all three here; an AR step 35 -> 32 ms (AMD EPYC, 2 cores).
+// its own buffer. Scores, softmax terms and value sums are all here: with the softmax
+// between two kernels in XLA, it wrote and reread [B, K, R, S] over the allocated slots,
+// and steps and verifications were measurably slower (`python -m
+// experiments.bench_quant_steps`).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

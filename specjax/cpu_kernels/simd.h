@@ -47,9 +47,8 @@ struct Simd {
 };
 #elif defined(__AVX2__) && defined(__FMA__)
 #define SPECJAX_QUANT_SIMD 1
-// The same at 8 lanes. For int8 the vectoriser's path, on an AMD EPYC (AVX2), made an
-// 8-bit draft of SmolLM2 with every sub-layer on cost 0.66 AR steps; one vpmovsxbd per 8
-// weights, 0.56.
+// The same at 8 lanes. For int8 the vectoriser's path widened through int16, at about
+// twice the cost of one vpmovsxbd per 8 weights (docs/decisions/cpu.md, C2).
 struct Simd {
   static constexpr int kLanes = 8;  // float32 lanes of one 256-bit vector
   using F = __m256;

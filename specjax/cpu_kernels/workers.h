@@ -1,10 +1,9 @@
 // Work sharing for the CPU kernels: a job's chunks are claimed from an atomic counter by
 // the calling thread and by helpers on XLA's intra-op thread pool.
 //
-// Why helpers linger: a decode step makes ~120 kernel calls a few tens of µs apart, and a
-// pool thread woken for each of them started ~30 µs after it was asked (mean over a
-// SmolLM2 verification, Intel Xeon VM), time in which the caller streamed the weights
-// alone. A helper that has finished its chunks therefore waits a little (`kLinger`,
+// Why helpers linger: a decode step makes a hundred-odd kernel calls a few tens of µs
+// apart, and a pool thread woken for each of them started about as late as a call
+// lasts, time in which the caller streamed the weights alone. A helper that has finished its chunks therefore waits a little (`kLinger`,
 // yielding the core) for the next job, which the caller hands it through a one-job slot
 // instead of waking another pool thread.
 //
@@ -67,7 +66,7 @@ class Job {
 class Helpers {
  public:
   // How long a helper waits for the next job: longer than the gaps between a step's
-  // matmuls (attention between q/k/v and o is the longest, ~0.1 ms), short enough that a
+  // matmuls (attention between q/k/v and o is the longest), short enough that a
   // pool thread is never kept from XLA's own work for long.
   static constexpr std::chrono::microseconds kLinger{300};
 
