@@ -5,7 +5,7 @@ the whole AR step and the whole verification of γ + 1 tokens.
         [--contexts 256,1024] [--repeats 40]
 
 Each step is compiled twice in one process, once as the model takes it (the kernel, where
-`cpu_kernels.attends_here`) and once with the kernel disabled (XLA's two dots and softmax
+`ops.f32_attention_takes`) and once with the kernel disabled (XLA's two dots and softmax
 per layer, over a filled prefix of the cache where `_prefix` applies), and the four
 executables of a context run round-robin, so the machine's drift hits both paths alike.
 A step is the engine's own function (`generate.decode_step`'s, greedy, and
@@ -36,7 +36,7 @@ from specjax.plan import DraftPlan
 from specjax.sampling import SamplingParams
 
 # Every kernel but f32_attention: the path the model took before it.
-WITHOUT = ",".join(k for k in cpu_kernels._KERNELS if k != "f32_attention")
+WITHOUT = ",".join(k for k in cpu_kernels.build.KERNELS if k != "f32_attention")
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import report
-from specjax import cpu_kernels
+from specjax import cpu_kernels, ops
 from specjax.decode.generate import decode_step, prefill_prompt
 from specjax.decode.round import Draft, draft_step, verify_step
 from specjax.jit_cache import compiled
@@ -138,7 +138,7 @@ def main() -> None:
   args = ap.parse_args()
   if args.dtype not in ("auto", "float32"):
     sys.exit(f"bench_quant_steps times float32 steps, not --dtype {args.dtype}")
-  if not cpu_kernels.reads_codes():
+  if not ops.quant_codes_on_cpu():
     sys.exit("bench_quant_steps times the C++ kernels that read the codes: "
              f"{cpu_kernels.kernel_status('quant_attention')} on a {jax.default_backend()} "
              "backend")

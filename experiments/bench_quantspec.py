@@ -34,6 +34,7 @@ from experiments import report
 from specjax import (
   cpu_kernels,
   data,
+  ops,
 )
 from specjax.bench import claims, harness, metrics
 from specjax.bench.harness import Reference, RunSettings
@@ -118,9 +119,9 @@ def median_pass(passes: list[list[dict]]) -> list[dict]:
 
 def read_path() -> str:
   """How this run's attention read the quantised cache, for the section's prose."""
-  if cpu_kernels.reads_codes():
+  if ops.quant_codes_on_cpu():
     return ("attention reads the quantised slots from their codes with C++ kernels "
-            "(`cpu_kernels.quant_attention`; the Pallas kernel is for GPUs)")
+            "(`ops.quant_attention`; the Pallas kernel is for GPUs)")
   return ("on the jnp path, where every step dequantises the whole cache before attending "
           "(the Pallas kernel, which reads the codes, is for GPUs)")
 

@@ -244,16 +244,13 @@ def merge(parts: list[tuple]) -> jax.Array:
 def quant_attention(q, q_pos, length, k_codes, v_codes, fp_k, fp_v, fp_pos, fp_valid, *,
                     bits: int, group: int, value_group: int, scale: float,
                     window: int | None = None, use_kernel: bool = True,
-                    interpret: bool = False, block: int = 256, splits: int | None = None,
-                    cpu: bool = False):
+                    interpret: bool = False, block: int = 256, splits: int | None = None):
   """Attention of q [B, K, Rq, H] over the quantised slots [0, length) and the
   full-precision keys fp_k/fp_v [B, K, F, H]: [B, K, Rq, H]. `use_kernel=False` computes
-  the quantised part with `reference_partials` instead (the jnp path), `cpu=True` with
-  `cpu_partials` (the C++ kernels)."""
+  the quantised part with `reference_partials` instead (the jnp path). Which path a model
+  takes is `specjax.ops.quant_attention`'s choice."""
   kw = dict(bits=bits, group=group, value_group=value_group, scale=scale, window=window)
-  if cpu:
-    partials = cpu_partials(q, q_pos, length, k_codes, v_codes, **kw)
-  elif use_kernel:
+  if use_kernel:
     partials = quant_partials(q, q_pos, length, k_codes, v_codes, block=block, splits=splits,
                               interpret=interpret, **kw)
   else:
@@ -262,17 +259,23 @@ def quant_attention(q, q_pos, length, k_codes, v_codes, fp_k, fp_v, fp_pos, fp_v
                                                         fp_valid, scale=scale, window=window)])
 
 
-def cpu_partials(q, q_pos, length, k_codes, v_codes, *, bits, group, value_group, scale,
-                 window=None):
-  """The kernel's result as one split, from the codes by `specjax.cpu_kernels`' C++
-  kernel (scores, softmax and probability-weighted values in one call): on a CPU, where
-  dequantising first made XLA write and read a float32 copy of every layer."""
-  from specjax import cpu_kernels
+def _unpacked(codes):
+  """Packed codes [..., H/2] -> float32 codes [..., H]: the low nibbles are channels
+  [0, H/2), the high ones the rest."""
+  return jnp.concatenate([codes & 0xF, codes >> 4], axis=-1).astype(jnp.float32)
 
-  del group, value_group  # the kernel reads them from the statistics' shapes
-  o, m, l = cpu_kernels.quant_partials(q, q_pos, length, k_codes, v_codes, bits=bits,
-                                       scale=scale, window=window)
-  return o[:, :, None], m[:, :, None], l[:, :, None]
+
+def _values(h, bits: int, axis: int, group: int):
+  """The floats a cache layer's codes stand for, [B, K, S, H], written out in full: the
+  statistics repeated over their groups (`axis` 2: groups of slots, the keys; 3: groups
+  of channels, the values), then lo + upper·scale (+ (lower − 7)·scale/15 at 8 bits). The
+  kernel's independent check: it shares no code with `specjax.quant`, which owns the
+  format."""
+  lo, scale = (jnp.repeat(a, group, axis=axis) for a in (h.lo, h.scale))
+  x = lo + _unpacked(h.upper) * scale
+  if bits == 8:
+    x = x + (_unpacked(h.lower) - 7.0) * (scale / 15.0)
+  return x
 
 
 def reference_partials(q, q_pos, length, k_codes, v_codes, *, bits, group, value_group,
@@ -280,10 +283,8 @@ def reference_partials(q, q_pos, length, k_codes, v_codes, *, bits, group, value
   """The kernel's result in plain jnp, as one split: dequantise, mask, softmax partials.
   (The causal mask `dense_partials` applies is vacuous here: every quantised token
   precedes every query.)"""
-  from specjax import quant
-
-  k = quant.dequantize(k_codes, axis=2, group=group, bits=bits)
-  v = quant.dequantize(v_codes, axis=3, group=value_group, bits=bits)
+  k = _values(k_codes, bits, 2, group)
+  v = _values(v_codes, bits, 3, value_group)
   B, S = q.shape[0], k.shape[2]
   pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
   o, m, l = dense_partials(q, q_pos, k, v, pos, pos < length, scale=scale, window=window)

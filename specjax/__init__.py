@@ -10,8 +10,9 @@ They resolve on first use (PEP 562), and no module of the package imports its ro
 The package, by what each part is for:
 
     specjax/            the core: config, plan, model, cache_view, kv_cache,
-                        quant_kv_cache, quant, sampling, jit_cache, compile_cache, errors, cli
-    specjax/cpu_kernels/ C++ kernels XLA:CPU lacks (the int8 matmul), through jax.ffi
+                        quant_kv_cache, quant, sampling, jit_cache, compile_cache, errors, cli;
+                        ops, the one place that picks a kernel or XLA for each op
+    specjax/cpu_kernels/ C++ kernels XLA:CPU lacks, through jax.ffi (`build`: compiling them)
     specjax/models/     where models come from: registry, GGUF, tokenizer, params, tiny models
     specjax/decode/     prefill and AR (generate), the SSD engine, the on-device round loop
     specjax/drafters/   runtime drafting strategies, one per method, and overlays

@@ -43,7 +43,7 @@ class Segment:
   # quantised cache's buffer): attention may then read only a prefix that holds them.
   filled: jax.Array | None = None
   # The tokens' own K/V (`LayerView.reading`): after a `filled` segment, the slots that
-  # follow it, which `cpu_kernels.f32_attention` reads with it in one pass.
+  # follow it, which the `f32_attention` kernel reads with it in one pass.
   own: bool = flax.struct.field(pytree_node=False, default=False)
 
   @classmethod
@@ -59,7 +59,7 @@ class Segment:
 @flax.struct.dataclass
 class QuantRead:
   """One layer of a quantised cache, read at `bits` from its codes (slots < Q): by the
-  Pallas kernel, or on a CPU (`cpu`) by the C++ kernels of `cpu_kernels`."""
+  Pallas kernel, or on a CPU (`cpu`) by the C++ kernels (`ops.quant_attention`)."""
 
   quantized: jax.Array  # int32 Q: tokens held quantised
   k_codes: Any  # quant.Hier of keys

@@ -3,7 +3,7 @@
 Why: a float32 target streams 4 bytes a weight every decode step; the file holds 0.56 of
 a byte (Q4_1) to 1.06 (Q8_0). llama.cpp decodes from those blocks several times faster
 than specjax's float32 target on the same CPU (docs/decisions/cpu.md, C8). Here the model keeps
-the blocks and `cpu_kernels.gguf_matmul` dequantises them in registers to the float32
+the blocks and the `gguf_matmul` C++ kernel dequantises them in registers to the float32
 weights gguf-py would give, bit for bit, so the numbers are the float32 model's up to the
 order of each dot product's sums — and that order is the same for one row or a
 verification's few, which is what keeps greedy SSD equal to greedy AR.
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import cpu_kernels
+from specjax import ops
 from specjax.errors import SpecjaxError
 
 # ggml types the kernel reads (gguf.GGMLQuantizationType values).
@@ -41,7 +41,7 @@ class GGUFMatrix:
   kinds: tuple[int, ...] = flax.struct.field(pytree_node=False)
   inputs: int = flax.struct.field(pytree_node=False)  # In
   # A draft's Q4_0 copy (`4bit`): a step's x quantised to 8 bits per block of 32 and
-  # multiplied as integers (`cpu_kernels.q4_0_int8_matmul`), close to the float product
+  # multiplied as integers (`ops.q4_0_int8_matmul`), close to the float product
   # but not equal to it, so never a target's matrix.
   int8_inputs: bool = flax.struct.field(pytree_node=False, default=False)
 
@@ -97,23 +97,18 @@ class GGUFMatrix:
     return sum(p.nbytes for p in self.parts)
 
   def matmul(self, x: jax.Array) -> jax.Array:
-    """x[..., In] @ this matrix -> [..., Out] in float32. A step's or a verification's few
-    rows (`cpu_kernels.FEW_ROWS`) take the kernel, which reads each block once for all of
-    them; a prompt's many rows dequantise the matrix and take XLA's dot, which reuses
-    each weight across them."""
-    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    """x[..., In] @ this matrix -> [..., Out] in float32: each part by `ops.gguf_matmul`
+    (or `ops.q4_0_int8_matmul` with 8-bit inputs), which takes the kernel for a step's or
+    a verification's few rows and XLA's dot over the dequantised part for a prompt's."""
     if self.int8_inputs:  # its own XLA path past a few rows: the same 8-bit product
-      outs = [cpu_kernels.q4_0_int8_matmul(x, blocks) for blocks in self.parts]
-    elif rows > cpu_kernels.FEW_ROWS:
-      return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), self.dequantize())
+      outs = [ops.q4_0_int8_matmul(x, blocks) for blocks in self.parts]
     else:
-      outs = [cpu_kernels.gguf_matmul(x, blocks, kind)
-              for blocks, kind in zip(self.parts, self.kinds)]
+      outs = [ops.gguf_matmul(x, blocks, kind) for blocks, kind in zip(self.parts, self.kinds)]
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-1)
 
   def dequantize(self) -> jax.Array:
     """The float32 matrix, output-major [Out, In]."""
-    rows = [cpu_kernels.gguf_dequantize(b, k) for b, k in zip(self.parts, self.kinds)]
+    rows = [ops.gguf_dequantize(b, k) for b, k in zip(self.parts, self.kinds)]
     return rows[0] if len(rows) == 1 else jnp.concatenate(rows)
 
   def take_outputs(self, ids: jax.Array) -> GGUFMatrix:
@@ -131,7 +126,7 @@ class GGUFMatrix:
     """Output rows `ids` as float32 [..., In] (an embedding lookup, a shortlist's head
     rows), only those rows dequantised."""
     self._one_part()
-    return cpu_kernels.gguf_dequantize(jnp.take(self.parts[0], ids, axis=0), self.kinds[0])
+    return ops.gguf_dequantize(jnp.take(self.parts[0], ids, axis=0), self.kinds[0])
 
 
 def _block(kind: int) -> tuple[int, int]:

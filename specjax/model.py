@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import cpu_kernels
+from specjax import ops
 from specjax.cache_view import LayerView, QuantRead, Segment, after
 from specjax.config import ModelConfig, RopeScaling
 from specjax.gguf_matrix import GGUFMatrix
@@ -191,12 +191,12 @@ class Attention(nnx.Module):
     causality (key position <= query position) and the sliding window; returns [B, T, D].
     With `kernel`, also over a layer of a quantised cache, read by the Pallas kernel;
     `weights.o`, when set, replaces the output projection. A step's few float32 tokens on
-    a CPU take `cpu_kernels.f32_attention` (`cpu_kernels.attends_here`), a segment at a
+    a CPU take the `f32_attention` kernel (`ops.f32_attention_takes`), a segment at a
     time, but a filled cache and the tokens' own K/V after it in one call: then a token's
     row has the same bits in an AR step and in a verification. A quantised cache's codes
     read by the C++ kernels (`kernel.cpu`) join those segments' partials."""
     B, T, N, H = q.shape
-    on_cpu_kernels = all(cpu_kernels.attends_here(q, seg.k) for seg in segments)
+    on_cpu_kernels = all(ops.f32_attention_takes(q, seg.k) for seg in segments)
     if kernel is not None and not (kernel.cpu and on_cpu_kernels):
       return self._attend_kernel(q, positions, segments, kernel, weights)
     if on_cpu_kernels:
@@ -218,29 +218,26 @@ class Attention(nnx.Module):
 
   def _kernel_partial(self, q, positions, seg: Segment, own: Segment | None = None):
     """`_partial` of q[B, T, N, H] over `seg` (and `own`, the tokens' K/V, read as the slots
-    after its filled part) by `cpu_kernels.f32_attention`, in the tokens' layout ([B, T, N]
+    after its filled part) by the `f32_attention` kernel, in the tokens' layout ([B, T, N]
     and [B, T, N, H]): it reads q and the cache as they are stored, and a segment with a
     `filled` bound only up to it."""
     bound = seg.k.shape[2] if seg.filled is None else seg.filled
-    return cpu_kernels.f32_attention(
+    return ops.f32_attention(
         q, positions, seg.k, seg.v, seg.positions, seg.valid, bound, scale=self.config.scale,
         window=self.window, xla=self._partial_tokens,
         own=None if own is None else (own.k, own.v, own.positions, own.valid))
 
   def _codes_partial(self, q, positions, read: QuantRead):
     """`_partial` of q[B, T, N, H] over a quantised layer's slots [0, Q), from its codes by
-    `cpu_kernels`' C++ kernels (`pallas_kernels.quant_attention.cpu_partials`), in the
-    tokens' layout, to merge with `_kernel_partial`s. Through XLA's dots the full-precision
-    buffer beside the codes was first concatenated with the tokens' K/V, a copy every
-    step."""
-    from pallas_kernels.quant_attention import cpu_partials
-
+    the C++ kernel (`ops.quant_partials_cpu`), in the tokens' layout, to merge with
+    `_kernel_partial`s. Through XLA's dots the full-precision buffer beside the codes was
+    first concatenated with the tokens' K/V, a copy every step."""
     T = q.shape[1]
     rows, row_pos = _to_rows(q, positions, read.k_codes.upper.shape[1])
-    o, m, l = cpu_partials(rows, row_pos, read.quantized, read.k_codes, read.v_codes,
-                           bits=read.bits, group=read.group, value_group=read.value_group,
-                           scale=self.config.scale, window=self.window)
-    return tuple(_rows_to_tokens(a[:, :, 0], T) for a in (m, l, o))
+    o, m, l = ops.quant_partials_cpu(rows, row_pos, read.quantized, read.k_codes,
+                                     read.v_codes, bits=read.bits, scale=self.config.scale,
+                                     window=self.window)
+    return tuple(_rows_to_tokens(a, T) for a in (m, l, o))
 
   def _partial_tokens(self, q, q_pos, k, v, key_pos, valid):
     """`_partial` in the kernel's layout (its XLA form: under vmap and for tangents)."""
@@ -298,21 +295,18 @@ class Attention(nnx.Module):
   def _attend_kernel(self, q, positions, segments, read: QuantRead,
                      weights: LayerWeights | None = None) -> jax.Array:
     """`attend` with the quantised slots read from their codes by
-    `pallas_kernels.quant_attention` (the Pallas kernel, or `cpu_kernels`' C++ kernels on
-    a CPU): the G = N/K query heads of a kv head and the T tokens are its Rq = G·T rows."""
-    from pallas_kernels import quant_attention
-
+    `ops.quant_attention` (the Pallas kernel, or the C++ kernel on a CPU): the G = N/K
+    query heads of a kv head and the T tokens are its Rq = G·T rows."""
     B, T, N, H = q.shape
     rows, row_pos = _to_rows(q, positions, segments[0].k.shape[1])
     fp_k = jnp.concatenate([s.k for s in segments], axis=2)
     fp_v = jnp.concatenate([s.v for s in segments], axis=2)
     fp_pos = jnp.concatenate([s.positions for s in segments], axis=1)
     fp_valid = jnp.concatenate([s.valid for s in segments], axis=1)
-    out = quant_attention(
+    out = ops.quant_attention(
         rows, row_pos, read.quantized, read.k_codes, read.v_codes, fp_k, fp_v, fp_pos,
         fp_valid, bits=read.bits, group=read.group, value_group=read.value_group,
-        scale=self.config.scale, window=self.window,
-        interpret=jax.default_backend() == "cpu", cpu=read.cpu)
+        scale=self.config.scale, window=self.window, cpu=read.cpu)
     return self._project_out(_from_rows(out.astype(q.dtype), T), weights)
 
 
@@ -352,14 +346,12 @@ def _merge(parts: list[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
 
 
 def _dense(x: jax.Array, w: jax.Array | GGUFMatrix, output_major: bool = False) -> jax.Array:
-  """x @ w[I, O] (w[O, I] when `output_major`): XLA's dot, or on a CPU the few-row kernel
-  for a decode step's one to a few tokens (`cpu_kernels.few_rows`), which streams the
-  weights faster than XLA's dots; a `GGUFMatrix` (`--dtype gguf`) takes its own kernel."""
+  """x @ w[I, O] (w[O, I] when `output_major`) by `ops.matmul`, which picks the kernel:
+  on a CPU a decode step's few tokens stream the weights through the few-row kernel; a
+  `GGUFMatrix` (`--dtype gguf`) reads its own blocks."""
   if isinstance(w, GGUFMatrix):
     return w.matmul(x).astype(x.dtype)
-  if cpu_kernels.few_rows(x, w):
-    return cpu_kernels.f32_matmul(x, w, output_major)
-  return jnp.einsum("...i,oi->...o", x, w) if output_major else x @ w
+  return ops.matmul(x, w, output_major)
 
 
 def _matmul(x: jax.Array, own: nnx.Param, quantised=None, output_major: bool = False
@@ -512,11 +504,7 @@ class Transformer(nnx.Module):
     w = (self.embedding if self.config.tie_embeddings else self.lm_head).get_value()
     if isinstance(w, GGUFMatrix):  # stored output-major [V, D], tied or not
       return w.matmul(h.astype(jnp.float32))
-    if cpu_kernels.few_rows(h, w):
-      return cpu_kernels.f32_matmul(h, w, self.config.tie_embeddings)
-    if self.config.tie_embeddings:
-      return jnp.einsum("btd,vd->btv", h, w, preferred_element_type=jnp.float32)
-    return jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+    return ops.matmul(h, w, self.config.tie_embeddings, preferred=jnp.float32)
 
   def shortlist_rows(self, ids: jax.Array, weights: DraftWeights | None = None,
                      head_rows: jax.Array | None = None) -> jax.Array | Int8Matrix:

@@ -26,7 +26,7 @@ half in the high). Everything here is jnp and jit-friendly; the Pallas kernels
 Group axis conventions (the KV cache's): keys per channel over groups of G tokens, values
 per token over groups of channels. Weights: 4-bit (upper only) over groups of 128 input
 rows (QuantSpec's MLP, `Int4Matrix`), or 8-bit symmetric with one scale per output channel
-for every matmul of a draft (`Int8Matrix`); on a CPU the `cpu_kernels` int4 and int8
+for every matmul of a draft (`Int8Matrix`); on a CPU the C++ int4 and int8
 kernels read both from their codes. Or every matmul as GGUF Q4_0 blocks (`GGUFMatrix`:
 32 weights and a half-float scale, 0.56 bytes a weight), read by the gguf kernel.
 """
@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import cpu_kernels
+from specjax import ops
 from specjax.errors import SpecjaxError
 from specjax.gguf_matrix import GGUFMatrix
 
@@ -221,11 +221,13 @@ class Int4Matrix:
     write a float32 copy)."""
     pad = 2 * self.codes.shape[1] - self.rows  # the padded rows meet zeros
     xp = jnp.pad(x.astype(jnp.float32), [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-    if not cpu_kernels.runs_here("int4_matmul"):
+
+    def otherwise():
       on_grid = activation_grid(xp, self.group)[..., : self.rows].astype(x.dtype)
       return on_grid @ self.dequantize(x.dtype)
-    return cpu_kernels.int4_matmul(xp, self.codes, self.lo, self.scale,
-                                   reference=_int4_reference).astype(x.dtype)
+
+    return ops.int4_matmul(xp, self.codes, self.lo, self.scale, reference=_int4_reference,
+                           otherwise=otherwise).astype(x.dtype)
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -256,7 +258,7 @@ def _int8_codes(w_oi: jax.Array) -> tuple[jax.Array, jax.Array]:
 class Int8Matrix:
   """A [In, Out] matrix at 8 bits: symmetric int8 codes with one float32 scale per output
   channel (error ≤ scale/2 = max|w[:, o]|/254), stored output-major as codes[Out, In] so
-  that each output's weights are contiguous for the CPU kernel (`cpu_kernels`)."""
+  that each output's weights are contiguous for the CPU kernel (`ops.int8_matmul`)."""
 
   codes: jax.Array  # int8[Out, In]
   scale: jax.Array  # float32[Out]
@@ -268,7 +270,7 @@ class Int8Matrix:
 
   def matmul(self, x: jax.Array) -> jax.Array:
     """x[..., In] @ this matrix -> [..., Out] in x's dtype."""
-    return cpu_kernels.int8_matmul(x, self.codes, self.scale).astype(x.dtype)
+    return ops.int8_matmul(x, self.codes, self.scale).astype(x.dtype)
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     return (self.codes.astype(jnp.float32) * self.scale[:, None]).T.astype(dtype)
@@ -377,7 +379,7 @@ def q4_0_draft_weights(state, num_layers: int, *,
   the `gguf_matmul` CPU kernel that reads Q4_0 blocks cannot run."""
   from specjax.errors import ConfigError
 
-  why = cpu_kernels.unavailable("gguf_matmul")
+  why = ops.blocks_unavailable()
   if why:
     raise ConfigError(f"the 4bit draft reads Q4_0 blocks through the gguf_matmul CPU "
                       f"kernel ({why}); use 8bit elsewhere")
@@ -388,12 +390,12 @@ def quantize_weights_q4_0(state, num_layers: int, *,
                           int8_inputs: bool | None = None) -> DraftWeights:
   """Q4_0 copies of every matmul the draft runs, as gguf-py quantises them: 0.56 bytes a
   weight, under a GGUF target's own Q5_0-Q8_0 blocks (0.69-1.06), which 8-bit copies are
-  not. Read with x at 8 bits by `cpu_kernels.q4_0_int8_matmul` where its VNNI loop runs
+  not. Read with x at 8 bits by `ops.q4_0_int8_matmul` where its VNNI loop runs
   (`int8_inputs` None: `q4_0_int8_fast()`), else by `gguf_matmul` (CPU only)."""
   from specjax.gguf_matrix import KINDS
 
   if int8_inputs is None:
-    int8_inputs = cpu_kernels.q4_0_int8_fast()
+    int8_inputs = ops.q4_0_int8_fast()
   quantize = functools.partial(GGUFMatrix.quantize, kind=KINDS["Q4_0"], int8_inputs=int8_inputs)
   layers = [dict() for _ in range(num_layers)]
   for l, name, w in model_matrices(state, num_layers):

@@ -34,7 +34,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax import cpu_kernels, quant
+from specjax import ops, quant
 from specjax.cache_view import LayerView, QuantRead, Segment, after, keep_rows
 from specjax.config import ModelConfig
 from specjax.kv_cache import ContextOverflowError, KVCache
@@ -95,7 +95,7 @@ class QuantKVCache:
   residual: int = flax.struct.field(pytree_node=False, default=128)  # R
   headroom: int = flax.struct.field(pytree_node=False, default=16)  # most tokens a step adds
   kernel: bool = flax.struct.field(pytree_node=False, default=False)  # Pallas reads
-  # A CPU's C++ kernels read the codes (`cpu_kernels.reads_codes`, decided at creation).
+  # A CPU's C++ kernels read the codes (`ops.quant_codes_on_cpu`, decided at creation).
   cpu_reads: bool = flax.struct.field(pytree_node=False, default=False)
 
   @classmethod
@@ -136,7 +136,7 @@ class QuantKVCache:
     zero = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the cache is donated
     return cls(keys, values, buf(), buf(), zero(), zero(), jnp.ones((), jnp.bool_), group,
                value_group, residual, headroom, kernel,
-               cpu_reads=not kernel and cpu_kernels.reads_codes())
+               cpu_reads=not kernel and ops.quant_codes_on_cpu())
 
   @property
   def size(self) -> int:

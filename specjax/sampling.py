@@ -4,13 +4,11 @@ so both sample from exactly the same target distribution."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from specjax import cpu_kernels
+from specjax import ops
 from specjax.errors import ConfigError
 
 
@@ -34,59 +32,19 @@ class SamplingParams:
 
 def argmax(logits: jax.Array) -> jax.Array:
   """`jnp.argmax(logits, axis=-1)` as int32: the first maximum, or the first NaN. On a CPU
-  it is one pass of `cpu_kernels.f32_argmax` over each row (float32 logits)."""
-  if _kernel_takes(logits):
-    return cpu_kernels.f32_argmax(jax.lax.stop_gradient(logits))[0]  # piecewise constant
-  return _argmax_xla(logits)
+  one pass of a C++ kernel over each row (`ops.argmax` chooses)."""
+  return ops.argmax(logits)
 
 
 def top_probability(logits: jax.Array) -> jax.Array:
-  """max(softmax(logits)) over the last axis, which is 1 / Σ exp(logits - max): two passes
-  over the logits instead of a softmax's three and a third reduction."""
-  top = jnp.max(logits, axis=-1, keepdims=True)
-  return 1.0 / jnp.sum(jnp.exp(logits - top), axis=-1)
+  """max(softmax(logits)) over the last axis (`ops.top_probability`)."""
+  return ops.top_probability(logits)
 
 
 def argmax_and_top_probability(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(`argmax`, `top_probability`) of logits[..., V]: a draft's greedy token and its
   confidence, in one kernel call per step on a CPU."""
-  if _kernel_takes(logits):
-    return _argmax_and_top_kernel(logits)
-  return _argmax_xla(logits), top_probability(logits)
-
-
-def _kernel_takes(logits: jax.Array) -> bool:
-  """Whether the greedy choice over `logits` takes the CPU kernel: a step's few float32
-  rows (up to `cpu_kernels.FEW_ROWS`: the kernel runs on one thread, where XLA's
-  reductions split many rows over all of them) on a CPU backend, the kernel built."""
-  return (logits.dtype == jnp.float32 and logits.ndim >= 1 and logits.shape[-1] > 0
-          and math.prod(logits.shape[:-1]) <= cpu_kernels.FEW_ROWS
-          and cpu_kernels.runs_here("f32_argmax"))
-
-
-def _argmax_xla(logits: jax.Array) -> jax.Array:
-  """`jnp.argmax` in two plain reductions (the max, then the first index that holds it or a
-  NaN), which XLA:CPU vectorises; its variadic (value, index) reduce does not. Same answer,
-  ties and NaNs included, several times faster on a CPU (`python -m
-  experiments.bench_greedy`; `tests/test_sampling.py` holds it equal to `jnp.argmax`)."""
-  top = jnp.max(logits, axis=-1, keepdims=True)
-  ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
-  hit = (logits == top) | jnp.isnan(logits)
-  return jnp.min(jnp.where(hit, ids, logits.shape[-1]), axis=-1)
-
-
-@jax.custom_jvp
-def _argmax_and_top_kernel(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-  return cpu_kernels.f32_argmax(logits, probability=True)
-
-
-@_argmax_and_top_kernel.defjvp
-def _argmax_and_top_jvp(primals, tangents):
-  """The kernel does not differentiate: the probability's tangent is XLA's expression's."""
-  (logits,), (dlogits,) = primals, tangents
-  ids, p = _argmax_and_top_kernel(logits)
-  _, dp = jax.jvp(top_probability, (logits,), (dlogits,))
-  return (ids, p), (np.zeros(ids.shape, jax.dtypes.float0), dp)
+  return ops.argmax_and_top_probability(logits)
 
 
 def probs(logits: jax.Array, params: SamplingParams) -> jax.Array:

@@ -12,7 +12,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specjax import cpu_kernels
+from specjax import cpu_kernels, ops
 from specjax.config import tiny_config
 from specjax.kv_cache import KVCache
 from specjax.model import apply, init_model
@@ -178,7 +178,7 @@ def test_a_verification_forward_takes_kernel_and_equals_xla(arch, monkeypatch):
   assert "specjax_f32_attention" not in fwd.lower(cache, *prompt).as_text()
   assert "specjax_f32_attention" in fwd.lower(cache, *at).as_text()
   fast = logits()
-  monkeypatch.setattr(cpu_kernels, "attends_here", lambda *a: False)
+  monkeypatch.setattr(ops, "f32_attention_takes", lambda *a: False)
   fwd = jax.jit(lambda c, t, p: apply(state, c, t, p, plan, graphdef=graphdef))
   np.testing.assert_allclose(fast, logits(), rtol=1e-4, atol=1e-4)
 

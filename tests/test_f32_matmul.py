@@ -12,7 +12,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specjax import cpu_kernels
+from specjax import cpu_kernels, ops
 from specjax.config import tiny_config
 from specjax.kv_cache import KVCache
 from specjax.model import apply, init_model
@@ -158,12 +158,12 @@ def test_a_vmap_past_few_rows_or_over_weights_takes_xlas_dot():
 ])
 def test_few_rows_takes_only_decode_sized_float32_calls(shape, dtype, taken):
   x = jnp.zeros(shape, dtype)
-  assert cpu_kernels.few_rows(x, jnp.zeros((8, 4), dtype)) is taken
+  assert ops.f32_matmul_takes(x, jnp.zeros((8, 4), dtype)) is taken
 
 
 def test_disabled_kernels_are_never_taken(monkeypatch):
-  monkeypatch.setattr(cpu_kernels, "kernel_status", lambda *a: "disabled")
-  assert not cpu_kernels.few_rows(jnp.zeros((1, 5, 8)), jnp.zeros((8, 4)))
+  monkeypatch.setattr(cpu_kernels.build, "kernel_status", lambda *a: "disabled")
+  assert not ops.f32_matmul_takes(jnp.zeros((1, 5, 8)), jnp.zeros((8, 4)))
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -196,7 +196,7 @@ def test_a_verification_forward_equals_xla(arch, monkeypatch):
     return np.asarray(out.logits)
 
   fast = logits()
-  monkeypatch.setattr(cpu_kernels, "few_rows", lambda *a: False)
+  monkeypatch.setattr(ops, "f32_matmul_takes", lambda *a: False)
   np.testing.assert_allclose(fast, logits(), rtol=1e-4, atol=1e-4)
 
 

@@ -232,7 +232,7 @@ def test_blocks_need_the_cpu_kernel(monkeypatch):
   says so, rather than falling back to a slow path nobody asked for."""
   from specjax.models.loader import with_gguf_blocks
 
-  monkeypatch.setattr(cpu_kernels, "kernel_status",
+  monkeypatch.setattr(cpu_kernels.build, "kernel_status",
                       lambda kernel="int8_matmul": "disabled by SPECJAX_CPU_KERNELS=0")
   with pytest.raises(ConfigError, match="gguf_matmul kernel.*SPECJAX_CPU_KERNELS=0"):
     with_gguf_blocks(None)

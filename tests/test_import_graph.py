@@ -7,6 +7,7 @@ the ones inside functions too: an import deferred to dodge a cycle is still the 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,26 @@ def test_the_checks_see_a_cycle_and_a_climb(tmp_path):
   found = imports("specjax.cpu_kernels", probe, set(modules()))
   assert found == {"specjax.models.registry"}
   assert layer("specjax.models.registry") > layer("specjax.cpu_kernels")
+
+
+def test_one_module_chooses_the_kernels(graph):
+  """`specjax.ops` alone calls the kernels: in the package no other module imports the C++
+  kernels or the Pallas ones, so the choice between a kernel and XLA (backend, dtype, rows,
+  a sharded operand) is made in one place."""
+  callers = sorted(a for a, targets in graph.items()
+                   if any(t == "specjax.cpu_kernels" or t.startswith("specjax.cpu_kernels.")
+                          for t in targets) and not a.startswith("specjax.cpu_kernels"))
+  assert callers == ["specjax.ops"]
+  pallas = sorted(name for name, path in modules().items()
+                  if re.search(r"^\s*(from|import) pallas_kernels", path.read_text(), re.M))
+  assert pallas == ["specjax.ops"]
+
+
+def test_the_kernels_import_nothing_above_the_leaves():
+  """The kernel modules compute and build; they know neither the models nor the weight
+  formats (a caller that owns a format passes its XLA reference)."""
+  mods = modules()
+  for name in (n for n in mods if n.startswith("specjax.cpu_kernels")):
+    assert all(layer(t) == 0 for t in imports(name, mods[name], set(mods))), name
+  for path in (ROOT / "pallas_kernels").glob("*.py"):
+    assert not re.search(r"^\s*(from|import) specjax", path.read_text(), re.M), path.name

@@ -62,7 +62,7 @@ def test_without_the_kernel_the_xla_path_gives_the_same_numbers(monkeypatch):
   x = jnp.asarray(rng.normal(size=(2, 3, 40)), jnp.float32)
   m = Int8Matrix.quantize(jnp.asarray(rng.normal(size=(40, 70)), jnp.float32))
   fast = np.asarray(m.matmul(x))
-  monkeypatch.setattr(cpu_kernels, "kernel_status", lambda *a: "disabled by SPECJAX_CPU_KERNELS=0")
+  monkeypatch.setattr(cpu_kernels.build, "kernel_status", lambda *a: "disabled by SPECJAX_CPU_KERNELS=0")
   slow = np.asarray(m.matmul(x))
   np.testing.assert_allclose(slow, fast, rtol=1e-5, atol=1e-5)
 
@@ -70,7 +70,7 @@ def test_without_the_kernel_the_xla_path_gives_the_same_numbers(monkeypatch):
 def test_a_failing_compiler_is_a_clear_build_error(tmp_path, monkeypatch):
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
   with pytest.raises(cpu_kernels.KernelBuildError, match="false"):
-    cpu_kernels._build(cpu_kernels._SOURCE, "false")
+    cpu_kernels.build.build(cpu_kernels.build.SOURCE, "false")
   assert not any(p.suffix == ".so" for p in tmp_path.rglob("*"))  # nothing half-written kept
 
 
@@ -86,7 +86,7 @@ def test_processes_building_one_kernel_together_compile_it_once(tmp_path, monkey
                       'while [ "$1" != -o ]; do shift; done\necho lib > "$2"\n')
   compiler.chmod(0o755)
   with ThreadPoolExecutor(3) as pool:
-    built = list(pool.map(lambda _: cpu_kernels._build(cpu_kernels._SOURCE, str(compiler)),
+    built = list(pool.map(lambda _: cpu_kernels.build.build(cpu_kernels.build.SOURCE, str(compiler)),
                           range(3)))
   assert len(set(built)) == 1 and built[0].read_text() == "lib\n"
   assert runs.read_text().count("x") == 1

@@ -23,7 +23,7 @@ PATHS = {
     "avx2": (("-mno-avx512f",), "avx2"),
     "plain": (("-mno-avx",), None),  # no AVX: GCC drops AVX2, FMA and AVX-512 with it
 }
-# kernel -> its exported handlers, as `cpu_kernels._KERNELS` names them
+# kernel -> its exported handlers, as `cpu_kernels.build.KERNELS` names them
 KERNELS = {"f32_matmul": ("F32MatmulIO", "F32MatmulOI"), "int8_matmul": ("Int8Matmul",),
            "int4_matmul": ("Int4Matmul",), "gguf_matmul": ("GgufMatmul", "GgufDequantize"),
            "q4_0_int8_matmul": ("Q4_0Int8Matmul",)}
@@ -34,11 +34,11 @@ def _targets(kernel: str, path: str) -> dict[str, str]:
   """{handler: FFI target} of `kernel` built for `path`, registered under names of its own."""
   flags, needs = PATHS[path]
   if cpu_kernels.kernel_status(kernel) != "ready" or platform.machine() != "x86_64" or (
-      needs and needs not in cpu_kernels._cpu_flags().split()):
+      needs and needs not in cpu_kernels.build.cpu_flags().split()):
     pytest.skip(f"this machine cannot build or run the {path} path of {kernel}")
-  source = Path(cpu_kernels.__file__).with_name(cpu_kernels._KERNELS[kernel][0])
+  source = Path(cpu_kernels.__file__).with_name(cpu_kernels.build.KERNELS[kernel][0])
   compiler = os.environ.get("CXX", "g++")  # as `kernel_status` builds
-  lib = ctypes.cdll.LoadLibrary(str(cpu_kernels._build(source, compiler, flags)))
+  lib = ctypes.cdll.LoadLibrary(str(cpu_kernels.build.build(source, compiler, flags)))
   targets = {}
   for handler in KERNELS[kernel]:
     targets[handler] = f"specjax_test_{handler}_{path}"

@@ -97,7 +97,7 @@ def test_4bit_refuses_other_weights_and_other_backends(monkeypatch):
   int8 = quant.quantize_weights_int8(model.state, model.config.num_layers)
   with pytest.raises(PlanError, match="needs Q4_0 copies"):
     Q4WeightsDrafter(weights=int8)
-  monkeypatch.setattr(cpu_kernels, "kernel_status", lambda name: "no C++ compiler")
+  monkeypatch.setattr(cpu_kernels.build, "kernel_status", lambda name: "no C++ compiler")
   with pytest.raises(ConfigError, match="gguf_matmul CPU kernel .*no C\\+\\+ compiler"):
     Q4WeightsDrafter.for_model(model)
 

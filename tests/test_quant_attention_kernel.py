@@ -15,8 +15,8 @@ import pytest
 from flax import nnx
 
 from pallas_kernels import merge, merge_splits, quant_attention, quant_partials, reference_partials
-from pallas_kernels.quant_attention import cpu_partials, default_splits, split_for
-from specjax import quant
+from pallas_kernels.quant_attention import default_splits, split_for
+from specjax import ops, quant
 from specjax.config import tiny_config
 from specjax.decode.engine import speculative_generate
 from specjax.decode.generate import generate
@@ -79,8 +79,12 @@ def test_kernel_equals_reference_equals_dense(bits, length, rq, window, gv):
   jnp_path = quant_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid,
                              use_kernel=False, **kw)
   np.testing.assert_allclose(jnp_path, want, atol=2e-6)
-  cpu_path = quant_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid,
-                             cpu=True, **kw)  # specjax.cpu_kernels' C++ kernels
+  cpu_path = ops.quant_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid,
+                                 cpu=True, **kw)  # the C++ kernel
+  np.testing.assert_allclose(cpu_path, want, atol=2e-6)
+  pallas_path = ops.quant_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid,
+                                    **kw)  # the Pallas kernel, interpreted on a CPU
+  np.testing.assert_allclose(pallas_path, want, atol=2e-6)
   np.testing.assert_allclose(cpu_path, want, atol=2e-6)
 
 
@@ -96,7 +100,8 @@ def test_cpu_kernels_at_the_head_dims_they_fix_at_compile_time(bits, H, gv):
   fp_valid = jnp.asarray([np.arange(F) < 5])
   q_pos = jnp.asarray([length + np.arange(rq) % 5], jnp.int32)
   kw = dict(bits=bits, group=8, value_group=gv, scale=0.2, window=None)
-  got = quant_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid, cpu=True, **kw)
+  got = ops.quant_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid, cpu=True,
+                            **kw)
   want = dense_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid, bits, 8, gv,
                          0.2, None)
   np.testing.assert_allclose(got, want, atol=1e-5)
@@ -117,7 +122,7 @@ def test_cpu_kernels_split_a_long_context_into_spans_and_threads(bits, window):
   fp_valid = jnp.asarray([np.arange(F) < 5])
   q_pos = jnp.asarray([length + np.arange(rq) % 5], jnp.int32)
   kw = dict(bits=bits, group=128, value_group=64, scale=0.125, window=window)
-  run = jax.jit(lambda *a: quant_attention(*a, cpu=True, **kw))
+  run = jax.jit(lambda *a: ops.quant_attention(*a, cpu=True, **kw))
   args = (q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid)
   got = run(*args)
   want = dense_attention(*args, bits, 128, 64, 0.125, window)
@@ -133,8 +138,8 @@ def test_cpu_kernel_refuses_codes_of_other_heads():
   two = jnp.concatenate([q, q])  # a batch of two against one sequence's codes
   for q_, rows in ((q[:, :1], 1), (two, 2)):
     with pytest.raises(Exception, match=r"quant_attention: q\[B, K, R, H\]"):
-      jax.block_until_ready(cpu_partials(q_, jnp.zeros((rows, 6), jnp.int32), 10, hk, hv,
-                                         bits=8, group=8, value_group=8, scale=0.3))
+      jax.block_until_ready(ops.quant_partials_cpu(q_, jnp.zeros((rows, 6), jnp.int32), 10,
+                                                   hk, hv, bits=8, scale=0.3))
 
 
 @pytest.mark.parametrize("length,window", [(0, None), (40, 3)])
@@ -148,9 +153,9 @@ def test_cpu_kernel_rows_that_see_no_quantised_slot_weigh_it_nothing(length, win
   q_pos = jnp.asarray([length + 2 + np.arange(4)], jnp.int32)  # slot length − 1 outside 3
   kw = dict(bits=8, group=8, value_group=8, scale=0.3, window=window)
   args = (q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid)
-  o, m, l = cpu_partials(q, q_pos, length, hk, hv, **kw)
+  o, m, l = ops.quant_partials_cpu(q, q_pos, length, hk, hv, bits=8, scale=0.3, window=window)
   assert float(jnp.abs(l).max()) == 0.0 and float(jnp.abs(o).max()) == 0.0
-  np.testing.assert_allclose(quant_attention(*args, cpu=True, **kw),
+  np.testing.assert_allclose(ops.quant_attention(*args, cpu=True, **kw),
                              dense_attention(*args, 8, 8, 8, 0.3, window), atol=2e-6)
 
 
@@ -226,8 +231,8 @@ def test_cpu_kernels_fold_a_vmap_over_queries_into_rows():
   fp_valid = jnp.asarray([np.arange(F) < 7])
   q_pos = jnp.asarray([length + np.arange(rq) % 7], jnp.int32)
   kw = dict(bits=4, group=8, value_group=8, scale=0.3, window=None)
-  attend = lambda q, n: quant_attention(q, q_pos, n, hk, hv, fp_k, fp_v, fp_pos, fp_valid,
-                                        cpu=True, **kw)
+  attend = lambda q, n: ops.quant_attention(q, q_pos, n, hk, hv, fp_k, fp_v, fp_pos,
+                                            fp_valid, cpu=True, **kw)
   want = lambda q, n: dense_attention(q, q_pos, n, hk, hv, fp_k, fp_v, fp_pos, fp_valid, 4, 8,
                                       8, 0.3, None)
   folded = jax.jit(jax.vmap(lambda q: attend(q, length)))
@@ -236,8 +241,8 @@ def test_cpu_kernels_fold_a_vmap_over_queries_into_rows():
   assert hlo.count("specjax_quant_partials") == 1 and "while" not in hlo
   moved = jnp.stack([q_pos + i for i in range(A)])  # rounds at different positions
   windowed = dict(kw, window=30)
-  at = lambda q, p: quant_attention(q, p, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid,
-                                    cpu=True, **windowed)
+  at = lambda q, p: ops.quant_attention(q, p, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid,
+                                        cpu=True, **windowed)
   folded = jax.jit(jax.vmap(at))
   want_at = lambda q, p: dense_attention(q, p, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid,
                                          4, 8, 8, 0.3, 30)

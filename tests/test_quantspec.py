@@ -18,7 +18,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from targets import assert_exercised, assert_plan_keeps_the_target_distribution, target
 
-from specjax import quant, quant_kv_cache
+from specjax import cpu_kernels, ops, quant, quant_kv_cache
 from specjax.config import tiny_config
 from specjax.decode.engine import speculative_generate
 from specjax.decode.generate import generate, positions_for, prefill_prompt, prefill_step
@@ -189,7 +189,6 @@ def test_the_activation_grid_moves_an_input_at_most_half_a_step(groups, group, s
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel needs a C++ compiler")
 def test_int4_kernel_refuses_operands_that_do_not_match():
   """x must cover the padded rows (`Int4Matrix.matmul` pads it); lo/scale one per group."""
-  from specjax import cpu_kernels
 
   m = Int4Matrix.quantize(jnp.ones((200, 8), jnp.float32), group=64)  # 256 padded rows
   with pytest.raises(Exception, match="int4_matmul: x"):
@@ -199,7 +198,6 @@ def test_int4_kernel_refuses_operands_that_do_not_match():
 
 
 def test_4bit_weights_take_the_kernel_on_a_cpu_and_xla_without_it(monkeypatch):
-  from specjax import cpu_kernels
 
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.normal(size=(2, 200)), jnp.float32)
@@ -207,7 +205,7 @@ def test_4bit_weights_take_the_kernel_on_a_cpu_and_xla_without_it(monkeypatch):
   if shutil.which("g++") is not None:  # CI and this machine: the fast path is really taken
     assert "specjax_int4_matmul" in jax.jit(m.matmul).lower(x).as_text()
   fast = np.asarray(m.matmul(x))
-  monkeypatch.setattr(cpu_kernels, "kernel_status", lambda *a: "disabled by SPECJAX_CPU_KERNELS=0")
+  monkeypatch.setattr(cpu_kernels.build, "kernel_status", lambda *a: "disabled by SPECJAX_CPU_KERNELS=0")
   assert "specjax_int4_matmul" not in jax.jit(m.matmul).lower(x).as_text()
   np.testing.assert_allclose(np.asarray(m.matmul(x)), fast, rtol=1e-5, atol=1e-4)
 
@@ -374,10 +372,9 @@ def test_draft_and_target_read_one_cache_at_4_and_8_bits(monkeypatch, codes):
   full-precision cache holding the 4- / 8-bit dequantised tokens plus the fp buffer,
   whether it reads the codes (a CPU's C++ kernels) or dequantises them (jnp, a GPU's
   default). Reading the codes, the buffer and the token's own K/V take `f32_attention`."""
-  from specjax import cpu_kernels
 
-  assert cpu_kernels.reads_codes() or not codes, "the quant_attention kernel did not build"
-  monkeypatch.setattr(cpu_kernels, "reads_codes", lambda: codes)  # for the caches made here
+  assert ops.quant_codes_on_cpu() or not codes, "the quant_attention kernel did not build"
+  monkeypatch.setattr(ops, "quant_codes_on_cpu", lambda: codes)  # for the caches made here
   config, graphdef, state = tiny()
   L = config.num_layers
   prompt = jnp.asarray([list(range(3, 80))], jnp.int32)
@@ -430,10 +427,9 @@ def drafter_for(arch, base=None):
 def test_quantspec_is_lossless_across_many_flushes(monkeypatch, arch, codes):
   """Greedy QuantSpec == greedy AR on the same quantised cache, read from its codes (a
   CPU's kernels) or dequantised (jnp, a GPU's default path)."""
-  from specjax import cpu_kernels
 
-  built = cpu_kernels.reads_codes()
-  monkeypatch.setattr(cpu_kernels, "reads_codes", lambda: codes and built)  # caches made now
+  built = ops.quant_codes_on_cpu()
+  monkeypatch.setattr(ops, "quant_codes_on_cpu", lambda: codes and built)  # caches made now
   config, graphdef, state = tiny(arch)
   ar = generate(graphdef, state, config, PROMPT, max_new_tokens=160, eos_ids=(), kv_cache=KV)
   # Over a base that skips layer 1: QuantSpec's own draft agrees with some

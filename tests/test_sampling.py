@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from specjax import cpu_kernels, sampling
+from specjax import cpu_kernels, ops
 from specjax.errors import SpecjaxError
 from specjax.sampling import argmax, argmax_and_top_probability, top_probability
 
 _argmax = jax.jit(argmax)
-_argmax_xla = jax.jit(sampling._argmax_xla)
+_argmax_xla = jax.jit(ops._argmax_xla)
 _both = jax.jit(argmax_and_top_probability)
 kernel_built = pytest.mark.skipif(cpu_kernels.kernel_status("f32_argmax") != "ready",
                                   reason="no C++ compiler: the XLA path is the only one")

@@ -13,14 +13,13 @@ experiments.bench_cpu_kernels` and `python -m experiments.bench_forward` measure
   int16 levels per group (`quant.activation_grid`, which every other path applies too).
 * `f32_matmul`: float32 for one to a few rows (a step, or a verification of γ + 1
   tokens), reading each weight once for all of them. XLA:CPU's GEMM for M ≥ 2 streams
-  weights more slowly than its GEMV for M = 1, which made verification dear; `few_rows`
-  says when the model takes it.
+  weights more slowly than its GEMV for M = 1, which made verification dear.
 * `quant_attention`: scores and the weighted sum of values read from a quantised KV
   cache layer's 4+4-bit codes (`quant_kv_cache`), where XLA:CPU wrote and read a
-  dequantised float32 copy of every layer each step; `reads_codes` says when.
+  dequantised float32 copy of every layer each step.
 * `f32_attention`: a step's or a verification's attention over a float32 cache segment,
   up to its filled slots, in place of two dots, a softmax fusion and the gathers of a kv
-  head's query rows; `attends_here` says when.
+  head's query rows.
 * `f32_argmax`: the greedy choice per row and its top softmax probability (a draft's
   confidence) in one pass, where XLA:CPU ran four threaded reductions
   (`sampling.argmax`, `sampling.argmax_and_top_probability`).
@@ -32,172 +31,42 @@ experiments.bench_cpu_kernels` and `python -m experiments.bench_forward` measure
   bits per 32 inputs and each block's products summed as integers (AVX-512 VNNI), where
   `gguf_matmul` computes every weight's float (a draft's numbers need only be close).
 
-Each source is compiled once per machine with the host's C++ compiler (`$CXX`, else
-g++) for its own CPU (`-march=native`) and cached under `cache_root()/kernels`, keyed by
-the source and the headers beside it (`workers.h`: how the kernels share work with XLA's
-threads; `float_vectors.h`: vector types and exp; `half.h`: GGUF blocks' half-float
-scales), the jax version and the CPU's flags.
-Where no compiler is found, or `SPECJAX_CPU_KERNELS=0`, the kernels fall back to the XLA
-path (the same numbers up to float32 rounding, slower) and `kernel_status()` says why;
-`SPECJAX_CPU_KERNELS` may also list the kernels to use (`int8_matmul,f32_matmul`), to
-measure one against XLA. On a GPU the XLA path is the right one: XLA:GPU fuses the int8
-convert into its GEMM, and its GEMMs stream weights at bandwidth.
+How a source is built, and whether a kernel can run here: `build`. Which implementation
+an op takes (this kernel, a Pallas kernel or XLA's ops) is decided in one place,
+`specjax.ops`; the functions here only call their kernel, and fail with the reason where
+it cannot run. No module here imports the models or the weight formats: a caller that
+owns a format passes its XLA reference where a vmap may need it (`_by_rows`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from filelock import FileLock
 
-from specjax.errors import SpecjaxError
+from specjax.cpu_kernels.build import (
+  COMPILE_FLAGS,
+  KernelBuildError,
+  compile_flags,
+  kernel_status,
+  library,
+  require,
+  runs_here,
+  unavailable,
+)
 
-# kernel -> (source, {ffi target: exported handler symbol})
-_KERNELS = {
-    "int8_matmul": ("int8_matmul.cc", {"specjax_int8_matmul": "Int8Matmul"}),
-    "int4_matmul": ("int4_matmul.cc", {"specjax_int4_matmul": "Int4Matmul"}),
-    "f32_matmul": ("f32_matmul.cc", {"specjax_f32_matmul_io": "F32MatmulIO",
-                                     "specjax_f32_matmul_oi": "F32MatmulOI"}),
-    "f32_attention": ("f32_attention.cc", {"specjax_f32_attention": "F32Attention"}),
-    "f32_argmax": ("f32_argmax.cc", {"specjax_f32_argmax": "F32Argmax"}),
-    "quant_attention": ("quant_attention.cc", {"specjax_quant_partials": "QuantPartials"}),
-    "gguf_matmul": ("gguf_matmul.cc", {"specjax_gguf_matmul": "GgufMatmul",
-                                       "specjax_gguf_dequantize": "GgufDequantize"}),
-    "q4_0_int8_matmul": ("q4_0_int8_matmul.cc", {"specjax_q4_0_int8_matmul": "Q4_0Int8Matmul"}),
-}
-_SOURCE = Path(__file__).with_name(_KERNELS["int8_matmul"][0])
-# The most rows `f32_matmul` takes: verification forwards (γ ≤ 8, so T ≤ 9) and a little
-# more; past this XLA's GEMM has the reuse it needs.
+# The most rows the few-row kernels take: verification forwards (γ ≤ 8, so T ≤ 9) and a
+# little more; past this XLA's GEMM has the reuse it needs.
 FEW_ROWS = 16
-# Let the vectoriser reorder the dot's sums (several times faster), but not -ffast-math:
-# with it GCC links crtfastmath.o into the shared object, whose loading switches the
-# whole process to flush-to-zero (a test of subnormal floats caught it).
-_REASSOCIATE = ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
-# How every kernel is compiled (for this CPU), but those `_IN_ORDER`; `compile_flags` gives
-# a source's, which `experiments/bench_f32_tile.py` builds its harness with too.
-COMPILE_FLAGS = ("-O3", "-march=native", *_REASSOCIATE, "-std=c++17")
-# Sources compiled without reassociation: their sums run in the order written, so a row
-# gets the same bits whatever rows share its call, and a verification's logits equal the
-# AR step's. With it GCC reordered `f32_matmul`'s one-row and five-row dot products
-# differently (the tied head's logits differed in their last bits), and may split a
-# loop's sum by its trip count, which `f32_attention` must not let depend on T.
-_IN_ORDER = frozenset({"f32_matmul.cc", "f32_attention.cc", "gguf_matmul.cc",
-                       "q4_0_int8_matmul.cc"})
-# Sources whose float expressions must round as written: GCC contracts a*b + c into an
-# FMA (one rounding) by default, even under -std=c++17; `gguf_matmul` must compute
-# gguf-py's (d * q) + m, two roundings, to give the file's float32 weights exactly.
-_UNFUSED = frozenset({"gguf_matmul.cc"})
-
-
-def compile_flags(source: str) -> tuple[str, ...]:
-  """The compiler flags of the kernel source named `source`."""
-  flags = COMPILE_FLAGS
-  if source in _IN_ORDER:
-    flags = tuple(f for f in flags if f != "-fassociative-math")
-  if source in _UNFUSED:
-    flags = (*flags, "-ffp-contract=off")
-  return flags
-
-
-class KernelBuildError(SpecjaxError, RuntimeError):
-  """The C++ compiler failed on a kernel's source."""
-
-
-def _cpu_flags() -> str:
-  try:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("flags"):
-        return line
-  except OSError:
-    pass
-  import platform
-  return platform.processor() or platform.machine()
-
-
-def _build(source: Path, compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
-  """The shared library of `source` for this machine, compiled now unless cached.
-  `extra_flags` follow the usual ones (`-mno-avx512f`: a test builds each vector path)."""
-  from specjax.storage import cache_root
-
-  flags = (*compile_flags(source.name), *extra_flags)
-  headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # e.g. workers.h
-  key = hashlib.sha256(b"\0".join(
-      [source.read_bytes(), *headers, jax.__version__.encode(), _cpu_flags().encode(),
-       compiler.encode(), " ".join(flags).encode()])).hexdigest()[:16]
-  out = cache_root() / "kernels" / f"{source.stem}-{key}.so"
-  if out.exists():
-    return out
-  out.parent.mkdir(parents=True, exist_ok=True)
-  # One build per library: processes that start together (test workers) wait for the first
-  # one's, rather than each spending 5-10 s of a core on the same compile.
-  with FileLock(str(out) + ".lock"):
-    if out.exists():
-      return out
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-      built = Path(tmp) / out.name
-      cmd = [compiler, *flags, "-shared", "-fPIC", "-w",
-             f"-I{jax.ffi.include_dir()}", str(source), "-o", str(built)]
-      proc = subprocess.run(cmd, capture_output=True, text=True)
-      if proc.returncode != 0:
-        raise KernelBuildError(f"{' '.join(cmd)}\n{proc.stderr[-2000:]}")
-      os.replace(built, out)  # atomic: a process that skips the lock never reads half a file
-  return out
-
-
-# Each built kernel's library, kept for the functions it exports besides its FFI handlers.
-_LIBRARIES: dict[str, ctypes.CDLL] = {}
-
-
-@functools.cache
-def kernel_status(kernel: str = "int8_matmul") -> str:
-  """'ready', or why `kernel` takes the XLA path on this machine."""
-  chosen = os.environ.get("SPECJAX_CPU_KERNELS", "1")
-  if chosen == "0" or chosen != "1" and kernel not in chosen.split(","):
-    return f"disabled by SPECJAX_CPU_KERNELS={chosen}"
-  compiler = os.environ.get("CXX", "g++")
-  if shutil.which(compiler) is None:
-    return f"no C++ compiler ({compiler!r} not found; install g++ or set $CXX)"
-  source, targets = _KERNELS[kernel]
-  try:
-    lib = ctypes.cdll.LoadLibrary(str(_build(Path(__file__).with_name(source), compiler)))
-  except (KernelBuildError, OSError) as err:
-    warnings.warn(f"specjax: the CPU kernel {kernel} did not build, it takes the slower "
-                  f"XLA path:\n{err}", stacklevel=2)
-    errors = [line for line in str(err).splitlines() if "error" in line] or [repr(err)]
-    return f"build failed: {errors[0]}"
-  _LIBRARIES[kernel] = lib
-  for target, symbol in targets.items():
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
-                                platform="cpu")
-  return "ready"
-
-
-def _require(kernel: str) -> None:
-  """Build and register `kernel` if need be; `SpecjaxError` saying why when it cannot run."""
-  status = kernel_status(kernel)
-  if status != "ready":
-    raise SpecjaxError(f"the {kernel} CPU kernel is not available: {status}")
 
 
 def int8_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
-  """x[..., I] times the int8 matrix codes[O, I] scaled per output: [..., O] in float32.
-
-  The kernel runs on a CPU backend once built; anywhere else, the XLA expression."""
-  if jax.default_backend() == "cpu" and kernel_status() == "ready":
-    return _by_rows(_int8_kernel, _int8_xla)(x.astype(jnp.float32), codes,
-                                             scale.astype(jnp.float32))
-  return _int8_xla(x, codes, scale)
+  """x[..., I] times the int8 matrix codes[O, I] scaled per output: [..., O] in float32."""
+  require("int8_matmul")
+  return _by_rows(_int8_kernel, int8_xla)(x.astype(jnp.float32), codes,
+                                         scale.astype(jnp.float32))
 
 
 def _int8_kernel(x, codes, scale):
@@ -205,23 +74,10 @@ def _int8_kernel(x, codes, scale):
   return jax.ffi.ffi_call("specjax_int8_matmul", out)(x, codes, scale)
 
 
-def _int8_xla(x, codes, scale):
+def int8_xla(x, codes, scale):
+  """The same product in XLA's ops (any backend; what `_by_rows` hands a large batch)."""
   y = jnp.einsum("...i,oi->...o", x, codes.astype(x.dtype), preferred_element_type=jnp.float32)
   return y * scale
-
-
-def runs_here(kernel: str) -> bool:
-  """Whether `kernel` is the path to take now: a CPU backend, and the kernel built."""
-  return unavailable(kernel) is None
-
-
-def unavailable(kernel: str) -> str | None:
-  """None where `kernel` runs now, else why not, for an error message: what needs it
-  (`--dtype gguf`, the `4bit` draft) has no XLA path to fall back on."""
-  status = kernel_status(kernel)
-  if jax.default_backend() == "cpu" and status == "ready":
-    return None
-  return f"backend {jax.default_backend()}, kernel {status}"
 
 
 def int4_matmul(x: jax.Array, codes: jax.Array, lo: jax.Array, scale: jax.Array, *,
@@ -232,7 +88,7 @@ def int4_matmul(x: jax.Array, codes: jax.Array, lo: jax.Array, scale: jax.Array,
   `reference(x, codes, lo, scale)`: the same product in XLA's ops, which a vmap past
   FEW_ROWS rows takes; the format's math belongs to its owner (`quant`), so the caller
   brings it. Without one every batch folds into the kernel's rows."""
-  _require("int4_matmul")
+  require("int4_matmul")
   return _by_rows(_int4_kernel, reference)(x.astype(jnp.float32), codes,
                                            lo.astype(jnp.float32), scale.astype(jnp.float32))
 
@@ -274,7 +130,7 @@ def gguf_matmul(x: jax.Array, blocks: jax.Array, kind: int) -> jax.Array:
   blocks uint8[O, bytes per row] (`gguf_matrix.GGUFMatrix`) -> [..., O] in float32, the
   weights dequantised in registers exactly as gguf-py does. Only where
   `runs_here("gguf_matmul")`."""
-  _require("gguf_matmul")
+  require("gguf_matmul")
   kernel = functools.partial(_gguf_kernel, kind)
   xla = lambda x, blocks: jnp.einsum("...i,oi->...o", x, gguf_dequantize(blocks, kind))
   return _by_rows(kernel, xla)(x.astype(jnp.float32), blocks)
@@ -288,7 +144,7 @@ def _gguf_kernel(kind, x, blocks):
 def gguf_dequantize(blocks: jax.Array, kind: int) -> jax.Array:
   """GGUF rows of blocks uint8[..., O, bytes per row] of ggml type `kind` -> float32
   [..., O, I], bit for bit what `gguf.quants.dequantize` gives."""
-  _require("gguf_matmul")
+  require("gguf_matmul")
   from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
   weights, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
@@ -306,13 +162,9 @@ def q4_0_int8_matmul(x: jax.Array, blocks: jax.Array) -> jax.Array:
   with x quantised to 8 bits per block of 32 inputs (ggml's Q8_0) and each block's products
   summed as integers: close to `gguf_matmul`'s product, not equal to it, so for drafts
   only. A row's result depends on that row alone. Only where `runs_here("q4_0_int8_matmul")`;
-  fast where `q4_0_int8_fast()`. Past FEW_ROWS rows (a prompt) the same product takes
-  XLA's dot, which reuses each weight across them."""
-  _require("q4_0_int8_matmul")
-  x = x.astype(jnp.float32)
-  if x.size // x.shape[-1] > FEW_ROWS:
-    return _q4_0_int8_xla(x, blocks)
-  return _by_rows(_q4_0_int8_kernel, _q4_0_int8_xla)(x, blocks)
+  fast where `q4_0_int8_fast()`."""
+  require("q4_0_int8_matmul")
+  return _by_rows(_q4_0_int8_kernel, q4_0_int8_xla)(x.astype(jnp.float32), blocks)
 
 
 def _q4_0_int8_kernel(x, blocks):
@@ -320,9 +172,9 @@ def _q4_0_int8_kernel(x, blocks):
   return jax.ffi.ffi_call("specjax_q4_0_int8_matmul", out)(x, blocks)
 
 
-def _q4_0_int8_xla(x, blocks):
-  """The kernel's product in XLA's ops (a vmap's batch past FEW_ROWS): x on its 8-bit grid
-  per block, times the dequantised weights."""
+def q4_0_int8_xla(x, blocks):
+  """The kernel's product in XLA's ops (a prompt's rows, a vmap's batch past FEW_ROWS): x
+  on its 8-bit grid per block, times the dequantised weights."""
   from gguf.constants import GGMLQuantizationType
 
   I = x.shape[-1]
@@ -340,22 +192,7 @@ def q4_0_int8_fast() -> bool:
   float inputs there."""
   if unavailable("q4_0_int8_matmul"):
     return False
-  return bool(_LIBRARIES["q4_0_int8_matmul"].Q4_0Int8Fast())
-
-
-def few_rows(x: jax.Array, w: jax.Array) -> bool:
-  """Whether `x @ w` should take `f32_matmul`: float32 on a CPU backend, 1 to FEW_ROWS
-  rows, the kernel built. One row included: the kernel streams an AR or draft step's
-  weights faster than XLA's GEMV does (`experiments/bench_cpu_kernels.py`)."""
-  rows = x.size // x.shape[-1] if x.shape[-1] else 0
-  return (1 <= rows <= FEW_ROWS and x.dtype == w.dtype == jnp.float32 and w.ndim == 2
-          and jax.default_backend() == "cpu" and kernel_status("f32_matmul") == "ready")
-
-
-def reads_codes() -> bool:
-  """Whether attention over a quantised KV cache should read its codes with the
-  `quant_attention` kernels (a CPU backend, the kernel built) rather than dequantise."""
-  return runs_here("quant_attention")
+  return bool(library("q4_0_int8_matmul").Q4_0Int8Fast())
 
 
 def quant_partials(q: jax.Array, q_pos: jax.Array, length: jax.Array, k_codes, v_codes, *,
@@ -374,7 +211,7 @@ def quant_partials(q: jax.Array, q_pos: jax.Array, length: jax.Array, k_codes, v
   A vmap over q (and q_pos) alone, the sampling tests' rounds over one cache layer,
   becomes more rows of one call, which reads the layer's codes once; with the length or
   the codes batched too, one call per element (jax's `sequential`)."""
-  _require("quant_attention")
+  require("quant_attention")
   codes = (k_codes.upper, k_codes.lower, k_codes.lo.astype(jnp.float32),
            k_codes.scale.astype(jnp.float32), v_codes.upper, v_codes.lower,
            v_codes.lo.astype(jnp.float32), v_codes.scale.astype(jnp.float32))
@@ -410,8 +247,8 @@ def quant_partials(q: jax.Array, q_pos: jax.Array, length: jax.Array, k_codes, v
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def f32_matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
   """x[..., I] @ w[I, O] (w[O, I] when `transposed`: a tied embedding) -> [..., O], by the
-  few-row kernel (see `few_rows`). Differentiable: the tangents take XLA's dots."""
-  _require("f32_matmul")
+  few-row kernel (`ops.matmul` says when). Differentiable: the tangents take XLA's dots."""
+  require("f32_matmul")
   if transposed:
     return _by_rows(functools.partial(_f32_kernel, "oi"), _f32_oi_xla)(x, w)
   return _by_rows(functools.partial(_f32_kernel, "io"), _f32_io_xla)(x, w)
@@ -438,15 +275,6 @@ def _f32_matmul_jvp(transposed, primals, tangents):
   return f32_matmul(x, w, transposed), jnp.einsum(spec, dx, w) + jnp.einsum(spec, x, dw)
 
 
-def attends_here(q: jax.Array, k: jax.Array) -> bool:
-  """Whether attention of q[B, T, N, H] over cache segments like k[B, K, S, H] should take
-  `f32_attention`: float32 on a CPU backend, 1 to FEW_ROWS tokens (a step or a
-  verification; a prompt's many rows keep XLA's dots, which reuse each key for all of
-  them), whole vectors of H, the kernel built."""
-  return (1 <= q.shape[1] <= FEW_ROWS and q.dtype == k.dtype == jnp.float32
-          and q.shape[-1] % 16 == 0 and runs_here("f32_attention"))
-
-
 def f32_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
                   key_pos: jax.Array, valid: jax.Array, bound: jax.Array, *, scale: float,
                   window: int | None, xla, own: tuple | None = None
@@ -464,7 +292,7 @@ def f32_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
   `xla(q, q_pos, k, v, key_pos, valid)` is the same in XLA's ops, for one segment. It takes
   a vmap (the sampling tests' batched rounds: one call per element would be one per round)
   and the tangents (XLA's ops differentiate; the kernel does not)."""
-  _require("f32_attention")
+  require("f32_attention")
   B, _, _, H = q.shape
   if own is None:
     K = k.shape[1]
@@ -521,13 +349,14 @@ def f32_argmax(logits: jax.Array, probability: bool = False) -> tuple[jax.Array,
   where the maximum is not finite; without, that output is unspecified). Rows are
   independent, so a vmap adds rows. Not differentiable: callers that differentiate take
   XLA's expression (`sampling.top_probability`)."""
-  _require("f32_argmax")
+  require("f32_argmax")
   rows = logits.shape[:-1]
   out = (jax.ShapeDtypeStruct(rows, jnp.int32), jax.ShapeDtypeStruct(rows, jnp.float32))
   return jax.ffi.ffi_call("specjax_f32_argmax", out, vmap_method="broadcast_all")(
       logits, probability=probability)
 
 
-__all__ = ["FEW_ROWS", "KernelBuildError", "attends_here", "f32_argmax", "f32_attention",
-           "f32_matmul", "few_rows", "gguf_dequantize", "gguf_matmul", "int4_matmul", "int8_matmul", "kernel_status",
-           "q4_0_int8_fast", "q4_0_int8_matmul", "quant_partials", "reads_codes", "runs_here"]
+__all__ = ["COMPILE_FLAGS", "FEW_ROWS", "KernelBuildError", "compile_flags", "f32_argmax",
+           "f32_attention", "f32_matmul", "gguf_dequantize", "gguf_matmul", "int4_matmul",
+           "int8_matmul", "int8_xla", "kernel_status", "q4_0_int8_fast", "q4_0_int8_matmul", "q4_0_int8_xla",
+           "quant_partials", "runs_here", "unavailable"]

@@ -3,7 +3,7 @@
 Every matrix the draft multiplies by — the q/k/v and output projections, the MLP and the
 LM head — is read as int8 with one float32 scale per output channel (`quant.Int8Matrix`),
 a quarter of the bytes of float32. Decoding one token is a pass over the weights, so the
-draft step costs about what its bytes do: on a CPU the `cpu_kernels` int8 kernel makes
+draft step costs about what its bytes do: on a CPU the C++ int8 kernel (`ops.int8_matmul`) makes
 that real (XLA:CPU would widen the matrix in memory first and cost more than float32).
 Per-channel 8-bit weights barely move the logits, so the draft keeps nearly every token
 of the target; verification reads the target's own weights, so the output is unchanged.

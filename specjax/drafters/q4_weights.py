@@ -3,8 +3,8 @@
 Every matrix the draft multiplies by — the q/k/v and output projections, the MLP and the
 LM head — is read as GGUF Q4_0 blocks (32 weights, one half-float scale: 0.56 bytes a
 weight). Where the CPU has AVX-512 VNNI a step's x is quantised to 8 bits per 32 inputs
-and each block's products are summed as integers (`cpu_kernels.q4_0_int8_matmul`, as
-llama.cpp multiplies Q4_0 by Q8_0); elsewhere `cpu_kernels.gguf_matmul` dequantises the
+and each block's products are summed as integers (`ops.q4_0_int8_matmul`, as
+llama.cpp multiplies Q4_0 by Q8_0); elsewhere `ops.gguf_matmul` dequantises the
 blocks in registers and meets x as floats. The point
 is a target that reads its own GGUF blocks (`--dtype gguf`): its Q5_0-Q8_0 blocks take
 0.69-1.06 bytes a weight, so `8bit`'s copies (1 byte) read about as much as the target

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from tqdm.auto import tqdm
 
-from specjax import cpu_kernels
+from specjax import ops
 from specjax.config import ModelConfig
 from specjax.errors import ConfigError
 from specjax.gguf_matrix import GGUFMatrix
@@ -137,7 +137,7 @@ def with_gguf_blocks(m: LoadedModel, verbose: bool = True) -> LoadedModel:
   """`m` (float32) with its matrices replaced by its GGUF file's blocks; a tiny model's,
   which has no file, quantised to Q8_0 by gguf-py. CPU only: elsewhere, or without a C++
   compiler, a `ConfigError` saying why."""
-  why = cpu_kernels.unavailable("gguf_matmul")
+  why = ops.blocks_unavailable()
   if why:
     raise ConfigError(f"--dtype gguf needs a CPU backend and the gguf_matmul kernel ({why})")
   if m.source is None or m.source.is_tiny or m.source.kind == "folder":  # no GGUF file
