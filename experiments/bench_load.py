@@ -44,6 +44,12 @@ SHAPES = {
         max_position_embeddings=8192, rope_theta=5e5, rms_norm_eps=1e-5,
         tie_word_embeddings=False, hidden_act="silu", eos_token_id=128001,
         bos_token_id=128000),
+    "tiny-qwen2": dict(  # Qwen2.5's vocabulary on a toy body: the script's own smoke test
+        model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=151936,
+        max_position_embeddings=2048, rope_theta=1e6, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, hidden_act="silu", eos_token_id=151643,
+        bos_token_id=151643),
 }
 SHARD_BYTES = 2 << 30  # transformers' default largest shard for a 1.5B (save_pretrained)
 
