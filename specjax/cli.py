@@ -47,7 +47,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     names.parse(args.drafter)  # bad names and options fail before the model loads
     names.check_options(options)
-  model = load_model(args.model, dtype=args.dtype)
+  model = load_model(args.model, dtype=args.dtype, tensor_parallel=args.tensor_parallel)
   tok = model.tokenizer
   ids = tok.encode_prompt(args.prompt, chat=False if args.no_chat else None)
   stream = TextStream(lambda ids: tok.decode(ids, skip_special=True))
@@ -156,6 +156,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
       threshold=args.threshold, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
       search_iterations=args.search_iterations, plan_file=args.plan, dtype=args.dtype,
       auto_gamma=args.auto_gamma, options=_options(args.option), llama_cpp=args.llama_cpp,
+      tensor_parallel=args.tensor_parallel,
   )
   out = Path(args.out or f"runs/bench-{args.model}")
   figures = bench.run(cfg, out, data_dir=args.data_dir, resume=args.resume,
@@ -185,7 +186,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
   lengths = tuple(int(n) for n in args.lengths.split(",") if n)
   profiler.check_lengths(lengths, args.gamma, args.loop_steps)  # before loading the model
-  model = load_model(args.model, dtype=args.dtype)
+  model = load_model(args.model, dtype=args.dtype, tensor_parallel=args.tensor_parallel)
   weights = None
   if args.draft_weights != "target":
     from specjax.offline.artefacts import ArtefactStore
@@ -213,7 +214,7 @@ def _cmd_router_train(args: argparse.Namespace) -> int:
 
   if not 1 <= args.k_max <= args.clusters:
     raise ConfigError(f"--k-max must be in 1..--clusters ({args.clusters}), got {args.k_max}")
-  model = load_model(args.model)
+  model = load_model(args.model, tensor_parallel=args.tensor_parallel)
   out = Path(args.out or cache_root() / "shortlists" / artefact_key(model))
   counts, bundle, curves = shortlists.build(
       model, out, prompts=args.prompts, new_tokens=args.new_tokens,
@@ -240,7 +241,7 @@ def _cmd_knn_build(args: argparse.Namespace) -> int:
 
   domains = tuple(d for d in args.domains.split(",") if d)
   build, _ = knn_build.domain_prompts(args.data_dir, domains)
-  model = load_model(args.model)
+  model = load_model(args.model, tensor_parallel=args.tensor_parallel)
   build = {d: ps[: args.prompts_per_domain] for d, ps in build.items()}
   out = Path(args.out) if args.out else None
   lib = knn_build.build(model, build, out, anchors=args.anchors,
@@ -284,6 +285,9 @@ def _model_arg(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default=DEFAULT_MODEL,
                  help="a registered name (`specjax models`), a .gguf file, a Hugging Face "
                  "checkpoint folder or a hub id org/name[@revision] (default: %(default)s)")
+  p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                 help="split the model over N devices (a mesh; on a CPU, fake them with "
+                 "XLA_FLAGS=--xla_force_host_platform_device_count=N)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -63,9 +63,13 @@ class CompileClock:
 
 
 def _signature(args: tuple) -> tuple:
+  """What an executable is specific to: the arguments' structure, shapes, dtypes and where
+  they live (a model split over a mesh compiles for its shardings; `sharding`), and the
+  mesh set for the computation."""
   leaves, treedef = jax.tree.flatten(args)
-  return treedef, tuple(
-      (tuple(x.shape), str(x.dtype), getattr(x, "weak_type", False)) for x in leaves
+  return treedef, jax.sharding.get_abstract_mesh(), tuple(
+      (tuple(x.shape), str(x.dtype), getattr(x, "weak_type", False),
+       getattr(x, "sharding", None)) for x in leaves
   )
 
 

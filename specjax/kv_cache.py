@@ -15,6 +15,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from specjax import sharding
 from specjax.cache_view import CacheView, LayerView, Segment, after, keep_rows
 from specjax.config import ModelConfig
 from specjax.errors import SpecjaxError
@@ -40,7 +41,9 @@ class KVCache:
           f"cache of {size} tokens exceeds the model's context of {config.max_context}"
       )
     shape = (batch, config.num_kv_heads, size, config.head_dim)
-    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+    # On a mesh (`sharding.running_on`) each layer is split on kv heads where they divide.
+    zeros = lambda: tuple(sharding.place_cache(jnp.zeros(shape, dtype), config.num_kv_heads)
+                          for _ in range(config.num_layers))
     return cls(k=zeros(), v=zeros(), length=jnp.zeros((), jnp.int32))
 
   @property

@@ -68,6 +68,8 @@ def settings(command: str, method: str) -> dict[str, str]:
               + (f", {flag('--categories')}" if "--categories" in args else ""))
   if "--temperature" in args and float(flag("--temperature")) > 0:
     workload += f", T {flag('--temperature')}"
+  if int(flag("--tensor-parallel", "1")) > 1:
+    workload += f", over {flag('--tensor-parallel')} devices"
   return {"workload": workload, "gamma": gamma, "options": ", ".join(sorted(options))}
 
 

@@ -60,14 +60,18 @@ class BenchConfig:
   options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
   # Also decode every prompt with llama.cpp on the same GGUF file (`bench.llama_cpp`).
   llama_cpp: bool = False
+  # Devices the model is split over (`sharding`; 1: one device).
+  tensor_parallel: int = 1
 
 
 def settings_of(cfg: BenchConfig) -> dict:
-  """What fingerprints a run's results: every field, but `llama_cpp` only when on, so
-  results recorded before it existed still resume."""
+  """What fingerprints a run's results: every field, but `llama_cpp` and
+  `tensor_parallel` only when set, so results recorded before they existed still resume."""
   out = dataclasses.asdict(cfg)
   if not cfg.llama_cpp:
     del out["llama_cpp"]
+  if cfg.tensor_parallel == 1:
+    del out["tensor_parallel"]
   return out
 
 
@@ -120,7 +124,8 @@ def run(cfg: BenchConfig, out_dir: Path, *, data_dir=None, resume: bool = False,
   validate(cfg)
   store = ResultsStore(out_dir, settings_of(cfg), resume=resume)
   evaluation, search_prompts, pilots = split_prompts(cfg, data_dir)
-  model = load_model(cfg.model, dtype=cfg.dtype, verbose=verbose)
+  model = load_model(cfg.model, dtype=cfg.dtype, verbose=verbose,
+                     tensor_parallel=cfg.tensor_parallel)
   todo = [(p.id, p.category, p.turns) for p in evaluation if not store.done(p.id)]
   bar = tqdm(total=len(todo), desc=f"bench {cfg.model}", unit="prompt", disable=not verbose)
 
@@ -452,6 +457,8 @@ def _command(cfg: BenchConfig, section: str | None = None) -> str:
     parts.append(f"--temperature {cfg.temperature} --top-p {cfg.top_p} --seed {cfg.seed}")
   if cfg.llama_cpp:
     parts.append("--llama-cpp")
+  if cfg.tensor_parallel > 1:
+    parts.append(f"--tensor-parallel {cfg.tensor_parallel}")
   for part, opts in sorted(cfg.options.items()):
     parts += [f"--option {part}.{k}={v if isinstance(v, str) else json.dumps(v)}"
               for k, v in sorted(opts.items())]

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 from flax import nnx
 
+from specjax import sharding
 from specjax.config import ModelConfig
 from specjax.decode.generate import Prefilled, check_prompt, start_decoding
 from specjax.decode.host_loop import host_rounds
@@ -20,6 +21,7 @@ from specjax.errors import ConfigError
 from specjax.sampling import SamplingParams
 
 
+@sharding.on_the_models_mesh
 def speculative_generate(
     graphdef: nnx.GraphDef,
     state: nnx.State,

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax import sharding
 from specjax.errors import ConfigError
 from specjax.gguf_matrix import GGUFMatrix
 from specjax.jit_cache import CompileClock, compiled
@@ -349,6 +350,7 @@ def check_prompt(prompt_tokens: Sequence[int], max_new_tokens: int, max_context:
   return cache_size_for(max(needed, min(padded, max_context)), max_context)
 
 
+@sharding.on_the_models_mesh
 def generate(
     graphdef: nnx.GraphDef,
     state: nnx.State,

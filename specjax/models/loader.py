@@ -15,9 +15,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from specjax import ops
+from specjax import ops, sharding
 from specjax.config import ModelConfig
 from specjax.errors import ConfigError
 from specjax.gguf_matrix import GGUFMatrix
@@ -54,6 +55,7 @@ class LoadedModel:
   tokenizer: TextTokenizer | ByteTokenizer
   key: str = ""
   source: Source | None = None
+  mesh: Mesh | None = None  # the devices it is split over (`load_model(tensor_parallel=N)`)
 
   @property
   def module(self) -> Transformer:
@@ -110,12 +112,32 @@ def at_precision(config: ModelConfig, state: nnx.State, dtype: str
 
 
 def load_model(source: str | Path, *, dtype=None, revision: str | None = None,
-               verbose: bool = True) -> LoadedModel:
+               verbose: bool = True, tensor_parallel: int | None = None,
+               mesh: Mesh | None = None) -> LoadedModel:
   """Load a model from `source` (a registered name, a .gguf file, a Hugging Face folder or
   hub id at `revision`: `source.resolve`) with weights in `dtype` (default:
   `default_dtype()`, bfloat16 on an accelerator and float32 on a CPU; its activations and
   KV cache follow, but for "mixed": bfloat16 weights computed in float32, and "gguf": a
-  GGUF file's own blocks, computed in float32 on a CPU, `with_gguf_blocks`)."""
+  GGUF file's own blocks, computed in float32 on a CPU, `with_gguf_blocks`).
+
+  `tensor_parallel=N` splits it over the first N devices (`sharding.make_mesh`), or `mesh`
+  over a mesh of your own whose one axis is `sharding.AXIS`; `generate` and
+  `speculative_generate` then run every step on that mesh."""
+  if tensor_parallel is not None and mesh is None and tensor_parallel > 1:
+    mesh = sharding.make_mesh(tensor_parallel)  # before loading: a mesh that cannot be is refused
+  if mesh is not None and dtype == GGUF:
+    raise ConfigError("--dtype gguf reads a GGUF file's blocks through C++ kernels, which see "
+                      "one device's buffer: it runs on one CPU, not over --tensor-parallel")
+  m = _load_placed(source, dtype, revision, verbose)
+  if mesh is None or mesh.size == 1:
+    return m
+  if sharding.AXIS not in mesh.axis_names:
+    raise ConfigError(f"a model is split over a mesh axis named {sharding.AXIS!r}; this "
+                      f"mesh has {mesh.axis_names}")
+  return dataclasses.replace(m, state=sharding.place_state(m.state, mesh), mesh=mesh)
+
+
+def _load_placed(source, dtype, revision, verbose) -> LoadedModel:
   src = resolve(source, revision)
   weights = resolve_dtype(dtype) if dtype is None or isinstance(dtype, str) else dtype
   if src.kind == "folder":

@@ -1,0 +1,188 @@
+"""Tensor parallelism on 8 fake CPU devices (float32): a model placed on a mesh decodes the
+single-device tokens, greedy SSD on a mesh equals greedy AR, each device holds about 1/N
+of the sharded weights and of the KV cache, and a mesh that does not fit is refused.
+
+Each check runs in a child process: the fake devices must be set before jax starts."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from specjax import sharding
+from specjax.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _child(body: str, timeout: int = 900) -> dict:
+  script = textwrap.dedent("""
+      import os
+      os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+      import json
+      import jax
+      from specjax import sharding
+      from specjax.decode.engine import speculative_generate
+      from specjax.decode.generate import generate
+      from specjax.models.loader import load_model
+      PROMPT = "the cat sat on the mat and the dog"
+      out = {}
+  """) + textwrap.dedent(body) + "\nprint(json.dumps(out))\n"
+  run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                       text=True, timeout=timeout)
+  assert run.returncode == 0, run.stderr[-4000:]
+  return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_every_family_decodes_its_single_device_tokens_on_2_4_and_8_devices():
+  out = _child("""
+      for name in ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"):
+        one = load_model(name, verbose=False)
+        ids = one.tokenizer.encode(PROMPT)
+        want = generate(one.graphdef, one.state, one.config, ids, max_new_tokens=24).tokens
+        alone = sharding.bytes_per_device(one.state)[0]
+        for n in (2, 4, 8):
+          m = load_model(name, verbose=False, tensor_parallel=n)
+          got = generate(m.graphdef, m.state, m.config, ids, max_new_tokens=24).tokens
+          held = sharding.bytes_per_device(m.state)
+          out[f"{name}/{n}"] = {"same": got == want, "devices": len(held),
+                                "share": max(held.values()) / alone}
+  """)
+  for key, row in out.items():
+    n = int(key.split("/")[1])
+    assert row["same"], key
+    assert row["devices"] == n, key
+    assert row["share"] < 1.2 / n + 0.05, (key, row)  # norms and small tables replicated
+
+
+def test_greedy_ssd_on_a_mesh_equals_greedy_ar():
+  """Every drafter on a 4-way mesh, built by the factory as `specjax bench` builds them
+  (their artefacts the factory tests' small ones): layer plans (static, early exit,
+  Self-SD, SWIFT, CLaSp's and KnapSpec's DPs, KNN-SSD), 8-bit weights, QuantSpec's cache
+  and weights, FR-Spec's and DynaSpec's shortlisted heads."""
+  out = _child("""
+      import sys, tempfile, types
+      sys.path.insert(0, "tests")
+      import numpy as np
+      from targets import PROMPT, target
+      from test_dynaspec import bundle
+      from test_knapspec import synthetic_profile
+      from test_knn import tiny_library
+      from specjax.drafters.factory import DrafterFactory
+      from specjax.plan import DraftPlan, save_plan
+      from specjax.quant_kv_cache import QuantKV
+
+      config, graphdef, state = target("llama", 4, 97)
+      placed = sharding.place_state(state, sharding.make_mesh(4))
+      model = types.SimpleNamespace(name="tiny-llama", config=config, graphdef=graphdef,
+                                    state=placed)
+      plan = tempfile.mkdtemp() + "/static.json"
+      save_plan(plan, DraftPlan.from_skips(4, [2], [1]), model="tiny-llama")
+      KV = QuantKV(group=8, residual=16)
+      counts = np.bincount(np.asarray(PROMPT) % 97, minlength=97).astype(np.int64) + 1
+      f = DrafterFactory(
+          model, gamma=4, verbose=False,
+          options={"static": {"plan": plan}, "clasp": {"interval": 3, "skip": 1},
+                   "knapspec": {"interval": 4, "window": 2, "selection_budget": None},
+                   "quantspec": {"group": KV.group, "residual": KV.residual},
+                   "frspec": {"size": 48}, "swift": {"trials": 4, "bo_every": 4, "window": 8}},
+          artefacts={"profile": synthetic_profile(4), "library": tiny_library("llama"),
+                     "int8_profile": synthetic_profile(4, c=1e-4, draft="int8"),
+                     "int4_profile": synthetic_profile(4, c=2e-4, draft="int4"),
+                     "counts": counts, "bundle": bundle("llama")[0],
+                     "self_sd_plan": DraftPlan.from_skips(4, [1], [2])})
+      for name in ("static", "early_exit", "self_sd", "swift", "clasp", "knapspec", "knn",
+                   "8bit", "quantspec", "frspec", "dynaspec"):
+        d = f.make(name)
+        ar = generate(graphdef, placed, config, PROMPT, max_new_tokens=24, eos_ids=(),
+                      kv_cache=d.kv_cache).tokens
+        ssd = speculative_generate(graphdef, placed, config, PROMPT, d, max_new_tokens=24,
+                                   gamma=4, eos_ids=())
+        out[name] = {"same": ssd.tokens == ar, "accepted": ssd.accepted,
+                     "drafted": ssd.drafted}
+  """, timeout=1500)
+  assert len(out) == 11
+  for name, row in out.items():
+    assert row["same"], (name, row)
+    assert row["accepted"] > 0, (name, row)  # drafts were kept, not only the bonus token
+  assert any(r["accepted"] < r["drafted"] for r in out.values())  # and some rejected
+
+
+def test_sampled_rounds_on_a_mesh_keep_the_target_distribution():
+  """The powered χ² test of the sampling tests, once, on a 4-way mesh: 40 000 rounds drafted
+  under a plan that skips sub-layers, their first and second committed tokens against the
+  target's distributions (the test can see each classic acceptance bug at this n)."""
+  out = _child("""
+      import sys
+      sys.path.insert(0, "tests")
+      import jax.numpy as jnp
+      from targets import assert_plan_keeps_the_target_distribution, target
+      from specjax.decode.generate import prefill_step
+      from specjax.kv_cache import KVCache
+      from specjax.plan import DraftPlan
+      from specjax.sampling import SamplingParams
+
+      config, graphdef, state = target("llama", 4, 12)
+      placed = sharding.place_state(state, sharding.make_mesh(4))
+      sampling = SamplingParams(temperature=2.0, top_p=1.0)
+      prompt = jnp.asarray([[9, 8, 10, 4, 3, 11, 9, 5, 8, 3, 5, 8, 10, 4, 6, 3, 8, 11, 7, 10,
+                             3, 9, 8, 10, 4, 3, 11, 9, 5, 8]], jnp.int32)
+      with sharding.running_on(placed):
+        cache = KVCache.create(config, 1, 64)
+        first, cache = prefill_step(placed, cache, prompt, jnp.int32(30),
+                                    DraftPlan.full(4), jax.random.key(0), graphdef=graphdef,
+                                    sampling=sampling)
+        out["split"] = len(cache.k[0].sharding.device_set)
+        out["power"] = assert_plan_keeps_the_target_distribution(
+            placed, graphdef, config, cache, first[0], DraftPlan.from_skips(4, [1], [1]),
+            sampling, vocab=12)
+  """, timeout=1200)
+  assert out["split"] == 4  # the cache itself lives on the mesh
+
+
+def test_the_kv_cache_is_split_on_kv_heads_when_they_divide():
+  out = _child("""
+      from specjax.kv_cache import KVCache
+      m = load_model("tiny-llama", verbose=False, tensor_parallel=2)  # 2 kv heads
+      with sharding.running_on(m.state):
+        cache = KVCache.create(m.config, 1, 64)
+      out["split"] = [list(s.data.shape) for s in cache.k[0].addressable_shards]
+      m8 = load_model("tiny-llama", verbose=False, tensor_parallel=8)
+      with sharding.running_on(m8.state):
+        cache = KVCache.create(m8.config, 1, 64)
+      out["replicated"] = [list(s.data.shape) for s in cache.k[0].addressable_shards][:2]
+  """)
+  assert out["split"] == [[1, 1, 64, 16], [1, 1, 64, 16]]
+  assert out["replicated"] == [[1, 2, 64, 16], [1, 2, 64, 16]]
+
+
+def test_generate_on_the_command_line_prints_the_single_device_text():
+  env_flag = "--xla_force_host_platform_device_count=4"
+  run = lambda *a: subprocess.run(
+      [sys.executable, "-m", "specjax.cli", "generate", "--model", "tiny-llama",
+       "--max-new-tokens", "16", "--prompt", "the cat sat", *a], cwd=ROOT, capture_output=True,
+      text=True, timeout=600, env={**__import__("os").environ, "XLA_FLAGS": env_flag})
+  one, four = run(), run("--tensor-parallel", "4")
+  assert one.returncode == 0 and four.returncode == 0, four.stderr[-3000:]
+  assert four.stdout == one.stdout and one.stdout.strip()
+
+
+def test_a_mesh_larger_than_the_devices_is_refused_with_the_way_out():
+  with pytest.raises(ConfigError, match="xla_force_host_platform_device_count=64"):
+    sharding.make_mesh(64)
+  with pytest.raises(ConfigError, match="at least 1"):
+    sharding.make_mesh(0)
+
+
+def test_each_rule_splits_the_first_dimension_the_devices_divide():
+  P = sharding.P
+  assert sharding.param_spec("qkv", (128, 64), 4) == P(None, "tp")
+  assert sharding.param_spec("o", (4, 16, 64), 4) == P("tp", None, None)
+  assert sharding.param_spec("o", (4, 16, 64), 8) == P(None, None, "tp")  # 4 heads, 8 devices
+  assert sharding.param_spec("embedding", (259, 64), 2) == P(None, "tp")  # odd vocabulary
+  assert sharding.param_spec("embedding", (151936, 896), 8) == P("tp", None)
+  assert sharding.param_spec("scale", (64,), 4) == P()
+  assert sharding.param_spec("down", (6, 10), 4) == P()  # neither divides: replicated
