@@ -36,10 +36,17 @@ def model():
 
 @functools.cache
 def factory(plan_path: str) -> DrafterFactory:
+  return small_factory(model(), plan_path)
+
+
+def small_factory(of, plan_path: str) -> DrafterFactory:
+  """Every drafter of the tiny llama target `of` (its state placed anywhere: one device or
+  a mesh) from small artefacts made here, no search or training: what the composition
+  tests and the tensor-parallel tests build."""
   skip = DraftPlan.from_skips(4, [1], [2])
   counts = np.bincount(np.asarray(PROMPT) % 97, minlength=97).astype(np.int64) + 1
   return DrafterFactory(
-      model(), gamma=4, verbose=False,
+      of, gamma=4, verbose=False,
       options={"static": {"plan": plan_path}, "clasp": {"interval": 3, "skip": 1},
                "knapspec": {"interval": 4, "window": 2, "selection_budget": None},
                "quantspec": {"group": KV.group, "residual": KV.residual},

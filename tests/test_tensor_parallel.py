@@ -66,14 +66,9 @@ def test_greedy_ssd_on_a_mesh_equals_greedy_ar():
   out = _child("""
       import sys, tempfile, types
       sys.path.insert(0, "tests")
-      import numpy as np
       from targets import PROMPT, target
-      from test_dynaspec import bundle
-      from test_knapspec import synthetic_profile
-      from test_knn import tiny_library
-      from specjax.drafters.factory import DrafterFactory
+      from test_drafter_factory import small_factory
       from specjax.plan import DraftPlan, save_plan
-      from specjax.quant_kv_cache import QuantKV
 
       config, graphdef, state = target("llama", 4, 97)
       placed = sharding.place_state(state, sharding.make_mesh(4))
@@ -81,19 +76,7 @@ def test_greedy_ssd_on_a_mesh_equals_greedy_ar():
                                     state=placed)
       plan = tempfile.mkdtemp() + "/static.json"
       save_plan(plan, DraftPlan.from_skips(4, [2], [1]), model="tiny-llama")
-      KV = QuantKV(group=8, residual=16)
-      counts = np.bincount(np.asarray(PROMPT) % 97, minlength=97).astype(np.int64) + 1
-      f = DrafterFactory(
-          model, gamma=4, verbose=False,
-          options={"static": {"plan": plan}, "clasp": {"interval": 3, "skip": 1},
-                   "knapspec": {"interval": 4, "window": 2, "selection_budget": None},
-                   "quantspec": {"group": KV.group, "residual": KV.residual},
-                   "frspec": {"size": 48}, "swift": {"trials": 4, "bo_every": 4, "window": 8}},
-          artefacts={"profile": synthetic_profile(4), "library": tiny_library("llama"),
-                     "int8_profile": synthetic_profile(4, c=1e-4, draft="int8"),
-                     "int4_profile": synthetic_profile(4, c=2e-4, draft="int4"),
-                     "counts": counts, "bundle": bundle("llama")[0],
-                     "self_sd_plan": DraftPlan.from_skips(4, [1], [2])})
+      f = small_factory(model, plan)
       for name in ("static", "early_exit", "self_sd", "swift", "clasp", "knapspec", "knn",
                    "8bit", "quantspec", "frspec", "dynaspec"):
         d = f.make(name)
