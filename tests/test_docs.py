@@ -121,27 +121,6 @@ def test_a_composition_is_judged_against_its_parts_in_its_own_run_only():
   assert judged[claims.PAPERS["self_sd"][0]][1].outcome == claims.NOT_REPRODUCED
 
 
-def test_a_section_round_trips_through_the_store():
-  """The sections written before the store existed were read into it: the summary table
-  a `specjax bench` section prints parses back to its rows."""
-  from specjax.bench import runner
-
-  overall = {"ar": {"tokens_per_s": 50.0, "speedup": 1.0, "median_speedup": 1.0,
-                    "prompts": 13, "mismatches": None},
-             "8bit": {"tokens_per_s": 110.0, "speedup": 2.2, "median_speedup": 2.3, "M": 7.6,
-                      "alpha": 0.93, "mismatches": 1, "ties": 1, "prompts": 13,
-                      "draft_share": 0.0, "verify_share": 0.0, "rounds_share": 1.0,
-                      "selection_share": 0.0, "other_share": 0.0, "compile_s": 3.0}}
-  body = "\n".join(["## x", "", "Machine: CPU (cpu), Test CPU (AVX2), 2 cores, jax 0.12.", "",
-                    runner._overall_table(overall), "", "Speedup vs AR by category:"])
-  run = leaderboard.from_section(body, "specjax bench --model m --dtype gguf", "2026-01-01")
-  assert run["machine"] == "CPU (cpu), Test CPU (AVX2), 2 cores, jax 0.12"
-  assert (run["model"], run["dtype"]) == ("m", "gguf")
-  assert run["methods"] == {"8bit": {"tokens_per_s": 110.0, "speedup": 2.2,
-                                     "median_speedup": 2.3, "M": 7.6, "alpha": 0.93,
-                                     "mismatches": 1, "ties": 1}}
-
-
 def test_a_section_replaces_its_own_block_on_its_topic_page(tmp_path, monkeypatch):
   monkeypatch.setattr(docs, "DOCS_DIR", tmp_path)
   monkeypatch.setattr(docs, "RESULTS", tmp_path / "results")

@@ -5,6 +5,7 @@ of the sharded weights and of the KV cache, and a mesh that does not fit is refu
 Each check runs in a child process: the fake devices must be set before jax starts."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -147,10 +148,28 @@ def test_generate_on_the_command_line_prints_the_single_device_text():
   run = lambda *a: subprocess.run(
       [sys.executable, "-m", "specjax.cli", "generate", "--model", "tiny-llama",
        "--max-new-tokens", "16", "--prompt", "the cat sat", *a], cwd=ROOT, capture_output=True,
-      text=True, timeout=600, env={**__import__("os").environ, "XLA_FLAGS": env_flag})
+      text=True, timeout=600, env={**os.environ, "XLA_FLAGS": env_flag})
   one, four = run(), run("--tensor-parallel", "4")
   assert one.returncode == 0 and four.returncode == 0, four.stderr[-3000:]
   assert four.stdout == one.stdout and one.stdout.strip()
+
+
+def test_a_mesh_that_cannot_hold_the_model_is_refused_with_the_reason():
+  """GGUF blocks on a mesh (only the C++ kernels read them), and a mesh of your own whose
+  axis is not the one the rules split over."""
+  out = _child("""
+      from jax.sharding import Mesh
+      from specjax.errors import ConfigError
+      for name, kw in (("gguf", dict(dtype="gguf", tensor_parallel=2)),
+                       ("axis", dict(mesh=Mesh(jax.devices()[:2], ("model",))))):
+        try:
+          load_model("tiny-llama", verbose=False, **kw)
+          out[name] = "loaded"
+        except ConfigError as err:
+          out[name] = str(err)
+  """)
+  assert "runs on one CPU, not over --tensor-parallel" in out["gguf"]
+  assert "axis named 'tp'" in out["axis"] and "('model',)" in out["axis"]
 
 
 def test_a_mesh_larger_than_the_devices_is_refused_with_the_way_out():

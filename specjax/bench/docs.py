@@ -111,11 +111,6 @@ def vector_extension(flags: str) -> str:
   return ""
 
 
-def stamp(command: str, date: str | None = None) -> str:
-  """The line that ends every generated block: when, and the command that made it."""
-  return f"_Regenerated {date or datetime.date.today().isoformat()} by `{command}`._"
-
-
 def write_section(name: str, body: str, command: str, page: Path | None = None) -> None:
   """Replace section `name` on its page (or append it); a no-op outside a repository
   checkout (an installed package has no docs/ beside it)."""
@@ -123,7 +118,8 @@ def write_section(name: str, body: str, command: str, page: Path | None = None) 
     return
   page = page or page_for(name)
   begin, end = f"<!-- begin:{name} -->", f"<!-- end:{name} -->"
-  block = f"{begin}\n{body.rstrip()}\n\n{stamp(command)}\n{end}"
+  stamp = f"_Regenerated {datetime.date.today().isoformat()} by `{command}`._"
+  block = f"{begin}\n{body.rstrip()}\n\n{stamp}\n{end}"
   text = page.read_text() if page.exists() else _page_head(page)
   if begin in text:
     text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)

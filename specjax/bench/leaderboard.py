@@ -12,7 +12,6 @@ dropped from the file (git history keeps it).
 from __future__ import annotations
 
 import json
-import re
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,7 +38,9 @@ def record(run: Mapping, path: Path = STORE, page: Path = PAGE) -> None:
   kept["methods"] = {m: {k: _round(r[k]) for k in FIELDS if r.get(k) is not None}
                      for m, r in run["methods"].items() if m != metrics.AR}
   runs = [*load(path), kept]
-  runs = [r for r in runs if r is kept or _shown(r, runs)]
+  shown = ({i for i, _, _ in cells(runs).values()}
+           | {i for i, _ in verdicts(runs).values()})
+  runs = [r for i, r in enumerate(runs) if r is kept or i in shown]
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps({"runs": runs}, indent=1, ensure_ascii=False) + "\n")
   page.write_text(render(runs))
@@ -100,12 +101,6 @@ def verdicts(runs: list[dict]) -> dict[tuple, tuple[int, claims.Verdict]]:
   return out
 
 
-def _shown(run: dict, runs: list[dict]) -> bool:
-  i = runs.index(run)
-  return (any(j == i for j, _, _ in cells(runs).values())
-          or any(j == i for j, _ in verdicts(runs).values()))
-
-
 def _x(v) -> str:
   return "–" if v is None else f"{v:.2f}"
 
@@ -160,43 +155,3 @@ def render(runs: list[dict]) -> str:
                      for i in used]
       out[-1] = out[-1].rstrip()
   return "\n".join(out) + "\n"
-
-
-def from_section(body: str, command: str, date: str) -> dict | None:
-  """A run as a generated `specjax bench` section printed it: how the sections written
-  before this store existed became its first runs."""
-  machine = re.search(r"Machine: (.*?)\.(?:\s|$)", body)
-  model = re.search(r"--model (\S+)", command)
-  if not machine or not model:
-    return None
-  dtype = re.search(r"--dtype (\S+)", command)
-  methods, header = {}, None
-  for line in body.splitlines():
-    cols = [c.strip() for c in line.strip().strip("|").split("|")]
-    if cols[:3] == ["method", "tok/s", "speedup"]:
-      header = cols  # the first table: the run's summary
-      continue
-    if header is None or not line.startswith("|") or cols[0] in ("---", "AR"):
-      if header is not None and methods and not line.startswith("|"):
-        break
-      continue
-    cell = dict(zip(header, cols))
-    num = lambda c: float(c) if c is not None and _is_number(c) else None
-    mism = re.match(r"(\d+)(?: \(\+(\d+) tied\))?", cell.get("mismatches", ""))
-    methods[cols[0]] = {k: v for k, v in {
-        "tokens_per_s": num(cell.get("tok/s")), "speedup": num(cell.get("speedup")),
-        "median_speedup": num(cell.get("median per prompt")), "M": num(cell.get("M")),
-        "alpha": num(cell.get("α")), "mismatches": int(mism.group(1)) if mism else None,
-        "ties": int(mism.group(2)) if mism and mism.group(2) else None}.items()
-        if v is not None}
-  return {"date": date, "command": command, "machine": machine.group(1),
-          "model": model.group(1), "dtype": dtype.group(1) if dtype else "auto",
-          "methods": methods} if methods else None
-
-
-def _is_number(text: str) -> bool:
-  try:
-    float(text)
-    return True
-  except ValueError:
-    return False

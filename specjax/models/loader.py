@@ -125,7 +125,7 @@ def load_model(source: str | Path, *, dtype=None, revision: str | None = None,
   `speculative_generate` then run every step on that mesh."""
   if tensor_parallel is not None and mesh is None and tensor_parallel > 1:
     mesh = sharding.make_mesh(tensor_parallel)  # before loading: a mesh that cannot be is refused
-  if mesh is not None and dtype == GGUF:
+  if mesh is not None and mesh.size > 1 and dtype == GGUF:
     raise ConfigError("--dtype gguf reads a GGUF file's blocks through C++ kernels, which see "
                       "one device's buffer: it runs on one CPU, not over --tensor-parallel")
   m = _load_placed(source, dtype, revision, verbose)
