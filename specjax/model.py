@@ -161,6 +161,9 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(H, config.norm_eps, dtype)
       self.k_norm = RMSNorm(H, config.norm_eps, dtype)
     self.config = config
+    # How qkv's rows are laid out: `shards` blocks, each [q | k | v] of 1/shards of the
+    # heads; 1 (q, then k, then v) unless placed on a mesh (`sharding.place`).
+    self.shards = 1
     self.window = config.sliding_window if config.is_sliding(layer) else None
     self.rope_base = config.layer_rope_base(layer)
     self.rope_scaling = config.layer_rope_scaling(layer)
@@ -175,10 +178,15 @@ class Attention(nnx.Module):
       flat = weights.qkv.matmul(x)
     else:
       flat = _dense(x, self.qkv.get_value(), output_major=True)
-    qkv = flat.reshape(x.shape[:2] + (N + 2 * K, H))
+    B, T = x.shape[:2]
+    qkv = flat.reshape(B, T, N + 2 * K, H)
     if self.config.qkv_bias:
       qkv = qkv + self.qkv_bias[...]
-    q, k, v = qkv[:, :, :N], qkv[:, :, N : N + K], qkv[:, :, N + K :]
+    s = self.shards
+    qkv = qkv.reshape(B, T, s, (N + 2 * K) // s, H)
+    n, k = N // s, K // s
+    q = qkv[:, :, :, :n].reshape(B, T, N, H)
+    k, v = (qkv[:, :, :, n + i * k : n + (i + 1) * k].reshape(B, T, K, H) for i in (0, 1))
     if self.config.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     interleaved = self.config.rope_interleaved
@@ -371,11 +379,14 @@ class MLP(nnx.Module):
     self.gate_up = nnx.Param(_param(rngs, (D, 2 * F), D, dtype)[...].T)
     self.down = _param(rngs, (F, D), F, dtype)
     self.activation = config.activation
+    self.shards = 1  # gate_up's rows: `shards` blocks of [gate | up] (`sharding.place`)
 
   def __call__(self, x: jax.Array, weights: LayerWeights | None = None) -> jax.Array:
     """The MLP with its own matrices, or a draft's quantised ones where `weights` has them."""
     w = weights or LayerWeights()
-    gate, up = jnp.split(_matmul(x, self.gate_up, w.gate_up, output_major=True), 2, axis=-1)
+    both = _matmul(x, self.gate_up, w.gate_up, output_major=True)
+    both = both.reshape(both.shape[:-1] + (self.shards, -1))
+    gate, up = (half.reshape(both.shape[:-2] + (-1,)) for half in jnp.split(both, 2, axis=-1))
     if self.activation == "gelu_tanh":
       gate = jax.nn.gelu(gate, approximate=True)
     else:

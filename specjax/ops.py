@@ -8,7 +8,8 @@ row count, and whether the operands are sharded:
 - a C++ kernel (`specjax.cpu_kernels`) on a CPU, for a decode step's few rows, where
   XLA:CPU's own lowering streams weights or caches slowly (docs/decisions/cpu.md);
 - a Pallas kernel (`pallas_kernels`) for attention over a quantised cache where a cache
-  asks for it;
+  asks for it; on a mesh under `shard_map`, each device running it on its own kv heads
+  (a Pallas call is opaque to GSPMD, which would otherwise gather the codes to run it);
 - XLA's ops everywhere else: a prompt's many rows, a GPU, and any sharded operand. A C++
   custom call sees one device's buffer, so a sharded array must never reach one: XLA
   would gather it first, or the call would compute on a shard as if it were the whole.
@@ -20,14 +21,17 @@ type). The kernels themselves only compute; they decide nothing.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from specjax import cpu_kernels
 from specjax.cpu_kernels import FEW_ROWS
+from specjax.sharding import AXIS
 
 __all__ = ["FEW_ROWS", "argmax", "argmax_and_top_probability", "blocks_unavailable",
            "f32_attention", "f32_attention_takes", "f32_matmul_takes", "gguf_dequantize",
@@ -200,10 +204,24 @@ def quant_attention(q, q_pos, length, k_codes, v_codes, fp_k, fp_v, fp_pos, fp_v
   if cpu:
     part = quant_partials_cpu(q, q_pos, length, k_codes, v_codes, bits=bits, **kw)
   else:
-    part = merge_splits(*quant_partials(
-        q, q_pos, length, k_codes, v_codes, bits=bits, group=group, value_group=value_group,
-        interpret=jax.default_backend() == "cpu", **kw))
+    kernel = functools.partial(quant_partials, bits=bits, group=group,
+                               value_group=value_group,
+                               interpret=jax.default_backend() == "cpu", **kw)
+    if sharded(q, k_codes.upper):
+      kernel = _per_kv_head_shard(kernel, q.shape[1])
+    part = merge_splits(*kernel(q, q_pos, length, k_codes, v_codes))
   return merge([part, dense_partials(q, q_pos, fp_k, fp_v, fp_pos, fp_valid, **kw)])
+
+
+def _per_kv_head_shard(kernel, kv_heads: int):
+  """`kernel(q, q_pos, length, k_codes, v_codes)` -> partials, all [B, K, ...], run on the
+  mesh in context by `shard_map`: each device on the kv heads it holds (the cache's split,
+  `sharding.cache_spec`), or on all of them where the heads are replicated. Heads are
+  independent, so no collective is needed."""
+  mesh = jax.sharding.get_abstract_mesh()
+  heads = P(None, AXIS) if mesh.size > 1 and kv_heads % mesh.size == 0 else P()
+  return jax.shard_map(kernel, in_specs=(heads, P(), P(), heads, heads),
+                       out_specs=(heads, heads, heads), check_vma=False)
 
 
 def quant_partials_cpu(q, q_pos, length, k_codes, v_codes, *, bits: int, scale: float,

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import ops
+from specjax import ops, sharding
 from specjax.errors import SpecjaxError
 from specjax.gguf_matrix import GGUFMatrix
 
@@ -349,12 +349,18 @@ def model_matrices(state, num_layers: int):
     yield l, "down", in_out(block["mlp"]["down"], False)
 
 
+def _like_parent(copy, state, l: int, name: str):
+  """`copy` of layer l's matrix `name`, placed as the parameter is (on a mesh)."""
+  parent = state["blocks"][l]["attn" if name in ("qkv", "o") else "mlp"][name].get_value()
+  return sharding.place_copy(copy, parent, name)
+
+
 def quantize_mlp_weights(state, num_layers: int, group: int = 128) -> DraftWeights:
   """QuantSpec's 4-bit draft weights: every layer's MLP matrices, groups of `group` rows."""
   layers = [dict() for _ in range(num_layers)]
   for l, name, w in model_matrices(state, num_layers):
     if name in ("gate_up", "down"):
-      layers[l][name] = Int4Matrix.quantize(w, group)
+      layers[l][name] = _like_parent(Int4Matrix.quantize(w, group), state, l, name)
   return DraftWeights(tuple(LayerWeights(**kw) for kw in layers), bits=4, kind="int4")
 
 
@@ -362,14 +368,15 @@ def quantize_weights_int8(state, num_layers: int) -> DraftWeights:
   """8-bit copies of every matmul the draft runs: attention projections, MLP, LM head."""
   layers = [dict() for _ in range(num_layers)]
   for l, name, w in model_matrices(state, num_layers):
-    layers[l][name] = Int8Matrix.quantize(w)
+    layers[l][name] = _like_parent(Int8Matrix.quantize(w), state, l, name)
   table = state["lm_head" if "lm_head" in state else "embedding"].get_value()
   if isinstance(table, GGUFMatrix):  # the file's [V, D] rows
     head = Int8Matrix.quantize(table.dequantize(), output_major=True)
   elif "lm_head" in state:
-    head = Int8Matrix.quantize(table)
+    head = sharding.place_copy(Int8Matrix.quantize(table), table, "lm_head")
   else:
-    head = Int8Matrix.quantize(table, output_major=True)
+    head = sharding.place_copy(Int8Matrix.quantize(table, output_major=True), table,
+                               "embedding")
   return DraftWeights(tuple(LayerWeights(**kw) for kw in layers), head=head, bits=8, kind="int8")
 
 
@@ -379,7 +386,7 @@ def q4_0_draft_weights(state, num_layers: int, *,
   the `gguf_matmul` CPU kernel that reads Q4_0 blocks cannot run."""
   from specjax.errors import ConfigError
 
-  why = ops.blocks_unavailable()
+  why = ops.blocks_unavailable(state["embedding"].get_value())  # (on a mesh: refused)
   if why:
     raise ConfigError(f"the 4bit draft reads Q4_0 blocks through the gguf_matmul CPU "
                       f"kernel ({why}); use 8bit elsewhere")

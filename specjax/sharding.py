@@ -6,13 +6,20 @@ rule per parameter (`RULES`); GSPMD (XLA's SPMD partitioner) then compiles each 
 step for the mesh and inserts the collectives. The rules follow the Megatron split where
 the shapes allow it, each weight read once per token across the devices:
 
-- q/k/v and gate/up are sharded on their input dimension (D), so each device reads 1/N
-  of them and XLA sums the partial products (one all-reduce): the fused rows [q | k | v]
-  and [gate | up] do not fall on device boundaries by head, and their input dimension
-  always divides;
-- the output projection on its heads, down on its hidden dimension F, the embedding and
-  an untied LM head on the vocabulary;
+- q/k/v on their heads and gate/up on F (column-parallel: no communication), the output
+  projection on its heads and down on F (row-parallel: one all-reduce each), so a layer
+  costs two all-reduces of the residual [B, T, D] and no weight moves;
+- the embedding and an untied LM head on the vocabulary;
 - norms and biases replicated.
+
+The fused matrices hold [q | k | v] and [gate | up] one after the other, so an even split
+of their rows would hand device 0 all of q. `place` therefore regroups their rows
+(`group_rows`) into one block per device, [q_i | k_i | v_i] and [gate_i | up_i], and
+tells the model so (the modules' `shards`, which `Attention.project` and `MLP` read to
+split them again). Regrouping needs the kv heads (and F) to divide the devices; where
+they do not (2 kv heads on 4 devices), those matrices are split on their input dimension
+D instead: still correct, each weight still read once, but the partial sums then move
+the activations between devices far more often (a test counts both).
 
 A dimension that the device count does not divide is not split: the rule's next choice is
 taken, else the parameter is replicated (as tpu-inference replicates kv heads when there
@@ -32,6 +39,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -44,13 +52,15 @@ AXIS = "tp"
 # The last path element of a parameter -> the dimensions to split, in order of preference
 # (the first that the device count divides); absent: replicated.
 RULES: dict[str, tuple[int, ...]] = {
-    "qkv": (1,),          # [(N + 2K)·H, D]: the input dimension
+    "qkv": (0, 1),        # [(N + 2K)·H, D]: the heads (rows regrouped), else the input D
     "o": (0, 2),          # [N, H, D]: heads, else the output dimension
-    "gate_up": (1,),      # [2F, D]: the input dimension
+    "gate_up": (0, 1),    # [2F, D]: the hidden dimension (rows regrouped), else D
     "down": (0, 1),       # [F, D]: the hidden dimension, else D
     "embedding": (0, 1),  # [V, D]: the vocabulary, else D
     "lm_head": (1, 0),    # [D, V]: the vocabulary, else D
 }
+# Fused matrices: their rows are split only once regrouped one block per device.
+FUSED = ("qkv", "gate_up")
 
 
 def make_mesh(tensor_parallel: int, devices=None) -> Mesh:
@@ -69,28 +79,95 @@ def make_mesh(tensor_parallel: int, devices=None) -> Mesh:
               axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def param_spec(name: str, shape: tuple[int, ...], n: int) -> P:
+def param_spec(name: str, shape: tuple[int, ...], n: int, regrouped: bool = False) -> P:
   """Where a parameter named `name` (its path's last element) of `shape` lives on `n`
-  devices: the first of its rule's dimensions that `n` divides, else nowhere split."""
+  devices: the first of its rule's dimensions that `n` divides, else nowhere split. The
+  rows of a fused matrix are split only when `regrouped` (`group_rows`)."""
   for dim in RULES.get(name, ()):
+    if name in FUSED and dim == 0 and not regrouped:
+      continue
     if dim < len(shape) and shape[dim] % n == 0:
       return P(*(AXIS if d == dim else None for d in range(len(shape))))
   return P()
 
 
-def place_state(state: nnx.State, mesh: Mesh) -> nnx.State:
-  """`state` with every parameter put on `mesh` by its rule. Quantised formats are
-  refused: they are read by C++ kernels (GGUF blocks), or are built from the placed float
-  weights afterwards (the 8-bit and 4-bit draft copies)."""
-  flat = list(nnx.to_flat_state(jax.tree.map(lambda x: x, state)))  # new Variables
+def group_rows(w: jax.Array, sizes: tuple[int, ...], shards: int) -> jax.Array:
+  """The rows of `w`, parts of `sizes` rows one after the other ([q | k | v]), laid out as
+  `shards` blocks that each hold 1/shards of every part ([q_0 | k_0 | v_0 | q_1 | ...]):
+  split evenly, each device's rows are then whole heads of each. Each size must divide."""
+  parts = jnp.split(w, np.cumsum(sizes)[:-1], axis=0)
+  blocks = [p.reshape((shards, -1) + p.shape[1:]) for p in parts]
+  return jnp.concatenate(blocks, axis=1).reshape(w.shape)
+
+
+def shards_for(config, n: int) -> tuple[int, int]:
+  """(attention's, the MLP's) regrouping on `n` devices: n where the kv heads (every
+  device a whole group of query heads with its kv head) or F divide, else 1."""
+  return (n if config.num_kv_heads % n == 0 else 1, n if config.hidden_dim % n == 0 else 1)
+
+
+def place(graphdef: nnx.GraphDef, state: nnx.State, mesh: Mesh
+          ) -> tuple[nnx.GraphDef, nnx.State]:
+  """The model (graphdef, state) split over `mesh`: fused rows regrouped per device where
+  the shapes allow (the graphdef records it), then every parameter put by its rule.
+  Quantised formats are refused: GGUF blocks are read by C++ kernels only, and the 8-bit
+  and 4-bit draft copies are built from the placed float weights afterwards."""
+  for path, var in nnx.to_flat_state(state):
+    if not isinstance(var.get_value(), jax.Array):
+      raise ConfigError(f"{'/'.join(map(str, path))} is a {type(var.get_value()).__name__}, "
+                        f"which cannot be split over a mesh (--dtype gguf runs on one CPU only)")
+  model = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))  # new Variables
+  config, n = model.config, mesh.size
+  attn_shards, mlp_shards = shards_for(config, n)
+  N, K, H, F = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_dim
+  for block in model.blocks:
+    if attn_shards > 1:
+      block.attn.qkv.set_value(group_rows(block.attn.qkv.get_value(), (N * H, K * H, K * H),
+                                          attn_shards))
+      if config.qkv_bias:
+        block.attn.qkv_bias.set_value(group_rows(block.attn.qkv_bias.get_value(), (N, K, K),
+                                                 attn_shards))
+    if mlp_shards > 1:
+      block.mlp.gate_up.set_value(group_rows(block.mlp.gate_up.get_value(), (F, F),
+                                             mlp_shards))
+    block.attn.shards, block.mlp.shards = attn_shards, mlp_shards
+  graphdef, state = nnx.split(model)
+  flat = list(nnx.to_flat_state(state))
+  regrouped = {"qkv": attn_shards > 1, "gate_up": mlp_shards > 1}
   for path, var in flat:
-    value = var.get_value()
-    if not isinstance(value, jax.Array):
-      raise ConfigError(f"{'/'.join(map(str, path))} is a {type(value).__name__}, which "
-                        f"cannot be split over a mesh (--dtype gguf runs on one CPU only)")
-    spec = param_spec(str(path[-1]), value.shape, mesh.size) if value.ndim >= 2 else P()
+    value, name = var.get_value(), str(path[-1])
+    spec = param_spec(name, value.shape, n, regrouped.get(name, False)) if value.ndim >= 2 \
+        else P()
     var.set_value(jax.device_put(value, NamedSharding(mesh, spec)))
-  return nnx.from_flat_state(flat)
+  return graphdef, nnx.from_flat_state(flat)
+
+
+# Parameters stored output-major ([Out, In]); the others are [In..., Out].
+_OUTPUT_MAJOR = ("qkv", "gate_up", "embedding")
+
+
+def place_copy(copy, parent: jax.Array, name: str):
+  """A quantised copy of the parameter `name` (an `Int8Matrix` or `Int4Matrix`: arrays
+  whose first axis is the outputs and whose second, if any, runs along the inputs),
+  put along the axes its parent is split on: each device then reads the copy's share of
+  the rows or columns its own share of the parent covers, and a draft's matmul needs the
+  collectives the target's does. Unchanged off a mesh."""
+  sharding = getattr(parent, "sharding", None)
+  if not isinstance(sharding, NamedSharding) or sharding.mesh.size <= 1:
+    return copy
+  spec = tuple(sharding.spec) + (None,) * (parent.ndim - len(sharding.spec))
+  out_first = name in _OUTPUT_MAJOR
+  split_out = AXIS in (spec[:1] if out_first else spec[-1:])
+  split_in = AXIS in (spec[1:] if out_first else spec[:-1])
+  n = sharding.mesh.size
+
+  def put(x):
+    dims = [AXIS if split_out and x.shape[0] % n == 0 else None]
+    if x.ndim > 1:
+      dims.append(AXIS if split_in and x.shape[1] % n == 0 else None)
+    return jax.device_put(x, NamedSharding(sharding.mesh, P(*dims)))
+
+  return jax.tree.map(put, copy)
 
 
 def cache_spec(num_kv_heads: int, ndim: int = 4) -> P:

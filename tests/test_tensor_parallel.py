@@ -72,7 +72,7 @@ def test_greedy_ssd_on_a_mesh_equals_greedy_ar():
       from specjax.plan import DraftPlan, save_plan
 
       config, graphdef, state = target("llama", 4, 97)
-      placed = sharding.place_state(state, sharding.make_mesh(4))
+      graphdef, placed = sharding.place(graphdef, state, sharding.make_mesh(4))
       model = types.SimpleNamespace(name="tiny-llama", config=config, graphdef=graphdef,
                                     state=placed)
       plan = tempfile.mkdtemp() + "/static.json"
@@ -110,7 +110,7 @@ def test_sampled_rounds_on_a_mesh_keep_the_target_distribution():
       from specjax.sampling import SamplingParams
 
       config, graphdef, state = target("llama", 4, 12)
-      placed = sharding.place_state(state, sharding.make_mesh(4))
+      graphdef, placed = sharding.place(graphdef, state, sharding.make_mesh(4))
       sampling = SamplingParams(temperature=2.0, top_p=1.0)
       prompt = jnp.asarray([[9, 8, 10, 4, 3, 11, 9, 5, 8, 3, 5, 8, 10, 4, 6, 3, 8, 11, 7, 10,
                              3, 9, 8, 10, 4, 3, 11, 9, 5, 8]], jnp.int32)
@@ -125,6 +125,132 @@ def test_sampled_rounds_on_a_mesh_keep_the_target_distribution():
             sampling, vocab=12)
   """, timeout=1200)
   assert out["split"] == 4  # the cache itself lives on the mesh
+
+
+_COLLECTIVES = r"""
+      import collections, dataclasses, re
+      import jax.numpy as jnp
+      from flax import nnx
+      from specjax.config import tiny_config
+      from specjax.decode.generate import decode_step
+      from specjax.decode.round import Draft, draft_step, verify_step
+      from specjax.kv_cache import KVCache
+      from specjax.model import init_model
+      from specjax.plan import DraftPlan
+      from specjax.sampling import SamplingParams
+
+      def collectives(hlo):
+        ops = re.findall(r"= \S+ ([a-z-]+?)(?:-start)?\(", hlo)
+        return collections.Counter(o for o in ops if o in (
+            "all-reduce", "all-gather", "collective-permute", "reduce-scatter", "all-to-all"))
+
+      def config(L, kv_heads):  # the Llama-3 GQA ratio at a test's size
+        return dataclasses.replace(tiny_config("llama", num_layers=L, vocab_size=256),
+                                   num_heads=4 * kv_heads, num_kv_heads=kv_heads,
+                                   hidden_dim=256, tie_embeddings=False)
+
+      def compiled(L, kv_heads, n):
+        cfg = config(L, kv_heads)
+        graphdef, state = sharding.place(*nnx.split(init_model(cfg)), sharding.make_mesh(n))
+        full, greedy = DraftPlan.full(L), SamplingParams()
+        token, key = jnp.zeros((1,), jnp.int32), jax.random.key(0)
+        with sharding.running_on(state):
+          cache = KVCache.create(cfg, 1, 64)
+          step = decode_step.lower(state, cache, token, full, key, graphdef=graphdef,
+                                   sampling=greedy).compile().as_text()
+          draft = Draft(jnp.int32(4), jnp.zeros((4,), jnp.int32), jnp.zeros((4,)), None)
+          verify = verify_step.lower(state, cache, token[0], draft, full, key,
+                                     graphdef=graphdef, sampling=greedy).compile().as_text()
+        return collectives(step), collectives(verify)
+"""
+
+
+def test_a_layer_costs_two_all_reduces_and_no_weight_moves():
+  """The compiled AR step and verification on a mesh whose devices divide the kv heads
+  (Llama-3-70B's 8 on 4 or 8 devices): each layer adds exactly two all-reduces (after
+  the output projection and after down) and nothing else, so no weight is gathered and
+  no activation is shuffled between devices. With 2 kv heads on 4 devices the attention
+  falls back to its input-dimension split, which the same count shows to cost more."""
+  out = _child(_COLLECTIVES + """
+      for n in (4, 8):
+        (s2, v2), (s4, v4) = compiled(2, 8, n), compiled(4, 8, n)
+        out[f"8 kv heads/{n}"] = {"step": dict(s4), "verify": dict(v4),
+                                  "step per layer": (s4 - s2), "verify per layer": (v4 - v2)}
+      (s2, _), (s4, _) = compiled(2, 2, 4), compiled(4, 2, 4)
+      out["2 kv heads/4"] = {"step per layer": sum((s4 - s2).values()) / 2}
+  """)
+  for n in (4, 8):
+    row = out[f"8 kv heads/{n}"]
+    for part in ("step", "verify"):
+      assert row[f"{part} per layer"] == {"all-reduce": 4}, (n, part, row)  # 2 layers' worth
+      assert set(row[part]) == {"all-reduce"}, (n, part, row)  # no gather, permute, scatter
+      assert row[part]["all-reduce"] <= 2 * 4 + 4, (n, part, row)  # + embedding, head, choice
+  assert out["2 kv heads/4"]["step per layer"] > 2
+
+
+def test_regrouped_rows_decode_the_single_device_tokens():
+  """A model whose kv heads divide the devices has its fused rows regrouped per device;
+  AR and SSD (a layer-skip plan with 8-bit weights, the copies built from the regrouped
+  rows) then decode the single-device tokens on 4 devices, and a new plan value compiles
+  nothing."""
+  out = _child(_COLLECTIVES + """
+      import sys, tempfile, types
+      sys.path.insert(0, "tests")
+      from test_drafter_factory import small_factory
+      from specjax.plan import save_plan
+      cfg = config(4, 8)
+      graphdef, state = nnx.split(init_model(cfg))
+      prompt = [5, 17, 99, 3, 42, 42, 7, 250, 11]
+      want = generate(graphdef, state, cfg, prompt, max_new_tokens=20, eos_ids=()).tokens
+      pgraph, placed = sharding.place(graphdef, state, sharding.make_mesh(4))
+      merged = nnx.merge(pgraph, placed)
+      out["shards"] = [(b.attn.shards, b.mlp.shards) for b in merged.blocks]
+      out["qkv"] = str(merged.blocks[0].attn.qkv.get_value().sharding.spec)
+      out["ar"] = generate(pgraph, placed, cfg, prompt, max_new_tokens=20,
+                           eos_ids=()).tokens == want
+      plan = tempfile.mkdtemp() + "/static.json"
+      save_plan(plan, DraftPlan.from_skips(4, [2], [1]), model="random")
+      f = small_factory(types.SimpleNamespace(name="random", config=cfg, graphdef=pgraph,
+                                              state=placed), plan)
+      for name in ("static", "8bit", "quantspec"):
+        d = f.make(name)
+        ar = generate(pgraph, placed, cfg, prompt, max_new_tokens=20, eos_ids=(),
+                      kv_cache=d.kv_cache).tokens
+        ssd = speculative_generate(pgraph, placed, cfg, prompt, d, max_new_tokens=20,
+                                   gamma=4, eos_ids=())
+        out[name] = ssd.tokens == ar == want
+      # QuantSpec's draft attention by the Pallas kernel (interpreted here), per kv head
+      # under shard_map: lossless, and its draft step gathers no codes.
+      qs = f.make("quantspec")
+      qs = dataclasses.replace(qs, kv_cache=dataclasses.replace(qs.kv_cache, kernel=True))
+      ar = generate(pgraph, placed, cfg, prompt, max_new_tokens=20, eos_ids=(),
+                    kv_cache=qs.kv_cache).tokens
+      ssd = speculative_generate(pgraph, placed, cfg, prompt, qs, max_new_tokens=20, gamma=4,
+                                 eos_ids=())
+      out["quantspec/pallas"] = ssd.tokens == ar
+      with sharding.running_on(placed):
+        cache = qs.kv_cache.create(cfg, 1, 256)
+        hlo = draft_step.lower(placed, cache, jnp.int32(5), qs.overlay_plan(
+            types.SimpleNamespace(config=cfg)), jax.random.key(0), graphdef=pgraph,
+            vocab=None, gamma=4, threshold=0.0, sampling=SamplingParams())
+        out["pallas sharded"] = "SPMDFullToShardShape" in hlo.as_text() or (
+            "manual_computation" in hlo.as_text())
+        out["pallas collectives"] = dict(collectives(hlo.compile().as_text()))
+      # A new plan value reuses the draft executable: plans are traced, on a mesh too.
+      with sharding.running_on(placed):
+        cache = KVCache.create(cfg, 1, 64)
+        before = draft_step._cache_size()
+        for skip in ([1], [2], [0, 3]):
+          draft_step(placed, cache, jnp.int32(5), DraftPlan.from_skips(4, skip, skip),
+                     jax.random.key(0), graphdef=pgraph, vocab=None, gamma=4, threshold=0.0,
+                     sampling=SamplingParams())
+        out["compiled"] = draft_step._cache_size() - before
+  """)
+  assert out["shards"] == [[4, 4]] * 4 and out["qkv"] == "P('tp', None)"
+  assert out["ar"] and out["static"] and out["8bit"] and out["quantspec"], out
+  assert out["quantspec/pallas"] and out["pallas sharded"], out
+  assert set(out["pallas collectives"]) == {"all-reduce"}, out  # the codes stay put
+  assert out["compiled"] == 1, out
 
 
 def test_the_kv_cache_is_split_on_kv_heads_when_they_divide():
@@ -181,7 +307,8 @@ def test_a_mesh_larger_than_the_devices_is_refused_with_the_way_out():
 
 def test_each_rule_splits_the_first_dimension_the_devices_divide():
   P = sharding.P
-  assert sharding.param_spec("qkv", (128, 64), 4) == P(None, "tp")
+  assert sharding.param_spec("qkv", (128, 64), 4) == P(None, "tp")  # rows as stored: D
+  assert sharding.param_spec("qkv", (128, 64), 4, regrouped=True) == P("tp", None)
   assert sharding.param_spec("o", (4, 16, 64), 4) == P("tp", None, None)
   assert sharding.param_spec("o", (4, 16, 64), 8) == P(None, None, "tp")  # 4 heads, 8 devices
   assert sharding.param_spec("embedding", (259, 64), 2) == P(None, "tp")  # odd vocabulary

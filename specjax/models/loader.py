@@ -134,7 +134,8 @@ def load_model(source: str | Path, *, dtype=None, revision: str | None = None,
   if sharding.AXIS not in mesh.axis_names:
     raise ConfigError(f"a model is split over a mesh axis named {sharding.AXIS!r}; this "
                       f"mesh has {mesh.axis_names}")
-  return dataclasses.replace(m, state=sharding.place_state(m.state, mesh), mesh=mesh)
+  graphdef, state = sharding.place(m.graphdef, m.state, mesh)
+  return dataclasses.replace(m, graphdef=graphdef, state=state, mesh=mesh)
 
 
 def _load_placed(source, dtype, revision, verbose) -> LoadedModel:
