@@ -42,7 +42,7 @@ class KVCache:
       )
     shape = (batch, config.num_kv_heads, size, config.head_dim)
     # On a mesh (`sharding.running_on`) each layer is split on kv heads where they divide.
-    zeros = lambda: tuple(sharding.place_cache(jnp.zeros(shape, dtype), config.num_kv_heads)
+    zeros = lambda: tuple(sharding.cache_zeros(shape, dtype, config.num_kv_heads)
                           for _ in range(config.num_layers))
     return cls(k=zeros(), v=zeros(), length=jnp.zeros((), jnp.int32))
 

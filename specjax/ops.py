@@ -119,10 +119,9 @@ def blocks_unavailable(*operands) -> str | None:
   """None where GGUF blocks can be read here, else why not: they are read by C++ kernels
   only (`--dtype gguf`, the `4bit` draft), which need a CPU backend, a compiler, and one
   device's buffer."""
-  why = cpu_kernels.unavailable("gguf_matmul")
-  if why is None and sharded(*operands):
-    why = "the operands are sharded over a mesh, and a C++ kernel reads one device's buffer"
-  return why
+  if sharded(*operands):
+    return "the operands are sharded over a mesh, and a C++ kernel reads one device's buffer"
+  return cpu_kernels.unavailable("gguf_matmul")
 
 
 def q4_0_int8_fast() -> bool:

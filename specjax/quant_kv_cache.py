@@ -125,14 +125,15 @@ class QuantKVCache:
       raise QuantError(f"the attention kernel reads one half of the channels per nibble "
                        f"plane: value groups of {value_group} must be {H} or divide {H // 2}")
     S = _round_up(max(size, 1), group)
-    place = lambda x: sharding.place_cache(x, K)  # on a mesh: split on kv heads if they divide
-    code = lambda: place(jnp.zeros((batch, K, S, H // 2), jnp.uint8))
-    f32 = lambda *shape: place(jnp.zeros(shape, jnp.float32))
+    # on a mesh: split on kv heads if they divide
+    zeros = lambda shape, dtype: sharding.cache_zeros(shape, dtype, K)
+    code = lambda: zeros((batch, K, S, H // 2), jnp.uint8)
+    f32 = lambda *shape: zeros(shape, jnp.float32)
     keys = tuple(Hier(code(), code(), f32(batch, K, S // group, H), f32(batch, K, S // group, H))
                  for _ in range(config.num_layers))
     values = tuple(Hier(code(), code(), f32(batch, K, S, H // value_group),
                         f32(batch, K, S, H // value_group)) for _ in range(config.num_layers))
-    buf = lambda: tuple(place(jnp.zeros((batch, K, 2 * residual, H), dtype))
+    buf = lambda: tuple(zeros((batch, K, 2 * residual, H), dtype)
                         for _ in range(config.num_layers))
     zero = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the cache is donated
     return cls(keys, values, buf(), buf(), zero(), zero(), jnp.ones((), jnp.bool_), group,

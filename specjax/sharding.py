@@ -28,8 +28,8 @@ replicated (`cache_spec`). On a mesh `specjax.ops` takes XLA's ops (no C++ kerne
 sees a shard), and `--dtype gguf`, whose blocks only those kernels read, is refused.
 
 Multi-host: `jax.distributed.initialize()` first, then `make_mesh` over `jax.devices()`
-(every process's); placement uses `jax.device_put`, which takes each process's share of
-a global array, and nothing here reads a value back to the host.
+(every process's). Each process loads the whole model and `put` keeps the shards of its
+own devices; the decoders read back only replicated values (tokens, counts).
 """
 
 from __future__ import annotations
@@ -77,6 +77,16 @@ def make_mesh(tensor_parallel: int, devices=None) -> Mesh:
         f"starts) fakes them; across hosts, call jax.distributed.initialize() first.")
   return Mesh(np.asarray(devices[:tensor_parallel]), (AXIS,),
               axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def put(x, where: NamedSharding) -> jax.Array:
+  """`x` (the same whole value in every process) laid out as `where` says. Across
+  processes `jax.device_put` refuses devices this process cannot address, so each
+  process builds the shards of its own devices from its copy instead (or, for an array
+  that already spans the processes, moves it as one computation)."""
+  if where.is_fully_addressable or not getattr(x, "is_fully_addressable", True):
+    return jax.device_put(x, where)
+  return jax.make_array_from_callback(x.shape, where, lambda index: x[index])
 
 
 def param_spec(name: str, shape: tuple[int, ...], n: int, regrouped: bool = False) -> P:
@@ -138,7 +148,7 @@ def place(graphdef: nnx.GraphDef, state: nnx.State, mesh: Mesh
     value, name = var.get_value(), str(path[-1])
     spec = param_spec(name, value.shape, n, regrouped.get(name, False)) if value.ndim >= 2 \
         else P()
-    var.set_value(jax.device_put(value, NamedSharding(mesh, spec)))
+    var.set_value(put(value, NamedSharding(mesh, spec)))
   return graphdef, nnx.from_flat_state(flat)
 
 
@@ -161,13 +171,13 @@ def place_copy(copy, parent: jax.Array, name: str):
   split_in = AXIS in (spec[1:] if out_first else spec[:-1])
   n = sharding.mesh.size
 
-  def put(x):
+  def along(x):
     dims = [AXIS if split_out and x.shape[0] % n == 0 else None]
     if x.ndim > 1:
       dims.append(AXIS if split_in and x.shape[1] % n == 0 else None)
-    return jax.device_put(x, NamedSharding(sharding.mesh, P(*dims)))
+    return put(x, NamedSharding(sharding.mesh, P(*dims)))
 
-  return jax.tree.map(put, copy)
+  return jax.tree.map(along, copy)
 
 
 def cache_spec(num_kv_heads: int, ndim: int = 4) -> P:
@@ -179,12 +189,13 @@ def cache_spec(num_kv_heads: int, ndim: int = 4) -> P:
   return P()
 
 
-def place_cache(x: jax.Array, num_kv_heads: int) -> jax.Array:
-  """A new cache array [B, K, ...] put where `cache_spec` says, when a mesh is set; as
-  it is otherwise."""
+def cache_zeros(shape: tuple[int, ...], dtype, num_kv_heads: int) -> jax.Array:
+  """A new cache array [B, K, ...] of zeros, made where `cache_spec` says when a mesh is
+  set (each device writing only its own shard, across processes too)."""
   if jax.sharding.get_abstract_mesh().size <= 1:
-    return x
-  return jax.device_put(x, cache_spec(num_kv_heads, x.ndim))
+    return jnp.zeros(shape, dtype)
+  where = NamedSharding(jax.sharding.get_mesh(), cache_spec(num_kv_heads, len(shape)))
+  return jnp.zeros(shape, dtype, device=where)
 
 
 def mesh_of(tree) -> Mesh | None:

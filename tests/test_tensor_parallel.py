@@ -6,6 +6,7 @@ Each check runs in a child process: the fake devices must be set before jax star
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -212,6 +213,16 @@ def test_regrouped_rows_decode_the_single_device_tokens():
       save_plan(plan, DraftPlan.from_skips(4, [2], [1]), model="random")
       f = small_factory(types.SimpleNamespace(name="random", config=cfg, graphdef=pgraph,
                                               state=placed), plan)
+      from specjax.quant import quantize_mlp_weights, quantize_weights_int8
+      for kind, copy in (("int8", quantize_weights_int8(placed, 4)),
+                         ("int4", quantize_mlp_weights(placed, 4, 32))):
+        held = sharding.bytes_per_device(copy)
+        out[f"{kind} share"] = max(held.values()) / sum(held.values())
+        out[f"{kind} like parents"] = all(
+            getattr(layer, n).codes.sharding.spec[:2] == (
+                ("tp", None) if n in ("qkv", "gate_up") else (None, "tp"))
+            for layer in copy.layers for n in ("qkv", "o", "gate_up", "down")
+            if getattr(layer, n) is not None)
       for name in ("static", "8bit", "quantspec"):
         d = f.make(name)
         ar = generate(pgraph, placed, cfg, prompt, max_new_tokens=20, eos_ids=(),
@@ -249,8 +260,43 @@ def test_regrouped_rows_decode_the_single_device_tokens():
   assert out["shards"] == [[4, 4]] * 4 and out["qkv"] == "P('tp', None)"
   assert out["ar"] and out["static"] and out["8bit"] and out["quantspec"], out
   assert out["quantspec/pallas"] and out["pallas sharded"], out
+  for kind in ("int8", "int4"):  # each device a quarter of the draft's copies, split as
+    assert out[f"{kind} share"] < 0.26 and out[f"{kind} like parents"], out  # the target
   assert set(out["pallas collectives"]) == {"all-reduce"}, out  # the codes stay put
   assert out["compiled"] == 1, out
+
+
+def test_two_processes_decode_the_single_device_tokens_on_one_mesh():
+  """Multi-host as on a GPU cluster: two processes of two devices each, joined by
+  `jax.distributed.initialize`, place the model on one 4-device mesh; AR, CLaSp (a
+  per-round DP whose choices the host reads), 8bit and QuantSpec decode the single-device
+  tokens in both. What it guards: no step reads an array another process holds, and
+  loading does not wait on a lock inside a cross-process sync."""
+  from specjax.decode.generate import generate
+  from specjax.models.loader import load_model
+
+  prompt = [5, 17, 99, 3, 42, 42, 7, 250, 11]
+  one = load_model("tiny-llama", verbose=False)
+  want = generate(one.graphdef, one.state, one.config, prompt, max_new_tokens=16,
+                  eos_ids=()).tokens
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  runs = [subprocess.Popen([sys.executable, "tests/multi_process_child.py", str(i), str(port),
+                            json.dumps(prompt)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+  try:
+    results = [r.communicate(timeout=600) for r in runs]
+  finally:
+    for r in runs:
+      r.kill()
+  for r, (stdout, stderr) in zip(runs, results):
+    assert r.returncode == 0, stderr[-3000:]
+    out = json.loads(stdout.strip().splitlines()[-1])
+    assert (out["devices"], out["local"]) == (4, 2)
+    for name in ("ar", "clasp", "8bit", "quantspec"):
+      assert out[name] == want, (name, out[name], want)
 
 
 def test_the_kv_cache_is_split_on_kv_heads_when_they_divide():
@@ -281,8 +327,9 @@ def test_generate_on_the_command_line_prints_the_single_device_text():
 
 
 def test_a_mesh_that_cannot_hold_the_model_is_refused_with_the_reason():
-  """GGUF blocks on a mesh (only the C++ kernels read them), and a mesh of your own whose
-  axis is not the one the rules split over."""
+  """GGUF blocks on a mesh (only the C++ kernels read them: the target's under --dtype
+  gguf, the 4bit draft's Q4_0 copies), and a mesh of your own whose axis is not the one
+  the rules split over."""
   out = _child("""
       from jax.sharding import Mesh
       from specjax.errors import ConfigError
@@ -293,9 +340,17 @@ def test_a_mesh_that_cannot_hold_the_model_is_refused_with_the_reason():
           out[name] = "loaded"
         except ConfigError as err:
           out[name] = str(err)
+      from specjax.quant import q4_0_draft_weights
+      m = load_model("tiny-llama", verbose=False, tensor_parallel=2)
+      try:
+        q4_0_draft_weights(m.state, m.config.num_layers)
+        out["q4_0"] = "built"
+      except ConfigError as err:
+        out["q4_0"] = str(err)
   """)
   assert "runs on one CPU, not over --tensor-parallel" in out["gguf"]
   assert "axis named 'tp'" in out["axis"] and "('model',)" in out["axis"]
+  assert "4bit draft" in out["q4_0"] and "sharded over a mesh" in out["q4_0"]
 
 
 def test_a_mesh_larger_than_the_devices_is_refused_with_the_way_out():

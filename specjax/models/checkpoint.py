@@ -28,6 +28,16 @@ class CheckpointError(SpecjaxError, RuntimeError):
   """A checkpoint is missing, corrupt or belongs to something else."""
 
 
+def _checkpointer() -> ocp.StandardCheckpointer:
+  """A checkpointer of this process alone. Orbax by default syncs every process of a
+  multi-process run at each save and restore, but what is saved here (a tiny model, a
+  router, converted weights) is each process's own, read under a file lock: a process
+  holding the lock would wait in the sync for one waiting on the lock."""
+  me = jax.process_index()
+  return ocp.StandardCheckpointer(multiprocessing_options=ocp.options.MultiprocessingOptions(
+      primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"process{me}"))
+
+
 def save_tree(directory: Path, tree: Any, meta: dict | None = None) -> None:
   """Save a pytree of arrays (and a JSON `meta` beside it) atomically."""
   directory = Path(directory).absolute()
@@ -35,7 +45,7 @@ def save_tree(directory: Path, tree: Any, meta: dict | None = None) -> None:
   # A fresh temporary name per call: two processes saving the same tree (test workers)
   # never write into one another's files.
   tmp = Path(tempfile.mkdtemp(prefix=directory.name + ".", suffix=".tmp", dir=directory.parent))
-  with ocp.StandardCheckpointer() as ckpt:
+  with _checkpointer() as ckpt:
     ckpt.save(tmp / "tree", tree)
     ckpt.wait_until_finished()
   (tmp / "meta.json").write_text(json.dumps(meta or {}, indent=1))
@@ -85,12 +95,13 @@ def restore_tree(directory: Path, like: Any) -> Any:
   if not (directory / "tree").exists():
     raise CheckpointError(f"no checkpoint at {directory}")
   _check_sizes(directory)
-  # placed on this process's default device: a checkpoint written on another backend
-  # (a router trained on a CPU, read on a GPU) would otherwise be refused as another topology
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  # placed on this process's first device: a checkpoint written on another backend
+  # (a router trained on a CPU, read on a GPU) would otherwise be refused as another
+  # topology, and across hosts `jax.devices()[0]` is another process's device
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), like)
   try:
-    with ocp.StandardCheckpointer() as ckpt:
+    with _checkpointer() as ckpt:
       return ckpt.restore(directory / "tree", abstract)
   except Exception as err:  # orbax/tensorstore raise many types for damaged files
     raise CheckpointError(f"checkpoint at {directory} is unreadable: {_brief(err)}") from err
