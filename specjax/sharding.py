@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -129,6 +130,13 @@ def place(graphdef: nnx.GraphDef, state: nnx.State, mesh: Mesh
   model = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))  # new Variables
   config, n = model.config, mesh.size
   attn_shards, mlp_shards = shards_for(config, n)
+  for what, count, shards in (("kv heads", config.num_kv_heads, attn_shards),
+                              ("MLP hidden size", config.hidden_dim, mlp_shards)):
+    if shards == 1:
+      warnings.warn(f"the model's {count} {what} do not divide {n} devices: those matrices "
+                    f"are split on their input dimension instead, which is correct but moves "
+                    f"activations between devices at every layer; a mesh of a divisor of "
+                    f"{count} devices avoids it", stacklevel=2)
   N, K, H, F = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_dim
   for block in model.blocks:
     if attn_shards > 1:

@@ -306,13 +306,18 @@ def test_the_kv_cache_is_split_on_kv_heads_when_they_divide():
       with sharding.running_on(m.state):
         cache = KVCache.create(m.config, 1, 64)
       out["split"] = [list(s.data.shape) for s in cache.k[0].addressable_shards]
-      m8 = load_model("tiny-llama", verbose=False, tensor_parallel=8)
+      import warnings
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m8 = load_model("tiny-llama", verbose=False, tensor_parallel=8)
+      out["warned"] = [str(w.message) for w in caught if "do not divide" in str(w.message)]
       with sharding.running_on(m8.state):
         cache = KVCache.create(m8.config, 1, 64)
       out["replicated"] = [list(s.data.shape) for s in cache.k[0].addressable_shards][:2]
   """)
   assert out["split"] == [[1, 1, 64, 16], [1, 1, 64, 16]]
   assert out["replicated"] == [[1, 2, 64, 16], [1, 2, 64, 16]]
+  assert len(out["warned"]) == 1 and "2 kv heads do not divide 8 devices" in out["warned"][0]
 
 
 def test_generate_on_the_command_line_prints_the_single_device_text():
