@@ -182,11 +182,12 @@ class Attention(nnx.Module):
     qkv = flat.reshape(B, T, N + 2 * K, H)
     if self.config.qkv_bias:
       qkv = qkv + self.qkv_bias[...]
-    s = self.shards
+    s = self.shards  # blocks of [q | k | v], each with n query and m kv heads
     qkv = qkv.reshape(B, T, s, (N + 2 * K) // s, H)
-    n, k = N // s, K // s
+    n, m = N // s, K // s
     q = qkv[:, :, :, :n].reshape(B, T, N, H)
-    k, v = (qkv[:, :, :, n + i * k : n + (i + 1) * k].reshape(B, T, K, H) for i in (0, 1))
+    k = qkv[:, :, :, n : n + m].reshape(B, T, K, H)
+    v = qkv[:, :, :, n + m :].reshape(B, T, K, H)
     if self.config.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     interleaved = self.config.rope_interleaved

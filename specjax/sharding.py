@@ -132,7 +132,7 @@ def place(graphdef: nnx.GraphDef, state: nnx.State, mesh: Mesh
   attn_shards, mlp_shards = shards_for(config, n)
   for what, count, shards in (("kv heads", config.num_kv_heads, attn_shards),
                               ("MLP hidden size", config.hidden_dim, mlp_shards)):
-    if shards == 1:
+    if shards == 1 and n > 1:
       warnings.warn(f"the model's {count} {what} do not divide {n} devices: those matrices "
                     f"are split on their input dimension instead, which is correct but moves "
                     f"activations between devices at every layer; a mesh of a divisor of "
