@@ -35,7 +35,8 @@ from specjax.sharding import AXIS
 
 __all__ = ["FEW_ROWS", "argmax", "argmax_and_top_probability", "blocks_unavailable",
            "f32_attention", "f32_attention_takes", "f32_matmul_takes", "gguf_dequantize",
-           "gguf_matmul", "int4_matmul", "int8_matmul", "matmul", "q4_0_int8_fast",
+           "gguf_matmul", "int4_matmul", "int8_matmul", "matmul", "PLAN_PATHS", "plan_path",
+           "q4_0_int8_fast",
            "q4_0_int8_matmul", "quant_attention", "quant_codes_on_cpu", "quant_partials_cpu",
            "sharded", "top_probability"]
 
@@ -66,6 +67,23 @@ def _cpu_kernel(kernel: str, *operands) -> bool:
 
 def _rows(x: jax.Array) -> int:
   return x.size // x.shape[-1] if x.shape[-1] else 0
+
+
+# --- a plan chosen at decode time ------------------------------------------------------
+
+PLAN_PATHS = ("cond", "dispatch")
+
+
+def plan_path() -> str:
+  """How a draft runs a plan that is data (CLaSp's, KnapSpec's, SWIFT's, chosen between
+  rounds): "cond", each sub-layer in a `lax.cond` of one draft executable
+  (`round.draft_fn`), or "dispatch", the host calling one executable per sub-layer the
+  plan runs (`decode.dispatched_draft`). A CPU keeps "cond": there a conditional runs its
+  branch in place and one executable serves every plan. An accelerator pays a host round
+  trip per conditional (docs/GPU.md), which "dispatch" avoids; it stays "cond" there too
+  until a GPU has timed the two (docs/decisions/gpu.md), and `speculative_generate
+  (plan_path="dispatch")` chooses it meanwhile."""
+  return "cond"
 
 
 # --- matmuls -----------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 from flax import nnx
 
-from specjax import sharding
+from specjax import ops, sharding
 from specjax.config import ModelConfig
 from specjax.decode.generate import Prefilled, check_prompt, start_decoding
 from specjax.decode.host_loop import host_rounds
@@ -43,6 +43,7 @@ def speculative_generate(
     loop: str = "auto",
     rounds_per_call: int | None = None,
     static_plan: bool | None = None,
+    plan_path: str | None = None,
 ) -> SSDGeneration:
   """Self-speculative decoding of one prompt: prefill, then rounds of draft and verify.
 
@@ -64,6 +65,10 @@ def speculative_generate(
   choice (`round_loop.freezes`): on accelerators, where each conditional is a host round
   trip, a plan that holds for the rest of the generation is frozen (a fixed plan; SWIFT's
   once its search ends); a CPU, and plans that change at selections, stay traced.
+  `plan_path` (host loop): how the draft runs its plan, "cond" (one executable, a
+  conditional per sub-layer) or "dispatch" (an executable per sub-layer the plan runs,
+  called from the host: `dispatched_draft`); None: the backend's, `ops.plan_path`.
+  "dispatch" drafts on the host loop, so `loop` must not be "device".
   `record_rounds` keeps each round's plan and, on the host loop, its drafts' top-1
   probabilities (what `draft_length.best_length_and_threshold` replays) and its draft and
   verify calls' seconds: a diagnostic, one more host read per round.
@@ -76,7 +81,14 @@ def speculative_generate(
     raise ConfigError(f"threshold must be in [0, 1], got {threshold}")
   if loop not in ("auto", "host", "device"):
     raise ConfigError(f"loop must be 'auto', 'host' or 'device', got {loop!r}")
-  on_host = drafter.adaptive and not drafter.chunked  # its update needs every round
+  plan_path = ops.plan_path() if plan_path is None else plan_path
+  if plan_path not in ops.PLAN_PATHS:
+    raise ConfigError(f"plan_path must be one of {', '.join(ops.PLAN_PATHS)}, got {plan_path!r}")
+  if plan_path == "dispatch" and loop == "device":
+    raise ConfigError("plan_path='dispatch' calls a program per sub-layer from the host: it "
+                      "runs with loop='host' (or 'auto')")
+  # an adaptive drafter's update needs every round; a dispatched plan is run from the host
+  on_host = (drafter.adaptive and not drafter.chunked) or plan_path == "dispatch"
   if loop == "device" and on_host:
     raise ConfigError(f"the {drafter.name} drafter changes its plan between rounds on the host: "
                      f"it runs with loop='host' (or 'auto')")
@@ -99,7 +111,8 @@ def speculative_generate(
   init_s = time.perf_counter() - t1 - init_compile_s
   run = Run(graphdef, state, config, list(prompt_tokens), drafter, dstate, session, cache,
              first, pre.key, max_new_tokens, gamma, threshold, sampling,
-             set(config.eos_ids if eos_ids is None else eos_ids), on_token, kv_cache)
+             set(config.eos_ids if eos_ids is None else eos_ids), on_token, kv_cache,
+             plan_path)
   if loop == "host" or (loop == "auto" and on_host):
     gen = host_rounds(run, record_rounds)
   else:

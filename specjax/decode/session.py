@@ -176,6 +176,7 @@ class Run:
   eos: set[int]
   on_token: Callable[[int], None] | None
   kv_cache: object
+  plan_path: str = "cond"  # `ops.plan_path`: how the host loop's draft runs its plan
 
   @property
   def draft_static(self) -> dict:
