@@ -22,6 +22,7 @@ LATEST_JAX := jax==0.12.0.1 flax==0.12.12
 COMPAT_TESTS := tests/test_plan.py tests/test_model.py tests/test_f32_matmul.py \
   tests/test_f32_attention.py tests/test_int8_weights.py tests/test_quant_attention_kernel.py \
   tests/test_weights.py tests/test_compile_cache.py tests/test_gguf_matrix.py \
+  tests/test_quant_matmul_kernel.py \
   tests/test_q4_0_int8_matmul.py tests/test_hf_transformers.py tests/test_ops.py
 PYTEST_FLAGS := -q -n 2 --dist loadfile --no-loadscope-reorder
 

@@ -7,12 +7,14 @@
 Per model, at context `--context`, as ratios to the AR step (the dense model, T = 1):
 verification of γ + 1 = 5 tokens; a draft step under random plans with 25 / 50 / 75 % of
 the 2L sub-layers on, frozen into the executable (the device loop's GPU default, no
-conditional) and, at 50 %, traced (one `lax.cond` per sub-layer, the host loop's plans)
-and frozen in a draft loop of unknown length (as a drafter with an early stop loops: on a
+conditional) and, at 50 %, traced (one `lax.cond` per sub-layer, the host loop's plans),
+dispatched (the same plan as data on the host, a program per sub-layer it runs:
+`plan_path="dispatch"`, timed as host calls only) and frozen in a draft loop of unknown length (as a drafter with an early stop loops: on a
 GPU its predicate is a host round trip per step, which a fixed-length draft, the other
 rows, no longer pays); and a draft step with every sub-layer on reading 8-bit weights
 (every matmul and the LM head, `quantize_weights_int8`) or QuantSpec's 4-bit MLP weights
-(`quantize_mlp_weights`): which of the two a GPU draft should default to. Timed two ways: each step a call from
+(`quantize_mlp_weights`), each multiplied by XLA's dot or by the Pallas few-row kernel
+(`pallas_kernels/quant_matmul.py`): which of them a GPU draft should default to. Timed two ways: each step a call from
 the host (`--chain` calls dispatched back to back, one wait: what the host loop pays,
 dispatch included), and `--loop-steps` steps chained inside one jitted loop (what the
 device loop pays: device time alone). Then greedy AR decoding of `--tokens` tokens
@@ -47,7 +49,7 @@ from specjax.decode.generate import generate, precision_name
 from specjax.model import init_model
 from specjax.models.loader import DTYPE_CHOICES, load_model, resolve_dtype, with_precision
 from specjax.plan import DraftPlan
-from specjax.quant import quantize_mlp_weights, quantize_weights_int8
+from specjax.quant import quantize_mlp_weights, quantize_weights_int8, with_kernel
 
 # Published shapes: SmolLM2-135M, Qwen2.5-1.5B (config.json of Qwen/Qwen2.5-1.5B) and Llama-3-8B
 # (Meta's params.json: 32 layers, D 4096, F 14336, 32 / 8 heads, vocab 128256).
@@ -68,12 +70,16 @@ SHAPES = {
 }
 FRACTIONS = (0.25, 0.5, 0.75)
 EARLY_STOP = "0.5 early stop"
+DISPATCHED = "dispatched 0.5"  # the traced row's plan, `plan_path="dispatch"`: host calls only
 DRAFT_LABELS = [("0.25", "draft, 25 % of sub-layers, frozen"),
                 ("0.5", "draft, 50 %, frozen"), ("0.75", "draft, 75 %, frozen"),
                 ("traced 0.5", "draft, 50 %, traced (`lax.cond` per sub-layer)"),
+                ("dispatched 0.5", "draft, 50 %, a program per sub-layer from the host"),
                 ("0.5 early stop", "draft, 50 %, frozen, in a loop of unknown length"),
                 ("8-bit", "draft, all sub-layers, 8-bit weights"),
-                ("4-bit MLP", "draft, all sub-layers, 4-bit MLP weights")]
+                ("4-bit MLP", "draft, all sub-layers, 4-bit MLP weights"),
+                ("8-bit pallas", "draft, all sub-layers, 8-bit weights, Pallas matmul"),
+                ("4-bit MLP pallas", "draft, all sub-layers, 4-bit MLP weights, Pallas matmul")]
 DRAFT_KEYS = tuple(key for key, _ in DRAFT_LABELS)
 # HBM bandwidth in GB/s from NVIDIA's datasheets (H200: 4.8 TB/s; H100 SXM: 3.35 TB/s).
 DATASHEET_GB_S = {"NVIDIA H200": 4800.0, "NVIDIA H100 80GB HBM3": 3350.0}
@@ -105,12 +111,14 @@ def draft_plans(m: Model, keys: Collection[str] = DRAFT_KEYS) -> tuple[dict, flo
   full = DraftPlan.full(L)
   plans = {str(f): [random_plan(L, f, rng).freeze()] for f in FRACTIONS}
   plans["traced 0.5"] = [random_plan(L, 0.5, rng)]
+  plans[DISPATCHED] = plans["traced 0.5"]
   plans[EARLY_STOP] = plans["0.5"]  # the same draft, as an early-stopping drafter loops
   t0 = time.perf_counter()
-  if "8-bit" in keys:
-    plans["8-bit"] = [full.replace(weights=quantize_weights_int8(m.state, L)).freeze()]
-  if "4-bit MLP" in keys:
-    plans["4-bit MLP"] = [full.replace(weights=quantize_mlp_weights(m.state, L)).freeze()]
+  for key, quantize in (("8-bit", quantize_weights_int8), ("4-bit MLP", quantize_mlp_weights)):
+    if key in keys or f"{key} pallas" in keys:
+      weights = quantize(m.state, L)
+      plans[key] = [full.replace(weights=weights).freeze()]
+      plans[f"{key} pallas"] = [full.replace(weights=with_kernel(weights, "pallas")).freeze()]
   return {k: v for k, v in plans.items() if k in keys}, time.perf_counter() - t0
 
 
@@ -140,7 +148,8 @@ def step_costs(m: Model, plans: dict, context: int, repeats: int, chain: int,
   t0 = time.perf_counter()
   with CompileTimer() as compiles:
     t = step_times(m.graphdef, m.state, m.config, plans, gammas=(gamma,), context=context,
-                   repeats=repeats, chain=chain, early_stop=(EARLY_STOP,))
+                   repeats=repeats, chain=chain, early_stop=(EARLY_STOP,),
+                   dispatched=(DISPATCHED,))
   return {"ar_ms": t.ar * 1e3, "verify_ms": t.verify[gamma] * 1e3,
           "verify_over_ar": t.verify[gamma] / t.ar,
           "draft_over_ar": {k: v / t.ar for k, v in t.drafts.items()},
@@ -154,6 +163,7 @@ def loop_costs(m: Model, plans: dict, context: int, repeats: int, steps: int,
   """The same steps, `steps` of each chained inside one jitted loop (`step_times(loop=)`):
   device time per step, no host dispatch. Medians of `repeats` loops."""
   t0 = time.perf_counter()
+  plans = {k: v for k, v in plans.items() if k != DISPATCHED}  # host calls, not a loop
   with CompileTimer() as compiles:
     t = step_times(m.graphdef, m.state, m.config, plans, gammas=(gamma,), context=context,
                    repeats=repeats, loop=steps, early_stop=(EARLY_STOP,))

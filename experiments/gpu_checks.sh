@@ -4,7 +4,7 @@
 # sets SPECJAX_CACHE and SPECJAX_DATA_DIR; results go to $OUT (8 files at most come back).
 #
 #   bash experiments/gpu_checks.sh STEP [STEP ...]     STEP: forward, fixed, profile,
-#                                                      adaptive, loops, all
+#                                                      adaptive, dispatch, loops, all
 #
 #   forward   issue 17's step-cost table in bf16 (experiments/bench_gpu.py, steps timed as host
 #             calls and inside a jitted loop, AR decoding against the HBM roofline) for
@@ -22,6 +22,9 @@
 #             `specjax profile`, whole since 2026-11-27), saved where KnapSpec looks
 #   adaptive  `profile`, then SWIFT, CLaSp and KnapSpec end to end (their plans change per
 #             round: traced)
+#   dispatch  `profile`, then the same drafters with their plans as host data
+#             (SPECJAX_PLAN_PATH=dispatch: a program per sub-layer, no conditional), to set
+#             beside `adaptive` (issue 85: the default per backend is chosen from these)
 #   loops     CLaSp, SWIFT, KnapSpec and 8bit with the host loop against the device loop
 #             (the adaptive drafters run their rounds between selections there since
 #             2026-11-27; experiments/bench_loops.py, --dtype mixed): same tokens, the
@@ -85,13 +88,17 @@ print(p.save_profile(p.LatencyProfile.from_json(json.loads(line))))' "$PROFILE_F
     adaptive)
       step profile
       bench adaptive "${ADAPTIVE:-swift,clasp,knapspec}" "${ADAPTIVE_S:-400}" ;;
+    dispatch)
+      step profile
+      SPECJAX_PLAN_PATH=dispatch bench dispatch "${ADAPTIVE:-swift,clasp,knapspec}" \
+        "${ADAPTIVE_S:-400}" ;;
     loops)
       log "bench_loops"
       timeout "${LOOPS_S:-400}" python3 -m experiments.bench_loops --model "$MODEL" \
         --dtype mixed --drafters "${LOOPS:-clasp,swift,knapspec,8bit}" --repeats 2 2>&1 \
         | grep -v '%|' | tail -n 8 | tee -a "$OUT/checks.log" "$OUT/loops.txt" ;;
     all) step fixed; step adaptive ;;
-    *) echo "unknown step '$1' (forward, fixed, profile, adaptive, loops, all)" >&2
+    *) echo "unknown step '$1' (forward, fixed, profile, adaptive, dispatch, loops, all)" >&2
        exit 2 ;;
   esac
 }

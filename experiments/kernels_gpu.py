@@ -1,5 +1,6 @@
 """Time the Pallas quantised decode-attention kernel (int4 draft / int8 target reads)
-against a bf16 dense decode attention (XLA) at 4k–128k context, on a GPU.
+against a bf16 dense decode attention (XLA) at 4k–128k context, and the Pallas
+weight-only int8 / int4 matmuls against XLA's at a model's matrix shapes, on a GPU.
 
 For each context: one decode step of one layer (B = 1, K kv heads, N/K query heads per
 kv head, head dim H), the quantised cache holding all but a 256-token full-precision
@@ -9,6 +10,12 @@ only with --interpret (a smoke test of the script; the times mean nothing there)
 last output line is one JSON object with the figures.
 
   python -m experiments.kernels_gpu --contexts 4096,16384,65536,131072 --write-docs
+
+Matmuls (`--matmuls`, default the Llama-3-8B layer's qkv, o, gate_up and down): x of 1
+and 5 rows (a draft step, verification at γ = 4) in bf16 times each matrix as bf16 (XLA),
+int8 per output channel and int4 in groups of 128 (XLA's dot over the converted codes,
+and the Pallas kernel): µs, the bytes each reads, GB/s and its share of the card's
+datasheet bandwidth. `--contexts ""` times the matmuls alone.
 """
 
 from __future__ import annotations
@@ -145,6 +152,71 @@ def run(args) -> dict:
   return {"backend": jax.default_backend(), "contexts": figures}
 
 
+# HBM bandwidth in GB/s from NVIDIA's datasheets (as experiments.bench_gpu).
+DATASHEET_GB_S = {"NVIDIA H200": 4800.0, "NVIDIA H100 80GB HBM3": 3350.0}
+LLAMA_8B = "qkv:4096x6144,o:4096x4096,gate_up:4096x28672,down:14336x4096"
+
+
+def matmul_run(args) -> dict:
+  """The few-row quantised matmuls (module docstring), checked against the references."""
+  from pallas_kernels import quant_matmul
+
+  on_gpu = jax.default_backend() == "gpu"
+  if not on_gpu and not args.interpret:
+    raise SystemExit("no GPU: this script times GPU kernels. Run it on a GPU machine, or "
+                     "pass --interpret for a (slow, meaningless-timing) smoke test on CPU.")
+  timing = dict(inner=args.inner if on_gpu else 1, repeats=args.repeats)
+  peak = DATASHEET_GB_S.get(jax.devices()[0].device_kind) if on_gpu else None
+  rng = np.random.default_rng(0)
+  rows, figures = [], {}
+  for spec in args.matmuls.split(","):
+    name, dims = spec.split(":")
+    I, O = (int(n) for n in dims.split("x"))
+    w = jnp.asarray(rng.normal(size=(I, O)) / np.sqrt(I), jnp.float32)
+    m8, m4 = quant.Int8Matrix.quantize(w), quant.Int4Matrix.quantize(w, args.group)
+    wb = w.astype(jnp.bfloat16)
+    kinds = {
+        "bf16 (XLA)": (lambda x, wb: x @ wb, (wb,), wb.nbytes),
+        "int8 (XLA)": (lambda x, m: m.matmul(x), (m8.replace(kernel="xla"),), m8.nbytes),
+        "int8 (Pallas)": (lambda x, m: m.matmul(x), (m8.replace(kernel="pallas"),), m8.nbytes),
+        "int4 (XLA)": (lambda x, m: m.matmul(x), (m4.replace(kernel="xla"),), m4.nbytes),
+        "int4 (Pallas)": (lambda x, m: m.matmul(x), (m4.replace(kernel="pallas"),), m4.nbytes),
+    }
+    for r in (1, 5):
+      x = jnp.asarray(rng.normal(size=(r, I)), jnp.bfloat16)
+      xg = quant.activation_grid(x, args.group)  # x as the int4 format reads it
+      err8 = float(jnp.max(jnp.abs(
+          quant_matmul.int8_matmul(x, m8.codes, m8.scale, interpret=not on_gpu)
+          - quant_matmul.int8_reference(x, m8.codes, m8.scale))))
+      err4 = float(jnp.max(jnp.abs(
+          quant_matmul.int4_matmul(xg, m4.codes, m4.lo, m4.scale, interpret=not on_gpu)
+          - quant_matmul.int4_reference(xg, m4.codes, m4.lo, m4.scale))))
+      entry = {"max_abs_err_int8": err8, "max_abs_err_int4": err4}
+      t_bf16 = None
+      for kind, (fn, operands, nbytes) in kinds.items():
+        if not on_gpu and "Pallas" in kind:
+          continue  # timed only where it compiles for real
+        t = device_seconds(fn, x, *operands, **timing)
+        t_bf16 = t if t_bf16 is None else t_bf16
+        gb_s = nbytes / t / 1e9
+        entry[kind] = dict(seconds=t, bytes=int(nbytes), gb_s=gb_s, over_bf16=t / t_bf16)
+        rows.append([name, f"{I}×{O}", r, kind, f"{t * 1e6:.1f}", f"{nbytes / 2**20:.1f}",
+                     f"{gb_s:.0f}", f"{gb_s / peak:.0%}" if peak else "–",
+                     f"{t / t_bf16:.2f}"])
+        print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)  # progress
+      figures[f"{name}/{r}"] = entry
+  table = report.markdown_table(["matrix", "I × O", "rows", "weights", "µs", "MiB read",
+                                 "GB/s", "of the datasheet", "vs bf16"], rows)
+  print(f"\n{table}\n")
+  if args.write_docs and on_gpu:
+    report.write_section("kernels-gpu-matmul", "\n".join([
+        "## Pallas weight-only quantised matmuls vs XLA (GPU)", "",
+        f"x in bf16 of 1 and 5 rows times each matrix; int4 in groups of {args.group}. "
+        f"Device time per call: {args.inner} calls chained in one jitted loop, median of "
+        f"{args.repeats} loops. Machine: {report.machine()}.", "", table]))
+  return figures
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--contexts", default="4096,16384,32768,65536,131072")
@@ -157,12 +229,17 @@ def main(argv=None) -> None:
   p.add_argument("--splits", default="16,64,256", help="sequence splits to try")
   p.add_argument("--inner", type=int, default=100, help="steps per timed loop (GPU)")
   p.add_argument("--repeats", type=int, default=10)
+  p.add_argument("--matmuls", default=LLAMA_8B,
+                 help="NAME:IxO,... matrices to time the few-row matmuls on ('' none)")
   p.add_argument("--interpret", action="store_true", help="CPU smoke test")
   p.add_argument("--write-docs", action="store_true")
   args = p.parse_args(argv)
   args.contexts, args.splits, args.block = ([int(n) for n in a.split(",") if n]
                                             for a in (args.contexts, args.splits, args.block))
-  report.print_json(run(args))
+  figures = run(args) if args.contexts else {"backend": jax.default_backend()}
+  if args.matmuls:
+    figures["matmuls"] = matmul_run(args)
+  report.print_json(figures)
 
 
 if __name__ == "__main__":

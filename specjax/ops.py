@@ -8,8 +8,9 @@ row count, and whether the operands are sharded:
 - a C++ kernel (`specjax.cpu_kernels`) on a CPU, for a decode step's few rows, where
   XLA:CPU's own lowering streams weights or caches slowly (docs/decisions/cpu.md);
 - a Pallas kernel (`pallas_kernels`) for attention over a quantised cache where a cache
-  asks for it; on a mesh under `shard_map`, each device running it on its own kv heads
+  asks for it, on a mesh under `shard_map`, each device running it on its own kv heads
   (a Pallas call is opaque to GSPMD, which would otherwise gather the codes to run it);
+  and for a step's few rows times quantised weights that ask for it (one device);
 - XLA's ops everywhere else: a prompt's many rows, a GPU, and any sharded operand. A C++
   custom call sees one device's buffer, so a sharded array must never reach one: XLA
   would gather it first, or the call would compute on a shard as if it were the whole.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +38,7 @@ from specjax.sharding import AXIS
 __all__ = ["FEW_ROWS", "argmax", "argmax_and_top_probability", "blocks_unavailable",
            "f32_attention", "f32_attention_takes", "f32_matmul_takes", "gguf_dequantize",
            "gguf_matmul", "int4_matmul", "int8_matmul", "matmul", "PLAN_PATHS", "plan_path",
+           "WEIGHT_KERNELS",
            "q4_0_int8_fast",
            "q4_0_int8_matmul", "quant_attention", "quant_codes_on_cpu", "quant_partials_cpu",
            "sharded", "top_probability"]
@@ -81,9 +84,10 @@ def plan_path() -> str:
   plan runs (`decode.dispatched_draft`). A CPU keeps "cond": there a conditional runs its
   branch in place and one executable serves every plan. An accelerator pays a host round
   trip per conditional (docs/GPU.md), which "dispatch" avoids; it stays "cond" there too
-  until a GPU has timed the two (docs/decisions/gpu.md), and `speculative_generate
-  (plan_path="dispatch")` chooses it meanwhile."""
-  return "cond"
+  until a GPU has timed the two (docs/decisions/gpu.md). Meanwhile
+  `speculative_generate(plan_path="dispatch")` chooses it for a run, and the environment
+  variable SPECJAX_PLAN_PATH for every run of a process (`specjax bench`, sweeps)."""
+  return os.environ.get("SPECJAX_PLAN_PATH", "cond")
 
 
 # --- matmuls -----------------------------------------------------------------------------
@@ -112,23 +116,53 @@ def f32_matmul_takes(x: jax.Array, w: jax.Array) -> bool:
           and _cpu_kernel("f32_matmul", x, w))
 
 
-def int8_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
-  """x[..., I] times int8 codes[O, I] with one scale per output -> [..., O] float32. On a
-  CPU the kernel widens each code in registers (XLA:CPU converts the whole matrix to
-  float32 in memory before its dot); elsewhere XLA's dot, into which XLA:GPU fuses the
-  convert."""
-  if _cpu_kernel("int8_matmul", x, codes):
+WEIGHT_KERNELS = (None, "pallas", "xla")
+
+
+def _pallas_matmul(kernel: str | None, x: jax.Array, codes: jax.Array, outputs: int,
+                   group: int | None = None) -> bool:
+  """A quantised matrix asked for the Pallas kernel (`kernel="pallas"`) takes it where the
+  kernel tiles its shape (`pallas_kernels.quant_matmul.takes`) and nothing is sharded."""
+  if kernel not in WEIGHT_KERNELS:
+    raise ValueError(f"a quantised matrix's kernel is one of {WEIGHT_KERNELS}, got {kernel!r}")
+  if kernel != "pallas" or sharded(x, codes):
+    return False
+  from pallas_kernels import quant_matmul
+
+  return quant_matmul.takes(_rows(x), x.shape[-1], outputs, group)
+
+
+def int8_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array,
+                kernel: str | None = None) -> jax.Array:
+  """x[..., I] times int8 codes[O, I] with one scale per output -> [..., O] float32.
+  `kernel` None: on a CPU the C++ kernel widens each code in registers (XLA:CPU converts
+  the whole matrix to float32 in memory before its dot), elsewhere XLA's dot. "pallas": the
+  Pallas kernel for a step's few rows (`pallas_kernels.quant_matmul`; interpreted on a
+  CPU), XLA's dot where it does not tile; "xla": XLA's dot."""
+  if _pallas_matmul(kernel, x, codes, codes.shape[0]):
+    from pallas_kernels import quant_matmul
+
+    return quant_matmul.int8_matmul(x, codes, scale, interpret=jax.default_backend() == "cpu")
+  if kernel is None and _cpu_kernel("int8_matmul", x, codes):
     return cpu_kernels.int8_matmul(x, codes, scale)
   return cpu_kernels.int8_xla(x, codes, scale)
 
 
 def int4_matmul(x: jax.Array, codes: jax.Array, lo: jax.Array, scale: jax.Array, *,
-                reference, otherwise):
+                reference, otherwise, on_grid=None, kernel: str | None = None):
   """x[..., I'] times a 4-bit matrix stored output-major (`quant.Int4Matrix`). The format's
   math is its owner's, so the caller brings both XLA forms: `reference(x, codes, lo,
   scale)`, the kernel's float32 product, which a vmap past FEW_ROWS rows takes, and
-  `otherwise()`, the product where the kernel does not run (in the caller's dtype)."""
-  if _cpu_kernel("int4_matmul", x, codes):
+  `otherwise()`, the product where the kernel does not run (in the caller's dtype).
+  `kernel` as for `int8_matmul`; the Pallas kernel multiplies `on_grid(x)`, x as the
+  format reads it."""
+  group = 2 * codes.shape[1] // lo.shape[1]
+  if _pallas_matmul(kernel, x, codes, codes.shape[0], group):
+    from pallas_kernels import quant_matmul
+
+    return quant_matmul.int4_matmul(on_grid(x), codes, lo, scale,
+                                    interpret=jax.default_backend() == "cpu")
+  if kernel is None and _cpu_kernel("int4_matmul", x, codes):
     return cpu_kernels.int4_matmul(x, codes, lo, scale, reference=reference)
   return otherwise()
 

@@ -191,6 +191,9 @@ class Int4Matrix:
   scale: jax.Array  # float32[Out, In'/group]
   group: int = flax.struct.field(pytree_node=False, default=128)
   rows: int = flax.struct.field(pytree_node=False, default=0)  # In
+  # Who multiplies it (`ops.int4_matmul`): None, the backend's choice; "pallas", the
+  # Pallas kernel for a step's few rows; "xla" (`with_kernel`).
+  kernel: str | None = flax.struct.field(pytree_node=False, default=None)
 
   @classmethod
   def quantize(cls, w: jax.Array, group: int = 128) -> Int4Matrix:
@@ -227,7 +230,8 @@ class Int4Matrix:
       return on_grid @ self.dequantize(x.dtype)
 
     return ops.int4_matmul(xp, self.codes, self.lo, self.scale, reference=_int4_reference,
-                           otherwise=otherwise).astype(x.dtype)
+                           otherwise=otherwise, kernel=self.kernel,
+                           on_grid=lambda xp: activation_grid(xp, self.group)).astype(x.dtype)
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -262,6 +266,7 @@ class Int8Matrix:
 
   codes: jax.Array  # int8[Out, In]
   scale: jax.Array  # float32[Out]
+  kernel: str | None = flax.struct.field(pytree_node=False, default=None)  # as Int4Matrix's
 
   @classmethod
   def quantize(cls, w: jax.Array, *, output_major: bool = False) -> Int8Matrix:
@@ -270,14 +275,15 @@ class Int8Matrix:
 
   def matmul(self, x: jax.Array) -> jax.Array:
     """x[..., In] @ this matrix -> [..., Out] in x's dtype."""
-    return ops.int8_matmul(x, self.codes, self.scale).astype(x.dtype)
+    return ops.int8_matmul(x, self.codes, self.scale, self.kernel).astype(x.dtype)
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     return (self.codes.astype(jnp.float32) * self.scale[:, None]).T.astype(dtype)
 
   def take_outputs(self, ids: jax.Array) -> Int8Matrix:
     """Output channels `ids` only, still 8-bit: an LM-head shortlist's rows [In, K]."""
-    return Int8Matrix(jnp.take(self.codes, ids, axis=0), jnp.take(self.scale, ids))
+    return Int8Matrix(jnp.take(self.codes, ids, axis=0), jnp.take(self.scale, ids),
+                      self.kernel)
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -330,6 +336,28 @@ class DraftWeights:
   @property
   def nbytes(self) -> int:
     return sum(leaf.nbytes for leaf in jax.tree.leaves(self))
+
+
+def with_kernel(weights: DraftWeights, kernel: str | None) -> DraftWeights:
+  """`weights` with every int8 and int4 matrix multiplied by `kernel` (`ops.WEIGHT_KERNELS`:
+  None, the backend's choice; "pallas", the Pallas few-row kernel, interpreted on a CPU;
+  "xla"). The arrays are shared, not copied. Q4_0 blocks have one reader, the CPU kernel."""
+  from specjax.errors import ConfigError
+
+  if kernel not in ops.WEIGHT_KERNELS:
+    raise ConfigError(f"a draft's weight kernel is one of "
+                      f"{', '.join(str(k) for k in ops.WEIGHT_KERNELS)}, got {kernel!r}")
+
+  def choose(m):
+    if isinstance(m, GGUFMatrix):
+      if kernel is not None:
+        raise ConfigError(f"Q4_0 copies are read by the gguf_matmul CPU kernel only: no "
+                          f"{kernel!r} kernel for the 4bit draft")
+      return m
+    return m.replace(kernel=kernel)
+
+  return jax.tree.map(choose, weights,
+                      is_leaf=lambda m: isinstance(m, (Int8Matrix, Int4Matrix, GGUFMatrix)))
 
 
 def model_matrices(state, num_layers: int):

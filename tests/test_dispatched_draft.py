@@ -9,7 +9,6 @@ from __future__ import annotations
 import types
 
 import jax
-import numpy as np
 import pytest
 from targets import PROMPT, ar_tokens, assert_exercised, target
 from test_knapspec import synthetic_profile
@@ -140,13 +139,18 @@ def test_one_layer_cuts_every_per_layer_field():
   assert cut.buf_k[0] is cache.buf_k[2] and cut.quantized is cache.quantized
 
 
-def test_bad_plan_paths_are_refused():
+def test_bad_plan_paths_are_refused(monkeypatch):
   config, graphdef, state = target("llama")
   gen = lambda **kw: speculative_generate(graphdef, state, config, PROMPT,
                                           ClaspDrafter(skip=2), max_new_tokens=8, **kw)
-  with pytest.raises(ConfigError, match="plan_path must be one of cond, dispatch"):
+  with pytest.raises(ConfigError, match=r"plan_path \(or SPECJAX_PLAN_PATH\) must be one "
+                     r"of cond, dispatch, got 'scan'"):
     gen(plan_path="scan")
   with pytest.raises(ConfigError, match="loop='host'"):
     gen(plan_path="dispatch", loop="device")
   assert ops.plan_path() == "cond"  # a CPU's conditionals skip in place
-  assert np.all(np.isin(ops.PLAN_PATHS, ["cond", "dispatch"]))
+  monkeypatch.setenv("SPECJAX_PLAN_PATH", "dispatch")  # a whole process's runs
+  assert gen().loop == "host"
+  monkeypatch.setenv("SPECJAX_PLAN_PATH", "scan")
+  with pytest.raises(ConfigError, match="got 'scan'"):
+    gen()

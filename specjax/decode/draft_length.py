@@ -238,7 +238,8 @@ class StepTimes:
 
 def step_times(graphdef, state, config, plans: dict, *, gammas: Sequence[int] = (4,),
                context: int = 256, repeats: int = 7, chain: int = 1, loop: int = 0,
-               early_stop: Collection[str] = ()) -> StepTimes:
+               early_stop: Collection[str] = (), dispatched: Collection[str] = ()
+               ) -> StepTimes:
   """Time the AR step, verification at each γ in `gammas` and a draft step under every plan
   of `plans` ({key: [DraftPlan, ...]}) at `context`, round-robin so that machine noise hits
   them alike. Compiled ahead (one draft executable per plan structure, one per plan when
@@ -252,12 +253,18 @@ def step_times(graphdef, state, config, plans: dict, *, gammas: Sequence[int] = 
   the step itself. A draft step is a draft of γ = 1 without early stop,
   a loop of known length (as 8bit, 4bit and quantspec draft): on a GPU an early-stopping
   draft pays one host round trip more per step, for its loop's predicate: the plans named
-  in `early_stop` are timed in such a loop (of length 1, its limit traced)."""
+  in `early_stop` are timed in such a loop (of length 1, its limit traced). The plans
+  named in `dispatched` draft through `dispatched_draft` (a program per sub-layer called
+  from the host), which only the calls from the host can time."""
   from specjax.decode.generate import compute_dtype
 
   cache = KVCache.create(config, 1, context + max(gammas) + 2 + loop,
                          compute_dtype(config, state)).with_length(context)
-  steps = _Steps(graphdef, config, cache, context, tuple(gammas), frozenset(early_stop))
+  if loop and set(dispatched) & set(plans):
+    raise ValueError(f"a dispatched draft ({sorted(set(dispatched) & set(plans))[0]}) calls "
+                     f"its sub-layers from the host: it cannot run inside a jitted loop")
+  steps = _Steps(graphdef, config, cache, context, tuple(gammas), frozenset(early_stop),
+                 frozenset(dispatched))
   calls = steps.looped(state, plans, loop) if loop else steps.from_host(state, plans)
   times: dict = {}
   per_sample = loop or chain
@@ -281,6 +288,7 @@ class _Steps:
   context: int
   gammas: tuple[int, ...]
   early_stop: frozenset[str] = frozenset()  # plans drafted in a loop of unknown length
+  dispatched: frozenset[str] = frozenset()  # plans drafted a sub-layer call at a time
   greedy: SamplingParams = SamplingParams()
 
   def limit(self, name: str) -> jax.Array | None:
@@ -323,6 +331,11 @@ class _Steps:
 
     def drafting(name, plan):
       limit = self.limit(name)
+      if name in self.dispatched:  # its programs compile in the dropped first pass
+        from specjax.decode.dispatched_draft import DispatchedDraft
+
+        d = DispatchedDraft(gd, state, self.config.vocab_size, 1, 0.0, greedy)
+        return lambda: d(state, holder["cache"], last, plan, key).tokens
       exe = compiled(draft_step, state, self.cache, last, plan, key, limit, graphdef=gd,
                      vocab=self.config.vocab_size, gamma=1, threshold=0.0, sampling=greedy)
       return lambda: exe(state, holder["cache"], last, plan, key, limit).n

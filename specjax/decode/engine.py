@@ -83,7 +83,8 @@ def speculative_generate(
     raise ConfigError(f"loop must be 'auto', 'host' or 'device', got {loop!r}")
   plan_path = ops.plan_path() if plan_path is None else plan_path
   if plan_path not in ops.PLAN_PATHS:
-    raise ConfigError(f"plan_path must be one of {', '.join(ops.PLAN_PATHS)}, got {plan_path!r}")
+    raise ConfigError(f"plan_path (or SPECJAX_PLAN_PATH) must be one of "
+                      f"{', '.join(ops.PLAN_PATHS)}, got {plan_path!r}")
   if plan_path == "dispatch" and loop == "device":
     raise ConfigError("plan_path='dispatch' calls a program per sub-layer from the host: it "
                       "runs with loop='host' (or 'auto')")

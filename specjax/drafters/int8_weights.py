@@ -20,7 +20,7 @@ from typing import ClassVar
 from specjax.drafters.base import Drafter
 from specjax.drafters.overlay import OverlayDrafter
 from specjax.plan import DraftPlan, PlanError
-from specjax.quant import DraftWeights, quantize_weights_int8
+from specjax.quant import DraftWeights, quantize_weights_int8, with_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,16 +31,23 @@ class Int8WeightsDrafter(OverlayDrafter):
   early_stop: ClassVar[float] = 0.0
   weights: DraftWeights  # 8-bit copies of the target's matrices: `for_model`
   base: Drafter | None = None
+  # Who multiplies them (`quant.with_kernel`): None, the backend's choice; "pallas", the
+  # Pallas few-row kernel (`--option 8bit.kernel=pallas`); "xla".
+  kernel: str | None = None
 
   def __post_init__(self):
     if self.weights is None or self.weights.kind != "int8":
       raise PlanError("Int8WeightsDrafter needs 8-bit weights of the target: build it with "
                       "Int8WeightsDrafter.for_model(model, base=...)")
+    if self.kernel is not None:
+      object.__setattr__(self, "weights", with_kernel(self.weights, self.kernel))
 
   @classmethod
-  def for_model(cls, model, *, base: Drafter | None = None) -> Int8WeightsDrafter:
+  def for_model(cls, model, *, base: Drafter | None = None,
+                kernel: str | None = None) -> Int8WeightsDrafter:
     """Quantise the model's matrices once (a few seconds; held beside the target's)."""
-    return cls(weights=quantize_weights_int8(model.state, model.config.num_layers), base=base)
+    return cls(weights=quantize_weights_int8(model.state, model.config.num_layers), base=base,
+               kernel=kernel)
 
   def overlay_plan(self, session) -> DraftPlan:
     L = session.config.num_layers

@@ -18,7 +18,7 @@ from typing import ClassVar
 from specjax.drafters.base import Drafter
 from specjax.drafters.overlay import OverlayDrafter
 from specjax.plan import DraftPlan, PlanError
-from specjax.quant import DraftWeights, quantize_mlp_weights, quantize_weights_int8
+from specjax.quant import DraftWeights, quantize_mlp_weights, quantize_weights_int8, with_kernel
 from specjax.quant_kv_cache import QuantKV
 
 
@@ -40,10 +40,23 @@ class QuantSpecDrafter(OverlayDrafter):
   weights: DraftWeights | None = None  # 4- or 8-bit (`for_model`); None: the target's
   base: Drafter | None = None
   kv_cache: QuantKV = QuantKV()
+  # "pallas": the Pallas kernels for the draft's weights (`quant.with_kernel`) and for
+  # attention over the cache's codes (`QuantKV.kernel`); interpreted on a CPU. None: the
+  # backend's choice (`--option quantspec.kernel=pallas`).
+  kernel: str | None = None
+
+  def __post_init__(self):
+    if self.kernel is None:
+      return
+    if self.weights is not None:
+      object.__setattr__(self, "weights", with_kernel(self.weights, self.kernel))
+    if self.kernel == "pallas":
+      object.__setattr__(self, "kv_cache", dataclasses.replace(self.kv_cache, kernel=True))
 
   @classmethod
   def for_model(cls, model, *, base: Drafter | None = None, weight_bits: int | None = None,
-                weight_group: int = 128, kv_cache: QuantKV = QuantKV()) -> QuantSpecDrafter:
+                weight_group: int = 128, kv_cache: QuantKV = QuantKV(),
+                kernel: str | None = None) -> QuantSpecDrafter:
     """Quantise the draft's weights once. `weight_bits`: 4 (the paper's: MLP matrices in
     groups of `weight_group` rows), 8 (every matmul and the LM head, per output channel)
     or 16 (the target's own). None: `default_weight_bits`."""
@@ -57,7 +70,7 @@ class QuantSpecDrafter(OverlayDrafter):
       weights = None
     else:
       raise PlanError(f"QuantSpec's draft weights are 4, 8 or 16 bits, got {weight_bits}")
-    return cls(weights=weights, base=base, kv_cache=kv_cache)
+    return cls(weights=weights, base=base, kv_cache=kv_cache, kernel=kernel)
 
   def overlay_plan(self, session) -> DraftPlan:
     L = session.config.num_layers
