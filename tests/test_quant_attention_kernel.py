@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pallas_kernels import merge, merge_splits, quant_attention, quant_partials, reference_partials
 from pallas_kernels.quant_attention import default_splits, split_for
@@ -50,6 +52,30 @@ def dense_attention(q, q_pos, length, hk, hv, fp_k, fp_v, fp_pos, fp_valid, bits
   s = jnp.einsum("bkrh,bkfh->bkrf", q, keys) * scale
   p = jax.nn.softmax(jnp.where(ok, s, -jnp.inf), axis=-1)
   return jnp.einsum("bkrf,bkfh->bkrh", p, vals)
+
+
+@settings(max_examples=12, deadline=None)
+@given(bits=st.sampled_from([4, 8]), B=st.integers(1, 2), K=st.integers(1, 3),
+       H=st.sampled_from([8, 16, 32]), G=st.sampled_from([4, 8, 16]),
+       blocks=st.integers(1, 6), rq=st.integers(1, 9), window=st.sampled_from([None, 5, 40]),
+       data=st.data())
+def test_kernel_equals_reference_over_drawn_shapes(bits, B, K, H, G, blocks, rq, window,
+                                                   data):
+  """Batch, kv heads, head dim, key group, cache size, query rows, window, the filled
+  length and the tiling all drawn: the kernel's merged partials equal the reference's."""
+  S = G * blocks * 2
+  gv = data.draw(st.sampled_from([g for g in (4, 8, H) if (H // 2) % g == 0 or g == H]))
+  length = data.draw(st.integers(1, S))
+  block = data.draw(st.sampled_from([b for b in (G, 2 * G) if S % b == 0]))
+  splits = data.draw(st.integers(1, 4))
+  q, hk, hv, _, _ = case(length + 31 * S, B=B, K=K, S=S, H=H, G=G, Gv=gv, Rq=rq)
+  q_pos = jnp.asarray(np.broadcast_to(length + np.arange(rq) % 5, (B, rq)), jnp.int32)
+  kw = dict(bits=bits, group=G, value_group=gv, scale=H ** -0.5, window=window)
+  o, m, l = quant_partials(q, q_pos, length, hk, hv, block=block, splits=splits,
+                           interpret=True, **kw)
+  ro, rm, rl = reference_partials(q, q_pos, length, hk, hv, **kw)
+  np.testing.assert_allclose(merge([merge_splits(o, m, l)]),
+                             merge([(ro[:, :, 0], rm[:, :, 0], rl[:, :, 0])]), atol=5e-6)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
