@@ -236,6 +236,7 @@ def _cmd_router_train(args: argparse.Namespace) -> int:
 def _cmd_knn_build(args: argparse.Namespace) -> int:
   from pathlib import Path
 
+  from specjax.drafters import SelfSDDrafter
   from specjax.models.loader import load_model
   from specjax.offline import knn_build
 
@@ -246,7 +247,8 @@ def _cmd_knn_build(args: argparse.Namespace) -> int:
   out = Path(args.out) if args.out else None
   lib = knn_build.build(model, build, out, anchors=args.anchors,
                         search_prompts=args.search_prompts, iterations=args.iterations,
-                        gamma=args.gamma, seed=args.seed)
+                        gamma=args.gamma, seed=args.seed, objective=args.objective,
+                        drafter_of=SelfSDDrafter)
   print(knn_build.summary_table(lib))
   print(json.dumps({"model": lib.model, "out": str(out or knn_build.default_dir(lib.model)),
                     "domains": {d: {"anchors": int((lib.anchor_domain == i).sum()),
@@ -438,6 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
   q.add_argument("--search-prompts", type=int, default=3,
                  help="representative prompts the Self-SD search scores on")
   q.add_argument("--iterations", type=int, default=120, help="Self-SD search iterations")
+  q.add_argument("--objective", default="measured", choices=("measured", "predicted"),
+                 help="what scores a skip set: its measured speedup decoding the search "
+                 "prompts (the paper's), or the predicted one (agreement x a byte cost model)")
   q.add_argument("--gamma", type=int, default=4)
   q.add_argument("--seed", type=int, default=0)
   q.add_argument("--data-dir")

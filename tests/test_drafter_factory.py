@@ -270,3 +270,33 @@ def test_a_bfloat16_models_profile_is_found_again(tmp_path, monkeypatch):
   monkeypatch.setattr(profiler, "measure", None)  # a second measurement would fail
   again = DrafterFactory(bf16, gamma=2, verbose=False).make("knapspec")
   assert again.profile == first.profile
+
+
+def test_self_sd_searches_with_the_objective_its_option_names(tmp_path, monkeypatch):
+  """`self_sd` searches with the paper's measured objective unless
+  `self_sd.objective=predicted` names ours, and keeps each plan under its own name: a plan
+  searched with one objective is never taken for the other's."""
+  from specjax import data
+  from specjax.offline import self_sd_search
+
+  seen = []
+
+  def search(graphdef, state, config, ids, **kw):
+    seen.append(kw["objective"])
+    return self_sd_search.SearchResult(DraftPlan.from_skips(4, [1], [2]), 1.2, 0.5, 0.6, [],
+                                       kw["objective"])
+
+  monkeypatch.setattr(self_sd_search, "search", search)
+  monkeypatch.setattr(data, "prompt_ids", lambda tokenizer, turns: PROMPT[:10])
+  prompts = [data.Prompt("q1", "qa", ("a question",))]
+  m = types.SimpleNamespace(**vars(model()), tokenizer=None)
+
+  def make(**options):
+    return DrafterFactory(m, gamma=4, verbose=False, work_dir=tmp_path, search_prompts=prompts,
+                          options={"self_sd": options}).make("self_sd")
+
+  make(), make(objective="predicted"), make(), make(objective="predicted")
+  assert seen == ["measured", "predicted"]  # each searched once, then found again
+  assert len(list(tmp_path.glob("self_sd_plan-*.json"))) == 2
+  with pytest.raises(ConfigError, match="objective"):
+    make(objective="guessed")

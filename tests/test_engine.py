@@ -35,6 +35,7 @@ from specjax.drafters import (
   drafter_class,
 )
 from specjax.drafters.overlay import OverlayState
+from specjax.errors import ConfigError
 from specjax.kv_cache import KVCache
 from specjax.offline import self_sd_search as self_sd
 from specjax.plan import DraftPlan, PlanError, load_plan, save_plan
@@ -155,14 +156,14 @@ def test_self_sd_objective_ranks_an_agreeing_plan_above_a_cheap_useless_one():
   agreeing, useless = (0.39, 0.81), (0.02, 0.35)
   assert expected_speedup(*useless[:1], 4, useless[1]) > expected_speedup(*agreeing[:1], 4,
                                                                           agreeing[1])
-  assert self_sd.objective(*agreeing, 4)[0] > self_sd.objective(*useless, 4)[0]
-  assert self_sd.objective(0.95, 0.3, 8)[1] == 8  # a cheap, agreeable draft wants a long γ
+  assert self_sd.predicted_speedup(*agreeing, 4)[0] > self_sd.predicted_speedup(*useless, 4)[0]
+  assert self_sd.predicted_speedup(0.95, 0.3, 8)[1] == 8  # a cheap, agreeable draft wants a long γ
 
 
 def test_self_sd_search_finds_a_plan_and_is_lossless(tmp_path):
   config, graphdef, state = target("gemma3")
   res = self_sd.search(graphdef, state, config, [PROMPT, list(range(40, 70))], iterations=12,
-                       init_points=6, new_tokens=12, verbose=False)
+                       init_points=6, new_tokens=12, verbose=False, drafter_of=SelfSDDrafter)
   assert len({h["objective"] for h in res.history}) > 1  # the target tells plans apart
   assert len(res.history) == 12
   eligible = [h["objective"] for h in res.history if h["skipped"] >= 0.2 * 2 * config.num_layers]
@@ -174,6 +175,47 @@ def test_self_sd_search_finds_a_plan_and_is_lossless(tmp_path):
   out = ssd("gemma3", SelfSDDrafter(plan))
   assert out.tokens == ar_tokens("gemma3")
   assert_exercised(out)
+
+
+def test_self_sd_search_scores_each_candidate_by_its_measured_speedup(monkeypatch):
+  """The paper's objective by default: every candidate decodes each search prompt as a
+  Self-SD draft (after one unscored warm-up), scored AR's decode time over its own. The
+  draft's clock is replaced by one charging each run its plan's active share, so the
+  expected scores are exact: AR's time over prompts × active share, and the most skipping
+  eligible candidate wins."""
+  import dataclasses
+
+  config, graphdef, state = target("gemma3")
+  real, runs = self_sd.speculative_generate, []
+
+  def charged(*args, **kw):
+    out = real(*args, **kw)
+    plan = args[4].fixed
+    runs.append((plan, out))
+    return dataclasses.replace(out, draft_s=0.0, verify_s=0.0, selection_s=0.0, other_s=0.0,
+                               rounds_s=plan.active_fraction)
+
+  monkeypatch.setattr(self_sd, "speculative_generate", charged)
+  prompts = [PROMPT, list(range(40, 70))]
+  res = self_sd.search(graphdef, state, config, prompts, iterations=6, init_points=6,
+                       new_tokens=10, verbose=False, drafter_of=SelfSDDrafter)
+  assert res.kind == "measured" and len(runs) == (6 + 1) * len(prompts)
+  for h, i in zip(res.history, range(1, 7)):
+    (plan, first), (_, second) = runs[2 * i], runs[2 * i + 1]
+    assert h["skipped"] == 2 * config.num_layers - int(plan.attn.sum() + plan.mlp.sum())
+    assert h["alpha"] == pytest.approx((first.accepted + second.accepted)
+                                       / (first.drafted + second.drafted))
+    # AR's summed time over the candidate's: the same numerator for every candidate
+    assert h["objective"] * len(prompts) * plan.active_fraction == pytest.approx(
+        res.history[0]["objective"] * len(prompts) * runs[2][0].active_fraction)
+  eligible = [h for h in res.history if h["skipped"] >= 0.2 * 2 * config.num_layers]
+  assert res.objective == max(h["objective"] for h in eligible)
+  assert int((~res.plan.attn).sum() + (~res.plan.mlp).sum()) == max(
+      h["skipped"] for h in eligible)
+  with pytest.raises(ConfigError, match="objective must be one of measured, predicted"):
+    self_sd.search(graphdef, state, config, prompts, objective="timed", verbose=False)
+  with pytest.raises(ConfigError, match="pass drafter_of=specjax.drafters.SelfSDDrafter"):
+    self_sd.search(graphdef, state, config, prompts, verbose=False)
 
 
 def test_eos_truncates_inside_a_round():

@@ -32,6 +32,7 @@ from specjax.drafters import (
   FRSpecDrafter,
   Int8WeightsDrafter,
   QuantSpecDrafter,
+  SelfSDDrafter,
   StaticDrafter,
 )
 from specjax.kv_cache import KVCache
@@ -253,7 +254,7 @@ def test_self_sd_search_for_an_8bit_draft_scores_and_costs_it_at_8_bits():
   model = model_of("qwen2")
   w8 = quant.quantize_weights_int8(model.state, model.config.num_layers)
   args = (model.graphdef, model.state, model.config, [PROMPT])
-  kw = dict(iterations=4, init_points=4, new_tokens=8, verbose=False)
+  kw = dict(iterations=4, init_points=4, new_tokens=8, verbose=False, drafter_of=SelfSDDrafter)
   plain = self_sd_search.search(*args, **kw)
   int8 = self_sd_search.search(*args, weights=w8, **kw)
   for a, b in zip(plain.history, int8.history):  # the same candidates (one seed)

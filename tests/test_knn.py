@@ -19,7 +19,8 @@ from specjax.config import tiny_config
 from specjax.data import MT_BENCH_CATEGORIES, Prompt
 from specjax.decode.engine import speculative_generate
 from specjax.decode.generate import generate
-from specjax.drafters import KNNDrafter
+from specjax.drafters import KNNDrafter, SelfSDDrafter
+from specjax.errors import ConfigError
 from specjax.model import init_model
 from specjax.offline import knn_build
 from specjax.offline.knn_library import (
@@ -150,7 +151,8 @@ def test_bad_libraries_are_refused_clearly(tmp_path):
   with pytest.raises(StaleLibraryError, match="older Self-SD search objective.*specjax knn "
                                               "build --model tiny-llama"):
     load_library(tmp_path / "lib", model="tiny-llama")
-  (tmp_path / "lib" / "meta.json").write_text(json.dumps(dict(meta, search_version=2)))
+  (tmp_path / "lib" / "meta.json").write_text(json.dumps(
+      dict(meta, search_version=knn_build.self_sd.OBJECTIVE_VERSION)))
   shutil.rmtree(tmp_path / "lib" / "tree")
   with pytest.raises(LibraryError, match="unreadable|no checkpoint.*rebuild it with"):
     load_library(tmp_path / "lib", model="tiny-llama")
@@ -217,7 +219,7 @@ def test_build_is_resumable_and_keys_domains_apart(tmp_path, monkeypatch):
                                 config=config, tokenizer=CharTokenizer())
   domains = {"letters": [Prompt(f"l{i}", "letters", ("abcdefgh" * (3 + i),)) for i in range(5)],
              "digits": [Prompt(f"d{i}", "digits", ("0123456789" * (2 + i),)) for i in range(5)]}
-  kw = dict(anchors=3, search_prompts=1, iterations=3, verbose=False)
+  kw = dict(anchors=3, search_prompts=1, iterations=3, verbose=False, drafter_of=SelfSDDrafter)
   lib = knn_build.build(model, domains, tmp_path / "lib", **kw)
   assert lib.domains == ("letters", "digits") and lib.anchors.shape == (6, config.embed_dim)
   assert lib.meta["letters"]["search_ids"][0].startswith("l")
@@ -235,6 +237,11 @@ def test_build_is_resumable_and_keys_domains_apart(tmp_path, monkeypatch):
   with pytest.raises(LibraryError, match="'empty' has no prompts"):
     monkeypatch.undo()
     knn_build.build(model, dict(domains, empty=[]), tmp_path / "lib2", **kw)
+  with pytest.raises(ConfigError, match="objective must be one of measured, predicted"):
+    knn_build.build(model, domains, tmp_path / "lib3", **dict(kw, objective="guessed"))
+  assert not (tmp_path / "lib3.parts").exists()  # refused before any work
+  with pytest.raises(ConfigError, match="pass drafter_of=specjax.drafters.SelfSDDrafter"):
+    knn_build.build(model, domains, tmp_path / "lib3", **dict(kw, drafter_of=None))
 
 
 def test_domains_split_build_from_held_out_and_reject_unknown_ones():
@@ -259,7 +266,7 @@ def test_libraries_with_other_search_settings_share_the_embeddings(tmp_path, mon
   model = types.SimpleNamespace(name="tiny-llama", graphdef=graphdef, state=state,
                                 config=config, tokenizer=CharTokenizer())
   domains = {"letters": [Prompt(f"l{i}", "letters", ("abcdefgh" * (3 + i),)) for i in range(4)]}
-  kw = dict(anchors=3, iterations=2, verbose=False)
+  kw = dict(anchors=3, iterations=2, verbose=False, drafter_of=SelfSDDrafter)
   knn_build.build(model, domains, tmp_path / "lib", search_prompts=1, **kw)
 
   def fail(*a, **k):
@@ -284,5 +291,10 @@ def test_factory_keeps_a_library_per_search_setting(tmp_path, monkeypatch):
   assert seen["path"] == tmp_path / "tiny-llama-search-prompts7"
   assert seen["search_prompts"] == 7 and seen["anchors"] == 10
   assert seen["embeddings"] == knn_build.parts_dir(tmp_path / "tiny-llama")
+  assert seen["objective"] == "measured"  # KNN-SSD's paper times each candidate
   DrafterFactory(model, verbose=False).store.knn_library()
   assert seen["path"] == tmp_path / "tiny-llama" and seen["search_prompts"] == 3
+  DrafterFactory(model, options={"knn": {"objective": "predicted"}},
+                 verbose=False).store.knn_library()
+  assert seen["path"] == tmp_path / "tiny-llama-objectivepredicted"
+  assert seen["objective"] == "predicted"

@@ -18,7 +18,7 @@ from targets import (
 
 from specjax import cpu_kernels, quant
 from specjax.decode.engine import speculative_generate
-from specjax.drafters import FRSpecDrafter, Q4WeightsDrafter
+from specjax.drafters import FRSpecDrafter, Q4WeightsDrafter, SelfSDDrafter
 from specjax.errors import ConfigError
 from specjax.gguf_matrix import KINDS, GGUFMatrix
 from specjax.plan import PlanError
@@ -114,7 +114,7 @@ def test_searches_under_4bit_score_and_price_the_q4_0_copy():
   q4 = quant.quantize_weights_q4_0(model.state, L)
   w8 = quant.quantize_weights_int8(model.state, L)
   args = (model.graphdef, model.state, model.config, [PROMPT])
-  kw = dict(iterations=4, init_points=4, new_tokens=8, verbose=False)
+  kw = dict(iterations=4, init_points=4, new_tokens=8, verbose=False, drafter_of=SelfSDDrafter)
   int8, q4_0 = (self_sd_search.search(*args, weights=w, **kw) for w in (w8, q4))
   for a, b in zip(int8.history, q4_0.history):
     assert a["skipped"] == b["skipped"] and b["cost"] < 0.7 * a["cost"]

@@ -63,7 +63,8 @@ class DrafterFactory:
     check_options(self.options)
     self.store = ArtefactStore(self.model, self.gamma, self.seed, self.search_iterations,
                                self.options, self.work_dir, self.data_dir,
-                               self.search_prompts, self.artefacts, self.verbose)
+                               self.search_prompts, self.artefacts, self.verbose,
+                               drafter_of=SelfSDDrafter)
 
   # -- public ------------------------------------------------------------------------
 

@@ -77,18 +77,23 @@ def embed_all(model, prompts: Sequence[data.Prompt], desc: str = "embed",
 
 def build_domain(model, name: str, prompts: Sequence[data.Prompt], x: np.ndarray, *,
                  anchors: int = 10, search_prompts: int = 3, iterations: int = 40,
-                 gamma: int = 4, seed: int = 0, verbose: bool = True) -> dict:
+                 gamma: int = 4, seed: int = 0, objective: str = "measured",
+                 drafter_of=None, verbose: bool = True) -> dict:
   """One domain's part from its prompts' embeddings x[N, D]: anchors [k, D], the searched
-  skip masks, and the search record."""
+  skip masks, and the search record. `objective`: the Self-SD search's
+  (`self_sd_search.OBJECTIVES`; KNN-SSD's paper times each candidate, "measured"), which
+  decodes with `drafter_of(plan)` (`self_sd_search.search`)."""
   chosen = choose_anchors(x, anchors, seed)
   reps = [prompts[i] for i in chosen.rows[:search_prompts]]
   ids = [prompt_ids(model.tokenizer, p) for p in reps]
   res = self_sd.search(model.graphdef, model.state, model.config, ids, iterations=iterations,
-                       gamma=gamma, seed=seed, verbose=verbose)
+                       gamma=gamma, seed=seed, objective=objective, drafter_of=drafter_of,
+                       verbose=verbose)
   return dict(anchors=x[chosen.rows], attn=np.asarray(res.plan.attn),
               mlp=np.asarray(res.plan.mlp), anchor_ids=[prompts[i].id for i in chosen.rows],
               cluster_sizes=chosen.sizes.tolist(), search_ids=[p.id for p in reps],
-              objective=res.objective, alpha=res.alpha, cost=res.cost)
+              objective=res.objective, objective_kind=res.kind, alpha=res.alpha,
+              cost=res.cost)
 
 
 def cached_embeddings(model, name: str, prompts: Sequence[data.Prompt], folder: Path,
@@ -118,6 +123,13 @@ def build(model, domains: Mapping[str, Sequence[data.Prompt]], out: Path | None 
   """Build (or resume) the library for `domains` and save it at `out`. `embeddings`: the
   folder that keeps the prompts' embeddings (default: beside the parts), so libraries
   that differ only in their search settings embed once."""
+  objective = kw.get("objective", "measured")
+  if objective not in self_sd.OBJECTIVES:
+    raise ConfigError(f"the search objective must be one of {', '.join(self_sd.OBJECTIVES)}, "
+                      f"got {objective!r}")
+  if objective == "measured" and kw.get("drafter_of") is None:
+    raise ConfigError("the measured objective decodes with each candidate: pass "
+                      "drafter_of=specjax.drafters.SelfSDDrafter (or objective='predicted')")
   out = Path(out or default_dir(artefact_key(model)))
   parts_path = parts_dir(out)
   parts_path.mkdir(parents=True, exist_ok=True)
@@ -126,7 +138,8 @@ def build(model, domains: Mapping[str, Sequence[data.Prompt]], out: Path | None 
   parts = {}
   for name in tqdm(list(domains), desc="knn library", unit="domain", disable=not verbose):
     path = parts_path / f"{name}.npz"
-    settings = dict(kw, prompts=[p.id for p in domains[name]],
+    settings = dict({k: v for k, v in kw.items() if k != "drafter_of"},
+                    prompts=[p.id for p in domains[name]],
                     search_version=self_sd.OBJECTIVE_VERSION)
     if path.exists():
       parts[name] = _read_part(path)
@@ -162,12 +175,13 @@ def _read_part(path: Path) -> dict:
 
 def summary_table(lib: SkipLibrary) -> str:
   """Markdown: per domain, its anchors and the skip set the search found."""
-  rows = ["| domain | anchors | skipped attn | skipped MLP | search α | predicted speedup |",
+  rows = ["| domain | anchors | skipped attn | skipped MLP | search α | search speedup |",
           "| --- | --- | --- | --- | --- | --- |"]
   for i, d in enumerate(lib.domains):
     m = lib.meta.get(d, {})
     alpha, obj = m.get("alpha"), m.get("objective")
+    kind = m.get("objective_kind", "predicted")
     rows.append(f"| {d} | {int((lib.anchor_domain == i).sum())} | {int((~lib.attn[i]).sum())} "
                 f"| {int((~lib.mlp[i]).sum())} | {'' if alpha is None else f'{alpha:.2f}'} "
-                f"| {'' if obj is None else f'{obj:.2f}'} |")
+                f"| {'' if obj is None else f'{obj:.2f} ({kind})'} |")
   return "\n".join(rows)

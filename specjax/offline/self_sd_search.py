@@ -1,26 +1,36 @@
 """The Self-SD search (Draft & Verify, Zhang et al. 2024): Bayesian optimisation over
 skip sets, run once per model before decoding; `drafters.self_sd` then uses the result.
 
-The search scores a candidate by the expected speedup it would give,
-`expected_speedup(α, γ, cost)` at the γ ≤ `gamma` that suits it best, where α is its
-top-1 agreement with the target on the
-target's own greedy continuations of a few search prompts (teacher-forced against the
-full model's cache; one forward per candidate and prompt) and cost is the candidate's
-draft-step cost. Plans are saved as JSON with the model name and the search record.
+Two objectives score a candidate skip set:
+
+- "measured" (the paper's, the default): decode each search prompt with the candidate as
+  a Self-SD draft and time it, the score being AR's time per verified token over the
+  draft's (a measured speedup). It ranks candidates by what decoding pays on this
+  machine, conditionals, host reads and all, and is noisy: each candidate decodes once,
+  AR is the median of three.
+- "predicted" (our variant, for searches that must be quick): `expected_speedup(α, γ,
+  cost)` at the γ ≤ `gamma` that suits it best, α the candidate's top-1 agreement with
+  the target on the target's own greedy continuations (teacher-forced against the full
+  model's cache: one forward per candidate and prompt), cost its draft-step cost in
+  bytes read. Deterministic, and a few forwards a candidate where the measured one
+  decodes every prompt.
+
+Plans are saved as JSON with the model name and the search record.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from specjax.decode.generate import generate, pad_prompt, positions_for
+from specjax.decode.engine import speculative_generate
+from specjax.decode.generate import Prefilled, generate, pad_prompt, positions_for, prefill_prompt
 from specjax.decode.round import agreement
 from specjax.errors import ConfigError
 from specjax.jit_cache import compiled
@@ -30,14 +40,17 @@ from specjax.plan import DraftPlan
 from specjax.selection.bayes import BitSearch
 from specjax.selection.cost import draft_cost, expected_speedup
 
+OBJECTIVES = ("measured", "predicted")
+
 
 @dataclasses.dataclass
 class SearchResult:
   plan: DraftPlan
-  objective: float
+  objective: float  # the best candidate's score: a measured or a predicted speedup
   alpha: float
   cost: float
   history: list[dict]
+  kind: str = "measured"  # which objective scored it (`OBJECTIVES`)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -72,13 +85,58 @@ def plan_agreement(graphdef, state, seqs, plan: DraftPlan) -> float:
   return float(np.mean(scores))
 
 
+@dataclasses.dataclass(frozen=True)
+class TimedPrompt:
+  """A search prompt for the measured objective: prefilled once (each decode starts from a
+  copy), with AR's continuation and the median seconds AR took to decode it."""
+
+  prompt: list[int]
+  prefilled: Prefilled
+  tokens: list[int]
+  ar_s: float
+
+
+def timed_prompts(graphdef, state, config, prompts, new_tokens: int, gamma: int,
+                  repeats: int = 3) -> list[TimedPrompt]:
+  """Each prompt prefilled with room for a Self-SD draft's rounds, and AR timed on it
+  `repeats` times (the first run compiles outside its timing; the median damps the rest)."""
+  out = []
+  for ids in prompts:
+    pre = prefill_prompt(graphdef, state, config, ids, max_new_tokens=new_tokens + gamma + 1)
+    runs = [generate(graphdef, state, config, ids, max_new_tokens=new_tokens, eos_ids=(),
+                     prefilled=pre) for _ in range(repeats)]
+    out.append(TimedPrompt(list(ids), pre, runs[0].tokens,
+                           float(np.median([r.decode_s for r in runs]))))
+  return out
+
+
+def measured_speedup(graphdef, state, config, timed: Sequence[TimedPrompt], drafter,
+                     gamma: int) -> tuple[float, float]:
+  """(AR's time per verified token over `drafter`'s, its acceptance rate) on the timed
+  prompts: each decodes exactly AR's token count (no EOS), so the ratio of the summed
+  decode times is the ratio of times per token.
+
+  The plan is traced, not compiled in (`static_plan=False`): one executable serves every
+  candidate, where freezing each would compile once per candidate on an accelerator."""
+  ssd_s = drafted = accepted = 0
+  for t in timed:
+    out = speculative_generate(graphdef, state, config, t.prompt, drafter,
+                               max_new_tokens=len(t.tokens), gamma=gamma, eos_ids=(),
+                               prefilled=t.prefilled, static_plan=False)
+    ssd_s += out.decode_s
+    drafted += out.drafted
+    accepted += out.accepted
+  return sum(t.ar_s for t in timed) / ssd_s, accepted / drafted if drafted else 0.0
+
+
 # Bumped when `objective` changes what a search finds: saved plans and KNN libraries carry
 # it, and those made under an older objective are searched again, not reused.
 # 2: each candidate scored at its best γ (1: at the fixed γ; chose α = 0.01 plans).
-OBJECTIVE_VERSION = 2
+# 3: the measured objective, the paper's, by default (2 and before: the predicted one).
+OBJECTIVE_VERSION = 3
 
 
-def objective(alpha: float, cost: float, gamma: int) -> tuple[float, int]:
+def predicted_speedup(alpha: float, cost: float, gamma: int) -> tuple[float, int]:
   """(expected speedup, γ) at the best draft length γ ≤ `gamma`.
 
   At a fixed γ the model charges every candidate γ draft steps per round, so among
@@ -105,9 +163,16 @@ def search(
     seed: int = 0,
     weights=None,
     target_bits: int = 32,
+    objective: str = "measured",
+    drafter_of: Callable[[DraftPlan], object] | None = None,
     verbose: bool = True,
 ) -> SearchResult:
-  """BO over the 2L plan bits (`plan.py`); random skip sets first, then GP-UCB proposals.
+  """BO over the 2L plan bits (`plan.py`); random skip sets first, then GP-UCB proposals,
+  each scored by `objective` (the module docstring's "measured" or "predicted").
+
+  `drafter_of` makes the measured objective's draft from a candidate plan:
+  `specjax.drafters.SelfSDDrafter`, which callers above the drafters hand in (the
+  searches sit below them, `tests/test_import_graph.py`).
 
   Candidates skipping fewer than `min_skip` of the sub-layers are scored for the GP but
   never chosen: with a verification that costs about one full step, the full model
@@ -120,24 +185,45 @@ def search(
   """
   if not prompts:
     raise ConfigError("self_sd search needs at least one search prompt")
+  if objective not in OBJECTIVES:
+    raise ConfigError(f"self_sd search objective must be one of {', '.join(OBJECTIVES)}, "
+                      f"got {objective!r}")
+  if objective == "measured" and drafter_of is None:
+    raise ConfigError("the measured objective decodes with each candidate: pass "
+                      "drafter_of=specjax.drafters.SelfSDDrafter (or objective='predicted')")
   L = config.num_layers
-  seqs = _reference_sequences(graphdef, state, config, prompts, new_tokens)
+  if objective == "measured":
+    timed = timed_prompts(graphdef, state, config, prompts, new_tokens, gamma)
+    # One decode not scored: a first run after compiling pays for more than decoding (it
+    # scored half its later runs on the tiny models), which would sink the first candidate.
+    warm = DraftPlan.first_layers(L, L // 2)
+    measured_speedup(graphdef, state, config, timed,
+                     drafter_of(warm if weights is None else warm.replace(weights=weights)),
+                     gamma)
+  else:
+    seqs = _reference_sequences(graphdef, state, config, prompts, new_tokens)
   bo = BitSearch(2 * L, seed)
   rng = np.random.default_rng(seed)
-  best = SearchResult(DraftPlan.first_layers(L, L // 2), -1.0, 0.0, 1.0, [])
-  for it in tqdm(range(iterations), desc="self_sd search", disable=not verbose):
+  best = SearchResult(DraftPlan.first_layers(L, L // 2), -1.0, 0.0, 1.0, [], objective)
+  for it in tqdm(range(iterations), desc=f"self_sd search ({objective})",
+                 disable=not verbose):
     if it < init_points:
       bits = rng.random(2 * L) >= rng.uniform(0.2, 0.6)  # runs: skips each with p
     else:
       bits = bo.ask()
     plan = DraftPlan.from_bits(bits)
     draft = plan if weights is None else plan.replace(weights=weights)
-    alpha = plan_agreement(graphdef, state, seqs, draft)
     cost = draft_cost(config, draft, target_bits)
-    value, best_gamma = objective(alpha, cost, gamma)
+    if objective == "measured":
+      value, alpha = measured_speedup(graphdef, state, config, timed, drafter_of(draft),
+                                      gamma)
+      best_gamma = gamma
+    else:
+      alpha = plan_agreement(graphdef, state, seqs, draft)
+      value, best_gamma = predicted_speedup(alpha, cost, gamma)
     bo.tell(bits, value)
     best.history.append({"iteration": it, "alpha": alpha, "cost": cost, "objective": value,
                          "gamma": best_gamma, "skipped": int((~bits).sum())})
     if (~bits).mean() >= min_skip and value > best.objective:
-      best = SearchResult(plan, value, alpha, cost, best.history)
+      best = SearchResult(plan, value, alpha, cost, best.history, objective)
   return best
