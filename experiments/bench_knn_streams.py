@@ -3,7 +3,8 @@
 Streams of held-out prompts (never used to build the library) switch domain after each
 prompt with probability r (`data.task_stream`). Methods, as in the KNN-SSD paper:
   * SSD-F: a Self-SD skip set searched on the stream's first prompt, then fixed;
-  * SSD-M: one skip set searched on a mixture (one representative prompt per domain);
+  * SSD-M: a skip set searched on the stream's mixture (prompts spread over the stream,
+    as many as the library has domains), searched again for each stream;
   * KNN-SSD: the library's skip set of the nearest anchor's domain, per prompt.
 Also: domain classification accuracy of the 1-NN lookup on held-out prompts, the
 similarity of out-of-domain prompts (HumanEval, no anchors) to their nearest anchor, and
@@ -68,13 +69,10 @@ def run(args) -> dict:
       work_dir=out_dir, data_dir=args.data_dir, search_prompts=search,
       options={"knn": {"search_prompts": args.knn_search_prompts}})
   lib = factory().knn_library()
-  build, held = domain_prompts(args.data_dir, lib.domains)
+  _, held = domain_prompts(args.data_dir, lib.domains)
   ood = data.load_humaneval(limit=max(args.classify_per_domain, args.ood))
   classify(model, lib, held, ood, store, args)
 
-  by_id = {p.id: p for ps in build.values() for p in ps}
-  mixture = [by_id[lib.meta[d]["search_ids"][0]] for d in lib.domains]
-  ssd_m = factory(mixture).make("self_sd")  # one skip set for every domain
   knn = KNNDrafter(lib)
   settings = RunSettings(max_new_tokens=args.max_new_tokens, gamma=args.gamma, seed=args.seed)
   streams = {r: list(data.task_stream(held, args.stream_length, r, args.seed))
@@ -91,13 +89,23 @@ def run(args) -> dict:
 
   for r, stream in streams.items():
     ssd_f = factory(stream[:1]).make("self_sd")  # searched on the stream's first prompt
+    ssd_m = factory(mixture_of(stream, len(lib.domains))).make("self_sd")
     for j, p in enumerate(stream):
       decode(f"stream/{r}/{j}", p, {"ssd_f": ssd_f, "ssd_m": ssd_m, "knn": knn}, ratio=r,
              index=j)
+  ssd_m = factory(mixture_of([p for s in streams.values() for p in s],
+                             len(lib.domains))).make("self_sd")  # every stream's mixture
   for j, p in enumerate(ood[: args.ood]):
     decode(f"ood/{j}", p, {"ssd_m": ssd_m, "knn": knn}, ratio="ood", index=j)
   bar.close()
   return finish(model, lib, args, out_dir, store.records())
+
+
+def mixture_of(stream: list, k: int) -> list:
+  """k prompts spread evenly over the stream: what SSD-M searches on, so that its skip set
+  serves the stream's mix of domains as a whole (the KNN-SSD paper's SSD-M)."""
+  step = max(len(stream) / max(k, 1), 1.0)
+  return [stream[int(i * step)] for i in range(min(k, len(stream)))]
 
 
 def per_prompt_speedups(runs: list[dict], method: str) -> list[float]:
@@ -171,8 +179,9 @@ def finish(model, lib, args, out_dir: Path, records: list[dict]) -> dict:
         f"Streams of {args.stream_length} held-out prompts over {len(lib.domains)} domains "
         f"({', '.join(lib.domains)}), switching domain after each prompt with probability r; "
         f"{args.max_new_tokens} new tokens, greedy, γ ≤ {args.gamma}; Self-SD searches of "
-        f"{args.search_iterations} iterations (SSD-F: on the stream's first prompt; SSD-M: "
-        f"one representative prompt per domain; KNN-SSD library: `specjax knn build`, "
+        f"{args.search_iterations} iterations, each candidate timed (SSD-F: on the stream's "
+        f"first prompt; SSD-M: on {len(lib.domains)} prompts spread over the stream, searched "
+        f"again per stream; KNN-SSD library: `specjax knn build`, "
         f"{lib.anchors.shape[0]} anchors, each domain's skip set searched on "
         f"{args.knn_search_prompts} of its prompts). AR and every method in the same process; "
         f"`speedup` is total tokens over total decode time, the median is over prompts. "

@@ -169,6 +169,17 @@ def test_knn_search_prompt_study_writes_its_own_section():
           == "-search-prompts7")
 
 
+def test_ssd_m_searches_on_prompts_spread_over_its_own_stream():
+  """SSD-M's search prompts are the stream's own, spread over it (the KNN-SSD paper
+  searches it again on each stream's mixture), never more than the stream holds."""
+  from experiments import bench_knn_streams
+
+  stream = [f"p{i}" for i in range(10)]
+  assert bench_knn_streams.mixture_of(stream, 5) == ["p0", "p2", "p4", "p6", "p8"]
+  assert bench_knn_streams.mixture_of(stream, 3) == ["p0", "p3", "p6"]
+  assert bench_knn_streams.mixture_of(stream[:2], 7) == ["p0", "p1"]
+
+
 def test_long_context_shows_the_quantised_profile_each_knapspec_selected_with(tmp_path,
                                                                               monkeypatch):
   """Each quantised profile a KnapSpec composition read gets its table, naming who read
