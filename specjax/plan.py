@@ -61,6 +61,10 @@ class DraftPlan:
   # quant.DraftWeights: quantised matrices the draft reads instead of the target's own
   # (8-bit: every matmul and the LM head; 4-bit: QuantSpec's MLP). None: the target's.
   weights: Any = None
+  # float32[] this round's draft early stop (a draft step whose top-1 probability falls
+  # below it ends the draft), for drafters that adapt it between rounds (Self-SD's
+  # adaptive draft-exiting). None: the engine's static `threshold`.
+  stop: jax.Array | None = None
   # Every sub-layer runs, known at trace time (`full`): the forward traces no per-layer
   # conditional. The AR step and verification use it; a GPU runs each conditional as a
   # host round trip. Static, so a dense plan gets its own executable.
@@ -168,6 +172,10 @@ class DraftPlan:
     if self.weights is not None and len(self.weights.layers) != num_layers:
       raise PlanError(f"plan.weights cover {len(self.weights.layers)} layers, the model has "
                       f"{num_layers}: they were quantised from another model")
+    if self.stop is not None and (jnp.shape(self.stop) != () or
+                                  jnp.result_type(self.stop) != jnp.float32):
+      raise PlanError(f"plan.stop must be a float32 scalar, got "
+                      f"{jnp.result_type(self.stop)}{jnp.shape(self.stop)}")
     if self.vocab is not None and (self.vocab.ndim != 1 or self.vocab.dtype != jnp.int32):
       raise PlanError(f"plan.vocab must be int32[K], got {self.vocab.dtype}{self.vocab.shape}")
     if self.head_rows is not None:

@@ -218,6 +218,70 @@ def test_self_sd_search_scores_each_candidate_by_its_measured_speedup(monkeypatc
     self_sd.search(graphdef, state, config, prompts, verbose=False)
 
 
+@pytest.mark.parametrize("loop,plan_path", [("host", "cond"), ("device", "cond"),
+                                            ("host", "dispatch")])
+def test_a_plans_stop_overrides_the_engines_threshold(loop, plan_path):
+  """`DraftPlan.stop` is the round's early stop on every path: above any probability it
+  ends each draft after one token though the engine's threshold is 0, and at 0 the drafts
+  run their full γ though the engine's is 0.99. Output stays the target's."""
+  config, graphdef, state = target("llama")
+  base = DraftPlan.from_skips(4, [2], [1])
+  run = lambda stop, threshold: speculative_generate(
+      graphdef, state, config, PROMPT, StaticDrafter(base.replace(stop=jnp.float32(stop))),
+      max_new_tokens=24, gamma=4, threshold=threshold, eos_ids=(), loop=loop,
+      plan_path=plan_path)
+  one, full = run(1.5, 0.0), run(0.0, 0.99)
+  assert one.round_drafted == [1] * one.rounds
+  assert set(full.round_drafted[:-1]) == {4}  # the last round may be cut by the budget
+  assert one.tokens == full.tokens == ar_tokens("llama", n=24)
+  with pytest.raises(PlanError, match="stop must be a float32 scalar"):
+    base.replace(stop=jnp.zeros(2, jnp.float32)).check(4)
+
+
+def test_self_sd_adapts_its_stop_after_every_round_as_the_papers_code_does(monkeypatch):
+  """The public code's rule (decoding.py, auto_parameters [1, 0.5, 0.9, 1e-2, 0.9]) on a
+  scripted run of rounds, threshold and acceptance average worked out by hand; then a
+  real generation: its rounds' plans carry the moving threshold, it decodes on the host
+  loop, stays lossless (with its plan compiled in where conditionals cost a host round
+  trip), and `adaptive_stop=False` is a fixed 0.8 on the device loop."""
+  import types
+
+  from specjax.drafters import self_sd as self_sd_drafter
+  from specjax.drafters.self_sd import StopState
+
+  plan = DraftPlan.from_skips(4, [2], [1])
+  drafter = SelfSDDrafter(plan)
+  state = StopState(plan, 0.8, 0.0)
+  expected = [(0.801, 0.5), (0.802, 0.75), (0.803, 0.875),
+              (0.803, 0.9375),  # average above 0.9 but a full draft: held
+              (0.802, 0.96875),  # above 0.9, a short draft: lowered
+              (0.803, 0.484375)]  # a rejected draft: raised
+  for (drafted, accepted), (stop, average) in zip(
+      [(4, 4), (4, 4), (4, 4), (4, 4), (2, 2), (3, 0)], expected):
+    out = types.SimpleNamespace(n_drafted=drafted, n_commit=accepted + 1,
+                                drafts=np.zeros(4, np.int32))
+    state = drafter.update(state, out, None)
+    assert (state.stop, state.matchness) == pytest.approx((stop, average))
+  assert float(drafter.plan(state).stop) == pytest.approx(0.803)
+
+  config, graphdef, state = target("llama")
+  out = speculative_generate(graphdef, state, config, PROMPT, drafter, max_new_tokens=48,
+                             eos_ids=(), threshold=0.6, record_rounds=True)
+  stops = [float(p.stop) for p in out.plans]
+  assert out.loop == "host" and stops[0] == pytest.approx(0.6)  # starts at the caller's
+  assert len(set(stops)) > 1 and out.tokens == ar_tokens("llama")
+  fixed = speculative_generate(graphdef, state, config, PROMPT,
+                               SelfSDDrafter(plan, adaptive_stop=False), max_new_tokens=8,
+                               eos_ids=(), record_rounds=True)
+  assert fixed.loop == "device" and fixed.plans[0].stop is None
+  assert out.plans[0].frozen is None  # a CPU runs the plan's conditionals in place
+  monkeypatch.setattr(self_sd_drafter, "conditionals_skip_cheaply", lambda: False)  # a GPU's
+  gpu = speculative_generate(graphdef, state, config, PROMPT, drafter, max_new_tokens=24,
+                             eos_ids=(), record_rounds=True)
+  assert gpu.plans[0].frozen == plan.freeze().frozen
+  assert gpu.tokens == ar_tokens("llama", n=24)
+
+
 def test_eos_truncates_inside_a_round():
   ref = ar_tokens("llama")
   eos = ref[10]

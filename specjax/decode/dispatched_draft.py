@@ -86,7 +86,8 @@ def _choose_token(state, x, plan, key, i, drafts, conf, q_rows, *, graphdef, voc
     q_rows = q_rows.at[i].set(q)
   drafts = drafts.at[i].set(nxt)
   conf = conf.at[i].set(confidence.astype(jnp.float32))
-  return nxt, drafts, conf, q_rows, key, confidence >= threshold
+  return nxt, drafts, conf, q_rows, key, confidence >= (
+      threshold if plan.stop is None else plan.stop)
 
 
 _STEPS = {fn: jax.jit(fn, static_argnames=names) for fn, names in (
@@ -160,7 +161,8 @@ class DispatchedDraft:
           _choose_token, *args, graphdef=self.graphdef, vocab=self.vocab,
           sampling=self.sampling, threshold=self.threshold)(*args)
       n = i + 1
-      if self.threshold > 0.0 and not bool(go):  # the one read a step waits for
+      early_stop = self.threshold > 0.0 or plan.stop is not None
+      if early_stop and not bool(go):  # the one read a step waits for
         break
     return Draft(jnp.int32(n), drafts, conf, q_rows)
 

@@ -104,7 +104,8 @@ def speculative_generate(
   if on_token:
     on_token(first)
   t1 = time.perf_counter()
-  session = Session(graphdef, state, config, cache, list(prompt_tokens) + [first], pre.pooled)
+  session = Session(graphdef, state, config, cache, list(prompt_tokens) + [first], pre.pooled,
+                    threshold=threshold)
   clock = session.clock
   c0 = clock.seconds
   dstate = drafter.init(session, drafter_state)

@@ -46,7 +46,7 @@ class RoundOut:
 def _draft(state, cache, last, plan, key, limit, *, graphdef, vocab, gamma, threshold,
            sampling):
   """Up to min(γ, limit) draft steps under `plan` (`limit` None: γ); stop after a token
-  whose top-1 prob < threshold. The cache is only read; the drafted tokens' K/V live in a
+  whose top-1 prob < threshold (`plan.stop` instead, when the drafter sets it). The cache is only read; the drafted tokens' K/V live in a
   `DraftBuffer`.
 
   With no early stop and no traced limit the loop runs exactly γ steps, and says so: XLA
@@ -56,6 +56,7 @@ def _draft(state, cache, last, plan, key, limit, *, graphdef, vocab, gamma, thre
   drafts = jnp.zeros((gamma,), jnp.int32)
   conf = jnp.zeros((gamma,), jnp.float32)
   q_rows = None if sampling.greedy else jnp.zeros((gamma + 1, vocab), jnp.float32)
+  stop = threshold if plan.stop is None else plan.stop
 
   def cond(carry):
     i, *_, go, _ = carry
@@ -78,11 +79,11 @@ def _draft(state, cache, last, plan, key, limit, *, graphdef, vocab, gamma, thre
       q_rows = q_rows.at[i].set(q)
     drafts = drafts.at[i].set(nxt)
     conf = conf.at[i].set(confidence.astype(jnp.float32))
-    return i + 1, buffer, nxt, drafts, conf, q_rows, confidence >= threshold, key
+    return i + 1, buffer, nxt, drafts, conf, q_rows, confidence >= stop, key
 
   init = (jnp.int32(0), DraftBuffer.like(cache, gamma), last, drafts, conf, q_rows,
           jnp.bool_(True), key)
-  if limit is None and threshold <= 0.0:  # every draft's confidence is >= 0: no early stop
+  if limit is None and plan.stop is None and threshold <= 0.0:  # no early stop: γ steps
     final = jax.lax.fori_loop(0, gamma, lambda _, carry: body(carry), init)
   else:
     final = jax.lax.while_loop(cond, body, init)

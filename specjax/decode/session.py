@@ -45,6 +45,9 @@ class Session:
   cache: KVCache  # the verified cache; context[-1] is not in it yet
   context: list[int]  # prompt + committed tokens
   prompt_embedding: jax.Array | None = None  # float32[D], `generate.pooled_prompt`
+  # The generation's draft early stop (the caller's, or the drafter's own): where a
+  # drafter that adapts it between rounds (`DraftPlan.stop`) starts. None: not known.
+  threshold: float | None = None
   # The generation's compilations: drafters compile through `compiled(..., clock=` this)
   # so that the engine books the time as compilation, not selection or decoding.
   clock: CompileClock = dataclasses.field(default_factory=CompileClock)

@@ -5,9 +5,10 @@ Two objectives score a candidate skip set:
 
 - "measured" (the paper's, the default): decode each search prompt with the candidate as
   a Self-SD draft and time it, the score being AR's time per verified token over the
-  draft's (a measured speedup). It ranks candidates by what decoding pays on this
-  machine, conditionals, host reads and all, and is noisy: each candidate decodes once,
-  AR is the median of three.
+  draft's (a measured speedup), the draft stopping as Self-SD's does (adaptive
+  draft-exiting, `drafters.self_sd`). It ranks candidates by what decoding pays on this
+  machine, host reads and all, and is noisy: each candidate decodes once, AR is the
+  median of three.
 - "predicted" (our variant, for searches that must be quick): `expected_speedup(α, γ,
   cost)` at the γ ≤ `gamma` that suits it best, α the candidate's top-1 agreement with
   the target on the target's own greedy continuations (teacher-forced against the full
@@ -114,15 +115,14 @@ def measured_speedup(graphdef, state, config, timed: Sequence[TimedPrompt], draf
                      gamma: int) -> tuple[float, float]:
   """(AR's time per verified token over `drafter`'s, its acceptance rate) on the timed
   prompts: each decodes exactly AR's token count (no EOS), so the ratio of the summed
-  decode times is the ratio of times per token.
-
-  The plan is traced, not compiled in (`static_plan=False`): one executable serves every
-  candidate, where freezing each would compile once per candidate on an accelerator."""
+  decode times is the ratio of times per token. Each candidate decodes as it would once
+  chosen: on an accelerator with its plan compiled in (a compile per candidate, outside
+  the timing), on a CPU traced (one executable for all)."""
   ssd_s = drafted = accepted = 0
   for t in timed:
     out = speculative_generate(graphdef, state, config, t.prompt, drafter,
                                max_new_tokens=len(t.tokens), gamma=gamma, eos_ids=(),
-                               prefilled=t.prefilled, static_plan=False)
+                               prefilled=t.prefilled)
     ssd_s += out.decode_s
     drafted += out.drafted
     accepted += out.accepted
