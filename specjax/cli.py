@@ -437,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "qa", "math_reasoning", "rag", "gsm8k")))
   q.add_argument("--prompts-per-domain", type=int, default=40, help="prompts embedded")
   q.add_argument("--anchors", type=int, default=10, help="k-means anchors per domain")
-  q.add_argument("--search-prompts", type=int, default=3,
+  q.add_argument("--search-prompts", type=int, default=8,
                  help="representative prompts the Self-SD search scores on")
   q.add_argument("--iterations", type=int, default=120, help="Self-SD search iterations")
   q.add_argument("--objective", default="measured", choices=("measured", "predicted"),

@@ -164,7 +164,7 @@ def test_knn_search_prompt_study_writes_its_own_section():
 
   from experiments import bench_knn_streams
 
-  assert bench_knn_streams.study_suffix(types.SimpleNamespace(knn_search_prompts=3)) == ""
+  assert bench_knn_streams.study_suffix(types.SimpleNamespace(knn_search_prompts=8)) == ""
   assert (bench_knn_streams.study_suffix(types.SimpleNamespace(knn_search_prompts=7))
           == "-search-prompts7")
 

@@ -29,9 +29,9 @@ ARTEFACT_OPTIONS: dict[str, dict[str, Any]] = {
     # Bayesian-optimisation steps (default: the factory's); what scores a candidate
     # (`self_sd_search.OBJECTIVES`: the paper's measured speedup, or our predicted one)
     "self_sd": {"iterations": None, "objective": "measured"},
-    # k-means anchors per domain; representative prompts each domain's search scores on;
-    # the objective of those searches
-    "knn": {"anchors": 10, "search_prompts": 3, "objective": "measured"},
+    # k-means anchors per domain; representative prompts each domain's search scores on
+    # (the paper's 8); the objective of those searches
+    "knn": {"anchors": 10, "search_prompts": 8, "objective": "measured"},
     "quantspec": {"weight_bits": None, "group": 128, "residual": 128},  # bits None: the default (4)
     "frspec": {"size": 32768},  # FR-Spec's shortlist: the paper's 32k
     # k, a decoding setting, is the drafter's own field; core: that many frequent tokens

@@ -76,7 +76,7 @@ def embed_all(model, prompts: Sequence[data.Prompt], desc: str = "embed",
 
 
 def build_domain(model, name: str, prompts: Sequence[data.Prompt], x: np.ndarray, *,
-                 anchors: int = 10, search_prompts: int = 3, iterations: int = 40,
+                 anchors: int = 10, search_prompts: int = 8, iterations: int = 40,
                  gamma: int = 4, seed: int = 0, objective: str = "measured",
                  drafter_of=None, verbose: bool = True) -> dict:
   """One domain's part from its prompts' embeddings x[N, D]: anchors [k, D], the searched
