@@ -46,8 +46,8 @@ class RoundOut:
 def _draft(state, cache, last, plan, key, limit, *, graphdef, vocab, gamma, threshold,
            sampling):
   """Up to min(γ, limit) draft steps under `plan` (`limit` None: γ); stop after a token
-  whose top-1 prob < threshold (`plan.stop` instead, when the drafter sets it). The cache is only read; the drafted tokens' K/V live in a
-  `DraftBuffer`.
+  whose top-1 prob < threshold (`plan.stop` instead, when the drafter sets it). The cache
+  is only read; the drafted tokens' K/V live in a `DraftBuffer`.
 
   With no early stop and no traced limit the loop runs exactly γ steps, and says so: XLA
   then knows its trip count. On a GPU a while loop whose condition depends on data copies

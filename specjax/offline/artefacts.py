@@ -206,7 +206,8 @@ class ArtefactStore:
     o = self.option("knn")
     default = knn_library.default_dir(artefact_key(self.model))
     path = default.with_name(default.name + "".join(
-        f"-{key.replace('_', '-')}{o[key]}" for key in ("anchors", "search_prompts", "objective")
+        f"-{key.replace('_', '-')}{o[key]}"
+        for key in ("anchors", "search_prompts", "objective")
         if o[key] != ARTEFACT_OPTIONS["knn"][key]))
     cfg = self.model.config
     if (path / "meta.json").exists():
@@ -240,9 +241,7 @@ class ArtefactStore:
 
     iterations = self.option("self_sd")["iterations"] or self.search_iterations
     objective = self.option("self_sd")["objective"]
-    if objective not in self_sd.OBJECTIVES:
-      raise ConfigError(f"self_sd.objective must be one of {', '.join(self_sd.OBJECTIVES)}, "
-                        f"got {objective!r}")
+    self_sd.check_objective(objective, self.drafter_of, "self_sd.objective")
     prompts = list(self.search_prompts if self.search_prompts is not None
                    else default_search_prompts(self.data_dir))
     if not prompts:
@@ -253,7 +252,8 @@ class ArtefactStore:
     key = hashlib.sha256(json.dumps([f"v{self_sd.OBJECTIVE_VERSION}", iterations, self.gamma,
                                      self.seed, ids]
                                     + ([] if precision == "float32" else [precision])
-                                    + ([] if objective == "measured" else [objective])).encode()
+                                    + ([] if objective == "measured" else [objective])
+                                    ).encode()
                          ).hexdigest()[:10] + _plan_suffix(kind)
     folder = Path(self.work_dir) if self.work_dir else cache_root() / "searches" / artefact_key(self.model)
     path = folder / f"self_sd_plan-{key}.json"

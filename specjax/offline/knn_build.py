@@ -123,13 +123,7 @@ def build(model, domains: Mapping[str, Sequence[data.Prompt]], out: Path | None 
   """Build (or resume) the library for `domains` and save it at `out`. `embeddings`: the
   folder that keeps the prompts' embeddings (default: beside the parts), so libraries
   that differ only in their search settings embed once."""
-  objective = kw.get("objective", "measured")
-  if objective not in self_sd.OBJECTIVES:
-    raise ConfigError(f"the search objective must be one of {', '.join(self_sd.OBJECTIVES)}, "
-                      f"got {objective!r}")
-  if objective == "measured" and kw.get("drafter_of") is None:
-    raise ConfigError("the measured objective decodes with each candidate: pass "
-                      "drafter_of=specjax.drafters.SelfSDDrafter (or objective='predicted')")
+  self_sd.check_objective(kw.get("objective", "measured"), kw.get("drafter_of"))
   out = Path(out or default_dir(artefact_key(model)))
   parts_path = parts_dir(out)
   parts_path.mkdir(parents=True, exist_ok=True)

@@ -44,6 +44,16 @@ from specjax.selection.cost import draft_cost, expected_speedup
 OBJECTIVES = ("measured", "predicted")
 
 
+def check_objective(objective: str, drafter_of, name: str = "the search objective") -> None:
+  """Raise unless `objective` is one of `OBJECTIVES` and, for "measured", a draft maker is
+  at hand (`search`'s `drafter_of`): before any work a search or a build would do."""
+  if objective not in OBJECTIVES:
+    raise ConfigError(f"{name} must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+  if objective == "measured" and drafter_of is None:
+    raise ConfigError("the measured objective decodes with each candidate: pass "
+                      "drafter_of=specjax.drafters.SelfSDDrafter (or objective='predicted')")
+
+
 @dataclasses.dataclass
 class SearchResult:
   plan: DraftPlan
@@ -185,17 +195,12 @@ def search(
   """
   if not prompts:
     raise ConfigError("self_sd search needs at least one search prompt")
-  if objective not in OBJECTIVES:
-    raise ConfigError(f"self_sd search objective must be one of {', '.join(OBJECTIVES)}, "
-                      f"got {objective!r}")
-  if objective == "measured" and drafter_of is None:
-    raise ConfigError("the measured objective decodes with each candidate: pass "
-                      "drafter_of=specjax.drafters.SelfSDDrafter (or objective='predicted')")
+  check_objective(objective, drafter_of)
   L = config.num_layers
   if objective == "measured":
     timed = timed_prompts(graphdef, state, config, prompts, new_tokens, gamma)
-    # One decode not scored: a first run after compiling pays for more than decoding (it
-    # scored half its later runs on the tiny models), which would sink the first candidate.
+    # One decode not scored: a first run after compiling pays for more than decoding,
+    # which would sink the first candidate.
     warm = DraftPlan.first_layers(L, L // 2)
     measured_speedup(graphdef, state, config, timed,
                      drafter_of(warm if weights is None else warm.replace(weights=weights)),
