@@ -240,8 +240,7 @@ def _cmd_knn_build(args: argparse.Namespace) -> int:
   from specjax.models.loader import load_model
   from specjax.offline import knn_build
 
-  domains = tuple(d for d in args.domains.split(",") if d)
-  build, _ = knn_build.domain_prompts(args.data_dir, domains)
+  build, _ = knn_build.domain_prompts(args.data_dir, knn_build.domain_names(args.domains))
   model = load_model(args.model, tensor_parallel=args.tensor_parallel)
   build = {d: ps[: args.prompts_per_domain] for d, ps in build.items()}
   out = Path(args.out) if args.out else None
@@ -433,8 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
   q = knn_sub.add_parser("build", help="anchors (k-means) and a Self-SD skip set per domain, "
                          "from the domains' build prompts (never the held-out ones)")
   _model_arg(q)
-  q.add_argument("--domains", default=",".join(("mt_bench", "translation", "summarization",
-                                                "qa", "math_reasoning", "rag", "gsm8k")))
+  q.add_argument("--domains", help="comma-separated: Spec-Bench categories, mt_bench, gsm8k "
+                 "(default: summarization,math_reasoning,translation,qa,rag, the nearest to "
+                 "the paper's five)")
   q.add_argument("--prompts-per-domain", type=int, default=40, help="prompts embedded")
   q.add_argument("--anchors", type=int, default=10, help="k-means anchors per domain")
   q.add_argument("--search-prompts", type=int, default=8,

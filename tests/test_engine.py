@@ -218,6 +218,36 @@ def test_self_sd_search_scores_each_candidate_by_its_measured_speedup(monkeypatc
     self_sd.search(graphdef, state, config, prompts, verbose=False)
 
 
+def test_a_measured_search_reports_how_the_predicted_objective_ranks_its_candidates():
+  """With `rank_check`, a measured search also scores every candidate by the predicted
+  objective (teacher-forced on AR's own continuations) and reports Spearman's ρ of the
+  two columns: KNN-SSD's libraries quote it, as they time far fewer candidates than the
+  paper."""
+  from specjax.offline.self_sd_search import plan_agreement, predicted_speedup, spearman
+
+  config, graphdef, state = target("gemma3")
+  prompts = [PROMPT, list(range(40, 70))]
+  res = self_sd.search(graphdef, state, config, prompts, iterations=5, init_points=5,
+                       new_tokens=8, verbose=False, drafter_of=SelfSDDrafter, rank_check=True)
+  seqs = self_sd._reference_sequences(graphdef, state, config, prompts, 8)
+  for h in res.history[:2]:
+    plan = DraftPlan.from_bits(np.asarray(h["bits"]))
+    alpha = plan_agreement(graphdef, state, seqs, plan)
+    assert h["predicted_alpha"] == pytest.approx(alpha)
+    assert h["predicted"] == pytest.approx(predicted_speedup(alpha, h["cost"], 4)[0])
+  assert res.rank_agreement == pytest.approx(spearman(
+      np.array([h["objective"] for h in res.history]),
+      np.array([h["predicted"] for h in res.history])))
+  plain = self_sd.search(graphdef, state, config, prompts, iterations=3, init_points=3,
+                         new_tokens=8, verbose=False, drafter_of=SelfSDDrafter)
+  assert plain.rank_agreement is None and "predicted" not in plain.history[0]
+  assert spearman(np.array([1., 2, 3, 4]), np.array([10., 20, 30, 40])) == pytest.approx(1)
+  assert spearman(np.array([1., 2, 3, 4]), np.array([4., 3, 2, 1])) == pytest.approx(-1)
+  assert spearman(np.array([1., 2, 3, 4]), np.array([1., 3, 2, 4])) == pytest.approx(0.8)
+  assert spearman(np.array([1., 1, 2]), np.array([5., 6, 7])) == pytest.approx(0.866, abs=1e-3)
+  assert spearman(np.array([1., 1, 1]), np.array([5., 6, 7])) == 0.0
+
+
 @pytest.mark.parametrize("loop,plan_path", [("host", "cond"), ("device", "cond"),
                                             ("host", "dispatch")])
 def test_a_plans_stop_overrides_the_engines_threshold(loop, plan_path):

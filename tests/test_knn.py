@@ -153,6 +153,11 @@ def test_bad_libraries_are_refused_clearly(tmp_path):
     load_library(tmp_path / "lib", model="tiny-llama")
   (tmp_path / "lib" / "meta.json").write_text(json.dumps(
       dict(meta, search_version=knn_build.self_sd.OBJECTIVE_VERSION)))
+  with pytest.raises(StaleLibraryError, match=r"covers the domains \['d0', 'd1'\], not "
+                                              r"\['d1', 'd0'\].*--domains d1,d0"):
+    load_library(tmp_path / "lib", model="tiny-llama", domains=("d1", "d0"))
+  assert load_library(tmp_path / "lib", model="tiny-llama",
+                      domains=("d0", "d1")).domains == ("d0", "d1")
   shutil.rmtree(tmp_path / "lib" / "tree")
   with pytest.raises(LibraryError, match="unreadable|no checkpoint.*rebuild it with"):
     load_library(tmp_path / "lib", model="tiny-llama")
@@ -223,6 +228,8 @@ def test_build_is_resumable_and_keys_domains_apart(tmp_path, monkeypatch):
   lib = knn_build.build(model, domains, tmp_path / "lib", **kw)
   assert lib.domains == ("letters", "digits") and lib.anchors.shape == (6, config.embed_dim)
   assert lib.meta["letters"]["search_ids"][0].startswith("l")
+  rho = lib.meta["letters"]["rank_agreement"]  # predicted vs measured, over 3 candidates
+  assert -1 <= rho <= 1 and f"| {rho:+.2f} |" in knn_build.summary_table(lib)
   shutil.rmtree(tmp_path / "lib")
 
   def fail(*a, **k):
@@ -285,8 +292,10 @@ def test_factory_keeps_a_library_per_search_setting(tmp_path, monkeypatch):
   model = types.SimpleNamespace(name="tiny-llama", config=tiny("llama")[0])
   seen = {}
   monkeypatch.setattr(knn_library, "default_dir", lambda name: tmp_path / name)
-  monkeypatch.setattr(knn_build, "domain_prompts", lambda data_dir: ({}, {}))
-  monkeypatch.setattr(knn_build, "build", lambda m, d, path, **kw: seen.update(path=path, **kw))
+  monkeypatch.setattr(knn_build, "domain_prompts",
+                      lambda data_dir, domains: ({d: [] for d in domains}, {}))
+  monkeypatch.setattr(knn_build, "build",
+                      lambda m, d, path, **kw: seen.update(path=path, domains=tuple(d), **kw))
   DrafterFactory(model, options={"knn": {"search_prompts": 7}}, verbose=False).store.knn_library()
   assert seen["path"] == tmp_path / "tiny-llama-search-prompts7"
   assert seen["search_prompts"] == 7 and seen["anchors"] == 10
@@ -295,6 +304,13 @@ def test_factory_keeps_a_library_per_search_setting(tmp_path, monkeypatch):
   DrafterFactory(model, verbose=False).store.knn_library()
   assert seen["path"] == tmp_path / "tiny-llama"
   assert seen["search_prompts"] == 8  # KNN-SSD's paper: 8 representatives a domain
+  # the paper's five domains: CNN/DM, GSM8K and WMT De-En are Spec-Bench's summarization,
+  # math_reasoning and translation; qa and rag stand in for TinyStories and Spider2
+  assert seen["domains"] == ("summarization", "math_reasoning", "translation", "qa", "rag")
+  DrafterFactory(model, options={"knn": {"domains": "mt_bench,gsm8k"}},
+                 verbose=False).store.knn_library()
+  assert seen["path"] == tmp_path / "tiny-llama-domains-mt_bench+gsm8k"
+  assert seen["domains"] == ("mt_bench", "gsm8k")
   DrafterFactory(model, options={"knn": {"objective": "predicted"}},
                  verbose=False).store.knn_library()
   assert seen["path"] == tmp_path / "tiny-llama-objectivepredicted"

@@ -30,8 +30,9 @@ ARTEFACT_OPTIONS: dict[str, dict[str, Any]] = {
     # (`self_sd_search.OBJECTIVES`: the paper's measured speedup, or our predicted one)
     "self_sd": {"iterations": None, "objective": "measured"},
     # k-means anchors per domain; representative prompts each domain's search scores on
-    # (the paper's 8); the objective of those searches
-    "knn": {"anchors": 10, "search_prompts": 8, "objective": "measured"},
+    # (the paper's 8); the objective of those searches; the domains, comma-separated
+    # (None: `knn_build.PAPER_DOMAINS`, the paper's five as near as the data here allows)
+    "knn": {"anchors": 10, "search_prompts": 8, "objective": "measured", "domains": None},
     "quantspec": {"weight_bits": None, "group": 128, "residual": 128},  # bits None: the default (4)
     "frspec": {"size": 32768},  # FR-Spec's shortlist: the paper's 32k
     # k, a decoding setting, is the drafter's own field; core: that many frequent tokens
@@ -204,21 +205,23 @@ class ArtefactStore:
     if "library" in self.given:
       return self.given["library"]
     o = self.option("knn")
+    domains = knn_build.domain_names(o["domains"])
     default = knn_library.default_dir(artefact_key(self.model))
     path = default.with_name(default.name + "".join(
         f"-{key.replace('_', '-')}{o[key]}"
         for key in ("anchors", "search_prompts", "objective")
-        if o[key] != ARTEFACT_OPTIONS["knn"][key]))
+        if o[key] != ARTEFACT_OPTIONS["knn"][key]) + (
+        "" if domains == knn_build.DEFAULT_DOMAINS else "-domains-" + "+".join(domains)))
     cfg = self.model.config
     if (path / "meta.json").exists():
       try:
         return knn_library.load_library(path, model=artefact_key(self.model), num_layers=cfg.num_layers,
-                                        embed_dim=cfg.embed_dim)
+                                        embed_dim=cfg.embed_dim, domains=domains)
       except knn_library.StaleLibraryError as err:
         self._say(f"{err}: rebuilding it")
     self._say(f"no KNN-SSD library for {self.model.name} at {path}: building it now "
               f"(`specjax knn build --model {self.model.name}` does the same)")
-    build, _ = knn_build.domain_prompts(self.data_dir)
+    build, _ = knn_build.domain_prompts(self.data_dir, domains)
     return knn_build.build(self.model, {d: ps[:40] for d, ps in build.items()}, path,
                            anchors=o["anchors"], search_prompts=o["search_prompts"],
                            objective=o["objective"], drafter_of=self.drafter_of,

@@ -185,7 +185,10 @@ def save_library(directory: str | Path, lib: SkipLibrary) -> None:
 
 
 def load_library(directory: str | Path, *, model: str, num_layers: int | None = None,
-                 embed_dim: int | None = None) -> SkipLibrary:
+                 embed_dim: int | None = None,
+                 domains: Sequence[str] | None = None) -> SkipLibrary:
+  """The library saved at `directory`, checked against the model it serves; `domains`:
+  the ones it must cover, in order (a library of other domains is stale)."""
   directory = Path(directory)
   build = f"`specjax knn build --model {model}`"
   if not (directory / "meta.json").exists():
@@ -197,6 +200,10 @@ def load_library(directory: str | Path, *, model: str, num_layers: int | None = 
   if meta.get("search_version", 1) < self_sd_search.OBJECTIVE_VERSION:
     raise StaleLibraryError(f"the skip library at {directory} holds skip sets of an older "
                             f"Self-SD search objective: rebuild it with {build}")
+  if domains is not None and list(meta.get("domains", ())) != list(domains):
+    raise StaleLibraryError(f"the skip library at {directory} covers the domains "
+                            f"{meta.get('domains')}, not {list(domains)}: rebuild it with "
+                            f"{build} --domains {','.join(domains)}")
   try:
     A, D, L, n = meta["num_anchors"], meta["embed_dim"], meta["num_layers"], len(meta["domains"])
   except KeyError as err:

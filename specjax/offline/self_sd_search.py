@@ -63,6 +63,32 @@ class SearchResult:
   history: list[dict]
   kind: str = "measured"  # which objective scored it (`OBJECTIVES`)
 
+  @property
+  def rank_agreement(self) -> float | None:
+    """Spearman's ρ between the measured and the predicted speedups of the candidates a
+    measured search scored with `rank_check` (None without): how far the quick objective
+    would have ranked the candidates as timing them did."""
+    pairs = [(h["objective"], h["predicted"]) for h in self.history if "predicted" in h]
+    if self.kind != "measured" or len(pairs) < 3:
+      return None
+    return spearman(*np.asarray(pairs, np.float64).T)
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+  """Spearman's rank correlation (ties take their mean rank); 0 when either is constant."""
+  def ranks(v):
+    order = np.argsort(v, kind="stable")
+    r = np.empty(len(v))
+    r[order] = np.arange(len(v), dtype=np.float64)
+    for u in np.unique(v):  # mean rank for ties
+      r[v == u] = r[v == u].mean()
+    return r
+
+  rx, ry = ranks(np.asarray(x)), ranks(np.asarray(y))
+  if rx.std() == 0 or ry.std() == 0:
+    return 0.0
+  return float(np.corrcoef(rx, ry)[0, 1])
+
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _prefill(state, cache, tokens, plan, *, graphdef):
@@ -70,12 +96,17 @@ def _prefill(state, cache, tokens, plan, *, graphdef):
                graphdef=graphdef, logits="none")
 
 
-def _reference_sequences(graphdef, state, config, prompts, new_tokens):
-  """The target's greedy continuation of each prompt, with a full-model cache of it."""
+def _reference_sequences(graphdef, state, config, prompts, new_tokens, continuations=None):
+  """The target's greedy continuation of each prompt (`continuations` when already
+  decoded), with a full-model cache of it."""
   seqs = []
-  for ids in prompts:
-    gen = generate(graphdef, state, config, ids, max_new_tokens=new_tokens, eos_ids=())
-    seq = list(ids) + gen.tokens
+  for i, ids in enumerate(prompts):
+    if continuations is None:
+      tokens = generate(graphdef, state, config, ids, max_new_tokens=new_tokens,
+                        eos_ids=()).tokens
+    else:
+      tokens = continuations[i]
+    seq = list(ids) + list(tokens)
     size = cache_size_for(len(seq), config.max_context)
     toks = pad_prompt(seq[:-1], size)  # bucketed: one executable for all search prompts
     cache = KVCache.create(config, 1, size)
@@ -175,6 +206,7 @@ def search(
     target_bits: int = 32,
     objective: str = "measured",
     drafter_of: Callable[[DraftPlan], object] | None = None,
+    rank_check: bool = False,
     verbose: bool = True,
 ) -> SearchResult:
   """BO over the 2L plan bits (`plan.py`); random skip sets first, then GP-UCB proposals,
@@ -192,6 +224,9 @@ def search(
   every candidate is scored as the draft it will be: its agreement with those weights and
   its cost in their bytes (`cost.draft_cost`), so the search picks the skip set for the
   quantised draft, which can afford more layers.
+
+  `rank_check` (measured searches): also score every candidate by the predicted objective,
+  outside the timing, so the result reports how the two rank them (`rank_agreement`).
   """
   if not prompts:
     raise ConfigError("self_sd search needs at least one search prompt")
@@ -205,8 +240,9 @@ def search(
     measured_speedup(graphdef, state, config, timed,
                      drafter_of(warm if weights is None else warm.replace(weights=weights)),
                      gamma)
-  else:
-    seqs = _reference_sequences(graphdef, state, config, prompts, new_tokens)
+  if objective == "predicted" or rank_check:
+    seqs = _reference_sequences(graphdef, state, config, prompts, new_tokens,
+                                [t.tokens for t in timed] if objective == "measured" else None)
   bo = BitSearch(2 * L, seed)
   rng = np.random.default_rng(seed)
   best = SearchResult(DraftPlan.first_layers(L, L // 2), -1.0, 0.0, 1.0, [], objective)
@@ -228,7 +264,12 @@ def search(
       value, best_gamma = predicted_speedup(alpha, cost, gamma)
     bo.tell(bits, value)
     best.history.append({"iteration": it, "alpha": alpha, "cost": cost, "objective": value,
-                         "gamma": best_gamma, "skipped": int((~bits).sum())})
+                         "gamma": best_gamma, "skipped": int((~bits).sum()),
+                         "bits": bits.astype(int).tolist()})
+    if objective == "measured" and rank_check:
+      agreed = plan_agreement(graphdef, state, seqs, draft)
+      best.history[-1].update(predicted=predicted_speedup(agreed, cost, gamma)[0],
+                              predicted_alpha=agreed)
     if (~bits).mean() >= min_skip and value > best.objective:
       best = SearchResult(plan, value, alpha, cost, best.history, objective)
   return best
