@@ -1,12 +1,17 @@
-"""QuantSpec vs AR at growing context, and what the quantised KV cache costs in memory.
+"""QuantSpec vs AR and vs a sparse-KV draft at growing context, and what the quantised KV
+cache costs in memory.
 
 Per context length and prompt, in one process: AR on a full-precision cache (the usual
 baseline), AR on the quantised cache (the target QuantSpec verifies against: its greedy
-tokens are what QuantSpec must reproduce), QuantSpec (4-bit KV + 4-bit MLP weights) and
-QuantSpec with 4-bit KV only. Reported: α, M, speedup vs both ARs, mismatches vs the
-8-bit-KV AR (must be 0) and whether the 8-bit-KV target still equals the fp one.
+tokens are what QuantSpec must reproduce), QuantSpec (4-bit KV + 4-bit MLP weights, or
+8-bit weights), QuantSpec with 4-bit KV only, and the paper's rival, a sparse-KV
+self-speculative draft (`streaming_kv`: StreamingLLM's sinks + recent window, verified on
+the full-precision cache). Reported: α, M, speedup vs both ARs, mismatches vs each
+method's AR (must be 0) and whether the 8-bit-KV target still equals the fp one.
 Memory: bytes of the quantised cache (codes + scales, and the 2R buffer) vs a bf16 cache
-at 4k/16k/32k tokens, from the shapes alone. On a CPU attention reads the quantised
+at 4k/16k/32k tokens, from the shapes alone, and the whole footprint beside the
+sparse-KV draft's (weights and caches: QuantSpec adds its 4-bit weight copy, the sparse
+draft reads slices of the target's bf16 cache). On a CPU attention reads the quantised
 slots from their codes with C++ kernels (`cpu_kernels.quant_attention`); elsewhere the jnp
 path, which dequantises, is timed (the Pallas kernel is timed on a GPU by kernels_gpu.py).
 The three runs on the quantised cache start from one prefill of it (at 16k tokens a CPU
@@ -45,10 +50,16 @@ from specjax.models.loader import load_model
 from specjax.quant_kv_cache import QuantKV, QuantKVCache
 
 AR_FP, AR_Q = "ar", "ar_int8kv"
+SPARSE = "streaming_kv"  # the sparse-KV rival, verified on the full-precision cache
 
 
-def memory_rows(config, lengths=(4096, 16384, 32768), kv: QuantKV = QuantKV()) -> list[dict]:
-  """Cache bytes from shapes only (nothing allocated): bf16 vs quantised, buffer in bf16."""
+def memory_rows(config, lengths=(4096, 16384, 32768), kv: QuantKV = QuantKV(),
+                weight_bytes: int = 0, draft_weight_bytes: int = 0) -> list[dict]:
+  """Cache bytes from shapes only (nothing allocated): bf16 vs quantised, buffer in bf16.
+  `sparse_kv_saving`: the sparse-KV draft's footprint over QuantSpec's, each the target's
+  weights (`weight_bytes`, bf16) and its caches: the sparse draft keeps none of its own
+  (it reads the target's bf16 cache), QuantSpec keeps its hierarchical cache and its
+  draft weights (`draft_weight_bytes`)."""
   rows = []
   for n in lengths:
     full = jax.eval_shape(lambda: KVCache.create(_ctx(config, n), 1, n, jnp.bfloat16))
@@ -63,8 +74,18 @@ def memory_rows(config, lengths=(4096, 16384, 32768), kv: QuantKV = QuantKV()) -
     draft = nbytes([(h.upper, h.lo, h.scale) for h in (*quant.k_codes, *quant.v_codes)])
     rows.append(dict(tokens=n, bf16_bytes=fp_b, quant_bytes=q_b, codes_and_scales=codes,
                      ratio=q_b / fp_b, ratio_without_buffer=codes / fp_b,
-                     separate_draft_saving=(q_b + draft) / q_b))
+                     separate_draft_saving=(q_b + draft) / q_b,
+                     sparse_kv_saving=(weight_bytes + fp_b)
+                     / (weight_bytes + draft_weight_bytes + q_b)))
   return rows
+
+
+def param_count(state) -> int:
+  return sum(x.size for x in jax.tree.leaves(state))
+
+
+def tree_bytes(tree) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def _ctx(config, n):
@@ -83,6 +104,8 @@ def run(args) -> dict:
   for name, bits in (("quantspec_w4", 4), ("quantspec_w8", 8), ("quantspec_kv_only", 16)):
     options = {"quantspec": {"weight_bits": bits, "group": kv.group, "residual": kv.residual}}
     drafters[name] = DrafterFactory(model, gamma=args.gamma, options=options).make("quantspec")
+  options = {"streaming_kv": {"sinks": args.sinks, "recent": args.recent}}
+  drafters[SPARSE] = DrafterFactory(model, gamma=args.gamma, options=options).make(SPARSE)
   references = (Reference(AR_FP), Reference(AR_Q, kv))
   settings = RunSettings(max_new_tokens=args.max_new_tokens, gamma=args.gamma)
   work = []
@@ -104,7 +127,8 @@ def run(args) -> dict:
     fp, q = recs[0], recs[1]
     q["matches_fp_ar"] = q["tokens"] == fp["tokens"]  # does the 8-bit cache change the target?
     store.add(unit, recs)
-  return finish(model, args, kv, store.records())
+  return finish(model, args, kv, store.records(),
+                draft_weight_bytes=tree_bytes(drafters["quantspec_w4"].weights))
 
 
 def median_pass(passes: list[list[dict]]) -> list[dict]:
@@ -141,11 +165,12 @@ def int8_vs_fp(figures: dict) -> str:
   return f"{ratios[0]:.2f}×" if len(ratios) == 1 else f"{ratios[0]:.2f}–{ratios[-1]:.2f}×"
 
 
-def finish(model, args, kv: QuantKV, records: list[dict]) -> dict:
+def finish(model, args, kv: QuantKV, records: list[dict], draft_weight_bytes: int = 0
+           ) -> dict:
   runs = records
   contexts = sorted({r["context"] for r in runs})
   header = ["context", "method", "tok/s", "speedup vs fp AR", "speedup vs int8-KV AR", "M",
-            "α", "mismatches vs int8-KV AR"]
+            "α", "mismatches vs its AR"]
   rows, figures = [], {}
   for n in contexts:
     rs = [r for r in runs if r["context"] == n]
@@ -160,7 +185,7 @@ def finish(model, args, kv: QuantKV, records: list[dict]) -> dict:
                  "–", "–", "–"])
     rows.append([n, "AR (int8 KV)", round(q_tps, 1), f"{s[AR_Q]['speedup']:.2f}", "1.00", "–",
                  "–", "–"])
-    for m in ("quantspec_w4", "quantspec_w8", "quantspec_kv_only"):
+    for m in ("quantspec_w4", "quantspec_w8", "quantspec_kv_only", SPARSE):
       if m in s:
         rows.append([n, m, round(s[m]["tokens_per_s"], 1), f"{s[m]['speedup']:.2f}",
                      f"{s[m]['tokens_per_s'] / q_tps:.2f}", f"{s[m]['M']:.2f}",
@@ -170,20 +195,25 @@ def finish(model, args, kv: QuantKV, records: list[dict]) -> dict:
                               "M": s[m]["M"], "alpha": s[m]["alpha"],
                               "mismatches": s[m]["mismatches"]}
   table = report.markdown_table(header, rows)
-  mem = memory_rows(model.config, kv=kv)
+  mem = memory_rows(model.config, kv=kv, weight_bytes=2 * param_count(model.state),
+                    draft_weight_bytes=draft_weight_bytes)
   mem_table = report.markdown_table(
       ["tokens", "bf16 cache", "quantised cache (codes + scales + 2R bf16 buffer)", "ratio",
-       "ratio without the buffer", "separate 4-bit draft cache ÷ shared"],
+       "ratio without the buffer", "separate 4-bit draft cache ÷ shared",
+       "sparse-KV draft's footprint ÷ QuantSpec's (w4)"],
       [[m["tokens"], f"{m['bf16_bytes'] / 2**20:.1f} MiB", f"{m['quant_bytes'] / 2**20:.1f} MiB",
         f"{m['ratio']:.3f}", f"{m['ratio_without_buffer']:.3f}",
-        f"{m['separate_draft_saving']:.2f}"] for m in mem])
+        f"{m['separate_draft_saving']:.2f}", f"{m['sparse_kv_saving']:.2f}"] for m in mem])
   print(f"\n{table}\n\n{mem_table}\n")
   mismatches = sum(f[m]["mismatches"] for f in figures.values() for m in f
                    if isinstance(f[m], dict))
-  # no sparse-KV draft runs here: the claim's memory part stays undecided
+  rival = {int(n): f[SPARSE]["speedup_vs_fp_ar"] for n, f in figures.items() if SPARSE in f}
+  # memory at the longest context priced, where the claim's long-context regime is deepest
   found = [claims.quantspec_long_context(
       {int(n): {"alpha": f[m]["alpha"], "speedup": f[m]["speedup_vs_fp_ar"]}
-       for n, f in figures.items() if m in f}, method=m)
+       for n, f in figures.items() if m in f},
+      sparse_kv_saving=mem[-1]["sparse_kv_saving"] if m == "quantspec_w4" else None,
+      method=m, sparse_kv=rival)
       for m in ("quantspec_w4", "quantspec_w8") if any(m in f for f in figures.values())]
   out = {"model": model.name, "contexts": figures, "memory": mem, "mismatches": mismatches,
          "verdicts": [v.to_json() for v in found]}
@@ -201,7 +231,9 @@ def finish(model, args, kv: QuantKV, records: list[dict]) -> dict:
         f"verify against the same target). Draft weights: `quantspec_w4` the paper's 4-bit "
         f"MLP weights (groups of 128 rows), `quantspec_w8` 8-bit weights for every matmul "
         f"and the LM head (one scale per output channel), `quantspec_kv_only` the target's "
-        f"own; {weight_path()}. All methods in the same "
+        f"own; {weight_path()}. `{SPARSE}`: the sparse-KV rival, the target's own "
+        f"weights attending to {args.sinks} sink and {args.recent} recent slots of the "
+        f"full-precision cache, lossless against the fp AR. All methods in the same "
         f"process; {read_path()}. QuantSpec is lossless with respect to the "
         f"target on the 8-bit cache: `mismatches` counts prompts whose tokens differ from "
         f"that AR. Contexts are prompt lengths; lengths that do not fit the model's window "
@@ -212,9 +244,11 @@ def finish(model, args, kv: QuantKV, records: list[dict]) -> dict:
         "Does reading K/V at 8 bits change the target's greedy output? Prompts where the "
         "int8-KV AR equals the full-precision AR: " + ", ".join(
             f"{n}: {f['int8kv_target_equals_fp_target']}" for n, f in figures.items()) + ".",
-        "", "Memory of the KV cache for one sequence (shapes only; bf16 baseline; the last "
-        "column prices the alternative to the hierarchy: an 8-bit target cache beside a "
-        "separate 4-bit draft cache with its own group statistics):", "", mem_table, "",
+        "", "Memory of the KV cache for one sequence (shapes only; bf16 baseline; "
+        "`separate` prices the alternative to the hierarchy: an 8-bit target cache beside "
+        "a separate 4-bit draft cache with its own group statistics; the last column is "
+        "the whole footprint, bf16 weights included, of the sparse-KV draft over "
+        "QuantSpec's with its 4-bit weight copy):", "", mem_table, "",
         claims.section(found, note=f"speedups over the fp AR; memory at "
                        f"{mem[-1]['tokens']} tokens")]))
   return out
@@ -228,6 +262,9 @@ def main(argv=None) -> None:
   p.add_argument("--gamma", type=int, default=4)
   p.add_argument("--group", type=int, default=128)
   p.add_argument("--residual", type=int, default=128)
+  p.add_argument("--sinks", type=int, default=4, help="the sparse-KV draft's sink slots")
+  p.add_argument("--recent", type=int, default=508,
+                 help="the sparse-KV draft's recent window (with the sinks, its budget)")
   p.add_argument("--passes", type=int, default=1,
                  help="passes of every method over each prompt, the median kept")
   p.add_argument("--data-dir")

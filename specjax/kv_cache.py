@@ -60,14 +60,19 @@ class KVCache:
     return self.replace(length=jnp.asarray(length, jnp.int32))
 
   def view(self, positions: jax.Array, *, write: bool, dense: bool, bits: int = 16,
-           valid: jax.Array | None = None) -> KVCacheView:
+           valid: jax.Array | None = None, window: tuple[int, int] | None = None
+           ) -> KVCacheView:
     """The decoder's view of this cache for one forward of tokens at positions[B, T]
-    (`cache_view`): read only, or written at `length`."""
+    (`cache_view`): read only, or written at `length`. `window` (sinks, recent): read
+    only those slots (`plan.kv_window`, a sparse-KV draft's)."""
     if bits < 16:
       raise PlanError(f"plan.kv_bits={bits} reads a quantised KV cache, but this one is full "
                       f"precision: decode with a QuantKVCache (kv_cache='quant')")
+    if window is not None and write:
+      raise PlanError("plan.kv_window is a draft's sparse read: a forward that writes the "
+                      "cache is the target's and reads all of it")
     mode = "read" if not write else "append" if dense else "in_place"
-    return KVCacheView(self, positions, mode)
+    return KVCacheView(self, positions, mode, window)
 
 
 @dataclasses.dataclass
@@ -80,11 +85,13 @@ class KVCacheView:
   conditionals made XLA:CPU duplicate the write and copy every layer.
   `in_place` (a writer under a traced plan): the rows are written into the layer inside
   the sub-layer's first conditional and the second reads the layer itself (the causal
-  mask hides slots past the tokens)."""
+  mask hides slots past the tokens).
+  `window` (read only): the sink and recent slots alone (`window_segments`)."""
 
   cache: KVCache
   positions: jax.Array  # [B, T]
   mode: str
+  window: tuple[int, int] | None = None
   rows: list[tuple[jax.Array, jax.Array]] = dataclasses.field(default_factory=list)
 
   def layer(self, l: int) -> LayerView:
@@ -92,6 +99,8 @@ class KVCacheView:
     if self.mode == "in_place":
       return LayerView((Segment.slots(k, v),), at=length, in_place=True)
     B, S = k.shape[0], k.shape[2]
+    if self.window is not None and sum(self.window) < S:
+      return LayerView.reading(window_segments(k, v, length, *self.window), self.positions)
     valid = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) < length, (B, S))
     return LayerView.reading((Segment.slots(k, v, valid, filled=length),), self.positions)
 
@@ -110,6 +119,25 @@ class KVCacheView:
       put = lambda c, rows: jax.lax.dynamic_update_slice_in_dim(c, rows, length, axis=2)
       ks, vs = tuple(map(put, self.cache.k, ks)), tuple(map(put, self.cache.v, vs))
     return KVCache(k=ks, v=vs, length=length + T)
+
+
+def window_segments(k: jax.Array, v: jax.Array, length: jax.Array, sinks: int, recent: int
+                    ) -> tuple[Segment, Segment]:
+  """A StreamingLLM-style read of one cache layer k/v[B, K, S, H] holding `length` tokens:
+  its first `sinks` slots (the attention sinks) and the `recent` slots before `length`,
+  each a slice of the layer, so attention costs sinks + recent slots, not the context.
+  Before the context outgrows them the two overlap; the recent slice then starts after
+  the sinks and its unfilled slots are invalid. Needs sinks + recent < S."""
+  B, S = k.shape[0], k.shape[2]
+  head = jnp.arange(sinks, dtype=jnp.int32)
+  sink = Segment(k[:, :, :sinks], v[:, :, :sinks], jnp.broadcast_to(head, (B, sinks)),
+                 jnp.broadcast_to(head < length, (B, sinks)))
+  start = jnp.clip(length - recent, sinks, S - recent)
+  slots = start + jnp.arange(recent, dtype=jnp.int32)
+  cut = lambda a: jax.lax.dynamic_slice_in_dim(a, start, recent, axis=2)
+  tail = Segment(cut(k), cut(v), jnp.broadcast_to(slots, (B, recent)),
+                 jnp.broadcast_to(slots < length, (B, recent)))
+  return sink, tail
 
 
 @flax.struct.dataclass

@@ -58,6 +58,10 @@ class DraftPlan:
   # QuantSpec: the precision the draft reads the KV cache at (4: upper nibbles of a
   # QuantKVCache; 16: as stored).
   kv_bits: int = flax.struct.field(pytree_node=False, default=16)
+  # A sparse-KV draft (StreamingLLM-style, `drafters.sparse_kv`): (sinks, recent), the
+  # draft reads only the verified cache's first `sinks` slots and its last `recent` ones
+  # (plus this round's drafts). Static: the slice sizes shape the executable. None: all.
+  kv_window: tuple[int, int] | None = flax.struct.field(pytree_node=False, default=None)
   # quant.DraftWeights: quantised matrices the draft reads instead of the target's own
   # (8-bit: every matmul and the LM head; 4-bit: QuantSpec's MLP). None: the target's.
   weights: Any = None
@@ -169,6 +173,14 @@ class DraftPlan:
                       "after changing them")
     if self.kv_bits not in (4, 8, 16):
       raise PlanError(f"plan.kv_bits must be 4, 8 or 16, got {self.kv_bits}")
+    if self.kv_window is not None:
+      w = self.kv_window
+      if not (isinstance(w, tuple) and len(w) == 2 and all(isinstance(n, int) for n in w)
+              and w[0] >= 0 and w[1] >= 1):
+        raise PlanError(f"plan.kv_window must be (sinks >= 0, recent >= 1) as ints, got {w!r}")
+      if self.kv_bits != 16:
+        raise PlanError("plan.kv_window reads a full-precision cache as stored; with "
+                        f"kv_bits={self.kv_bits} the draft would read a quantised one")
     if self.weights is not None and len(self.weights.layers) != num_layers:
       raise PlanError(f"plan.weights cover {len(self.weights.layers)} layers, the model has "
                       f"{num_layers}: they were quantised from another model")

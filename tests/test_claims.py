@@ -125,12 +125,21 @@ def test_knn_stability_needs_three_ratios_a_speedup_and_every_rival():
 
 def test_quantspec():
   ok = {2048: {"alpha": 0.95, "speedup": 0.9}, 8192: {"alpha": 0.93, "speedup": 1.2}}
-  assert claims.quantspec_long_context(ok, sparse_kv_saving=1.4).outcome == REPRODUCED
-  assert claims.quantspec_long_context(ok, sparse_kv_saving=1.1).outcome == PARTLY
-  # no sparse-KV baseline: the memory part is undecided, so the claim is not reproduced
+  slower = {2048: 0.8, 8192: 1.0}  # the sparse-KV draft's speedups
+  assert claims.quantspec_long_context(ok, 1.4, sparse_kv=slower).outcome == REPRODUCED
+  assert claims.quantspec_long_context(ok, 1.1, sparse_kv=slower).outcome == PARTLY
+  # a sparse-KV draft as fast at one long context: the rival part fails
+  v = claims.quantspec_long_context(ok, 1.4, sparse_kv={2048: 0.8, 8192: 1.19})
+  assert v.outcome == PARTLY and "the sparse-KV draft's 0.80× (2048) → 1.19× (8192)" in v.evidence
+  # no sparse-KV baseline: the rival and memory parts are undecided, so only partly
   v = claims.quantspec_long_context(ok)
   assert v.outcome == PARTLY and "memory part is undecided" in v.evidence
-  flat = {2048: {"alpha": 0.7, "speedup": 0.9}, 8192: {"alpha": 0.8, "speedup": 0.8}}
+  assert "no sparse-KV draft ran beside it" in v.evidence
+  assert claims.quantspec_long_context(ok, sparse_kv_saving=1.4).outcome == PARTLY
+  faster = {2048: 1.5, 8192: 2.0}
+  assert claims.quantspec_long_context(flat := {2048: {"alpha": 0.7, "speedup": 0.9},
+                                                8192: {"alpha": 0.8, "speedup": 0.8}},
+                                       1.1, sparse_kv=faster).outcome == NOT_REPRODUCED
   assert claims.quantspec_long_context(flat, sparse_kv_saving=1.1).outcome == NOT_REPRODUCED
   level = {2048: {"alpha": 0.95, "speedup": 1.0}, 8192: {"alpha": 0.95, "speedup": 1.01}}
   assert claims.quantspec_long_context(level, sparse_kv_saving=1.4).outcome == PARTLY  # a tie

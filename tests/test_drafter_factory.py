@@ -50,7 +50,8 @@ def small_factory(of, plan_path: str) -> DrafterFactory:
       options={"static": {"plan": plan_path}, "clasp": {"interval": 3, "skip": 1},
                "knapspec": {"interval": 4, "window": 2, "selection_budget": None},
                "quantspec": {"group": KV.group, "residual": KV.residual},
-               "frspec": {"size": 48}, "swift": {"trials": 4, "bo_every": 4, "window": 8}},
+               "frspec": {"size": 48}, "swift": {"trials": 4, "bo_every": 4, "window": 8},
+               "streaming_kv": {"sinks": 2, "recent": 8}},  # 10 of the prompt's 37 slots
       artefacts={"profile": synthetic_profile(4), "library": tiny_library("llama"),
                  "int8_profile": synthetic_profile(4, c=1e-4, draft="int8"),
                  "int4_profile": synthetic_profile(4, c=2e-4, draft="int4"),

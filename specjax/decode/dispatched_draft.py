@@ -42,13 +42,14 @@ def one_layer(cache, l: int):
   return cache.replace(**per_layer)
 
 
-def _attention(block_state, cache, buffer, x, weights, *, graphdef, bits):
+def _attention(block_state, cache, buffer, x, weights, *, graphdef, bits, window):
   """One attention sub-layer of a draft step over one layer's cache and buffer; the
   token's position is the buffer's row past the verified cache. Returns x and the
   buffer's layer with the token's K/V in its row."""
   block = nnx.merge(graphdef, block_state)
   positions = jnp.reshape(cache.length + buffer.count, (1, 1))
-  view = buffer.view(cache.view(positions, write=False, dense=False, bits=bits), cache.length)
+  view = buffer.view(cache.view(positions, write=False, dense=False, bits=bits,
+                                window=window), cache.length)
   with float32_dots(x.dtype):
     x, layer = block.attn_sublayer(None, x, positions, view.layer(0), weights)
   view.keep(0, layer, None, x)
@@ -91,7 +92,7 @@ def _choose_token(state, x, plan, key, i, drafts, conf, q_rows, *, graphdef, voc
 
 
 _STEPS = {fn: jax.jit(fn, static_argnames=names) for fn, names in (
-    (_attention, ("graphdef", "bits")), (_mlp, ("graphdef",)), (_embed, ("graphdef",)),
+    (_attention, ("graphdef", "bits", "window")), (_mlp, ("graphdef",)), (_embed, ("graphdef",)),
     (_choose_token, ("graphdef", "vocab", "sampling", "threshold")))}
 
 
@@ -152,7 +153,8 @@ class DispatchedDraft:
           layer_buffer = DraftBuffer(k=(bk[l],), v=(bv[l],), count=row)
           args = (block_state, caches[l], layer_buffer, x, w)
           x, bk[l], bv[l] = self._program(_attention, *args, graphdef=gd,
-                                          bits=plan.kv_bits)(*args)
+                                          bits=plan.kv_bits,
+                                          window=plan.kv_window)(*args)
         if mlp[l]:
           args = (block_state, x, w)
           x = self._program(_mlp, *args, graphdef=gd)(*args)

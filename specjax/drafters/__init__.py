@@ -14,13 +14,15 @@ from specjax.drafters.q4_weights import Q4WeightsDrafter
 from specjax.drafters.quantspec import QuantSpecDrafter
 from specjax.drafters.self_sd import SelfSDDrafter
 from specjax.drafters.static import StaticDrafter
+from specjax.drafters.streaming_kv import StreamingKVDrafter
 from specjax.drafters.swift import SwiftDrafter
 from specjax.errors import SpecjaxError
 
 DRAFTERS: dict[str, type[Drafter]] = {
     d.name: d for d in (StaticDrafter, EarlyExitDrafter, SelfSDDrafter, SwiftDrafter,
                         ClaspDrafter, KnapSpecDrafter, KNNDrafter, QuantSpecDrafter, FRSpecDrafter,
-                        DynaSpecDrafter, Int8WeightsDrafter, Q4WeightsDrafter)
+                        DynaSpecDrafter, Int8WeightsDrafter, Q4WeightsDrafter,
+                        StreamingKVDrafter)
 }
 
 
@@ -37,5 +39,6 @@ def drafter_class(name: str) -> type[Drafter]:
 
 __all__ = ["DRAFTERS", "ClaspDrafter", "Drafter", "DynaSpecDrafter", "EarlyExitDrafter",
            "FRSpecDrafter", "Int8WeightsDrafter", "KNNDrafter", "KnapSpecDrafter",
-           "Q4WeightsDrafter", "QuantSpecDrafter", "SelfSDDrafter", "StaticDrafter", "SwiftDrafter",
+           "Q4WeightsDrafter", "QuantSpecDrafter", "SelfSDDrafter", "StaticDrafter",
+           "StreamingKVDrafter", "SwiftDrafter",
            "UnknownDrafterError", "drafter_class"]

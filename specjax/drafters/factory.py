@@ -25,6 +25,7 @@ from specjax.drafters import (
   QuantSpecDrafter,
   SelfSDDrafter,
   StaticDrafter,
+  StreamingKVDrafter,
   SwiftDrafter,
 )
 from specjax.drafters.names import (
@@ -157,6 +158,8 @@ class DrafterFactory:
       kv = QuantKV(group=o["group"], residual=o["residual"])
       weights = self.store.draft_weights(self._draft_kind_under(["quantspec"]))  # the shared copy
       return QuantSpecDrafter(weights=weights, base=base, kv_cache=kv, **kw)
+    if name == "streaming_kv":
+      return StreamingKVDrafter(base=base, **kw)
     if name == "frspec":
       from specjax.offline.token_counts import frequent_shortlist
 
