@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -54,12 +55,13 @@ SPARSE = "streaming_kv"  # the sparse-KV rival, verified on the full-precision c
 
 
 def memory_rows(config, lengths=(4096, 16384, 32768), kv: QuantKV = QuantKV(),
-                weight_bytes: int = 0, draft_weight_bytes: int = 0) -> list[dict]:
+                weight_bytes: int = 0, draft_weight_bytes: Mapping[str, int] | None = None
+                ) -> list[dict]:
   """Cache bytes from shapes only (nothing allocated): bf16 vs quantised, buffer in bf16.
-  `sparse_kv_saving`: the sparse-KV draft's footprint over QuantSpec's, each the target's
-  weights (`weight_bytes`, bf16) and its caches: the sparse draft keeps none of its own
-  (it reads the target's bf16 cache), QuantSpec keeps its hierarchical cache and its
-  draft weights (`draft_weight_bytes`)."""
+  `sparse_kv_saving[method]`: the sparse-KV draft's footprint over that QuantSpec's, each
+  the target's weights (`weight_bytes`, bf16) and its caches: the sparse draft keeps none
+  of its own (it reads the target's bf16 cache), QuantSpec keeps its hierarchical cache
+  and its draft weights (`draft_weight_bytes[method]`)."""
   rows = []
   for n in lengths:
     full = jax.eval_shape(lambda: KVCache.create(_ctx(config, n), 1, n, jnp.bfloat16))
@@ -75,8 +77,9 @@ def memory_rows(config, lengths=(4096, 16384, 32768), kv: QuantKV = QuantKV(),
     rows.append(dict(tokens=n, bf16_bytes=fp_b, quant_bytes=q_b, codes_and_scales=codes,
                      ratio=q_b / fp_b, ratio_without_buffer=codes / fp_b,
                      separate_draft_saving=(q_b + draft) / q_b,
-                     sparse_kv_saving=(weight_bytes + fp_b)
-                     / (weight_bytes + draft_weight_bytes + q_b)))
+                     sparse_kv_saving={
+                         m: (weight_bytes + fp_b) / (weight_bytes + b + q_b)
+                         for m, b in (draft_weight_bytes or {}).items()}))
   return rows
 
 
@@ -127,8 +130,8 @@ def run(args) -> dict:
     fp, q = recs[0], recs[1]
     q["matches_fp_ar"] = q["tokens"] == fp["tokens"]  # does the 8-bit cache change the target?
     store.add(unit, recs)
-  return finish(model, args, kv, store.records(),
-                draft_weight_bytes=tree_bytes(drafters["quantspec_w4"].weights))
+  return finish(model, args, kv, store.records(), draft_weight_bytes={
+      m: tree_bytes(drafters[m].weights) for m in ("quantspec_w4", "quantspec_w8")})
 
 
 def median_pass(passes: list[list[dict]]) -> list[dict]:
@@ -165,8 +168,8 @@ def int8_vs_fp(figures: dict) -> str:
   return f"{ratios[0]:.2f}×" if len(ratios) == 1 else f"{ratios[0]:.2f}–{ratios[-1]:.2f}×"
 
 
-def finish(model, args, kv: QuantKV, records: list[dict], draft_weight_bytes: int = 0
-           ) -> dict:
+def finish(model, args, kv: QuantKV, records: list[dict],
+           draft_weight_bytes: Mapping[str, int] | None = None) -> dict:
   runs = records
   contexts = sorted({r["context"] for r in runs})
   header = ["context", "method", "tok/s", "speedup vs fp AR", "speedup vs int8-KV AR", "M",
@@ -200,10 +203,11 @@ def finish(model, args, kv: QuantKV, records: list[dict], draft_weight_bytes: in
   mem_table = report.markdown_table(
       ["tokens", "bf16 cache", "quantised cache (codes + scales + 2R bf16 buffer)", "ratio",
        "ratio without the buffer", "separate 4-bit draft cache ÷ shared",
-       "sparse-KV draft's footprint ÷ QuantSpec's (w4)"],
+       "sparse-KV draft's footprint ÷ QuantSpec's (w4 / w8)"],
       [[m["tokens"], f"{m['bf16_bytes'] / 2**20:.1f} MiB", f"{m['quant_bytes'] / 2**20:.1f} MiB",
         f"{m['ratio']:.3f}", f"{m['ratio_without_buffer']:.3f}",
-        f"{m['separate_draft_saving']:.2f}", f"{m['sparse_kv_saving']:.2f}"] for m in mem])
+        f"{m['separate_draft_saving']:.2f}",
+        " / ".join(f"{v:.2f}" for v in m["sparse_kv_saving"].values())] for m in mem])
   print(f"\n{table}\n\n{mem_table}\n")
   mismatches = sum(f[m]["mismatches"] for f in figures.values() for m in f
                    if isinstance(f[m], dict))
@@ -212,7 +216,7 @@ def finish(model, args, kv: QuantKV, records: list[dict], draft_weight_bytes: in
   found = [claims.quantspec_long_context(
       {int(n): {"alpha": f[m]["alpha"], "speedup": f[m]["speedup_vs_fp_ar"]}
        for n, f in figures.items() if m in f},
-      sparse_kv_saving=mem[-1]["sparse_kv_saving"] if m == "quantspec_w4" else None,
+      sparse_kv_saving=mem[-1]["sparse_kv_saving"].get(m),
       method=m, sparse_kv=rival)
       for m in ("quantspec_w4", "quantspec_w8") if any(m in f for f in figures.values())]
   out = {"model": model.name, "contexts": figures, "memory": mem, "mismatches": mismatches,
@@ -248,7 +252,7 @@ def finish(model, args, kv: QuantKV, records: list[dict], draft_weight_bytes: in
         "`separate` prices the alternative to the hierarchy: an 8-bit target cache beside "
         "a separate 4-bit draft cache with its own group statistics; the last column is "
         "the whole footprint, bf16 weights included, of the sparse-KV draft over "
-        "QuantSpec's with its 4-bit weight copy):", "", mem_table, "",
+        "QuantSpec's with its 4- or 8-bit weight copy):", "", mem_table, "",
         claims.section(found, note=f"speedups over the fp AR; memory at "
                        f"{mem[-1]['tokens']} tokens")]))
   return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from experiments import bench_quantspec, profile_round
 
 
@@ -43,6 +45,15 @@ def test_quantspec_memory_prices_a_separate_draft_cache():
   shared = 4 * plane + stats + 2 * K * 256 * H * 2
   separate = shared + 2 * plane + stats  # a second, 4-bit cache: one plane per K and V
   assert abs(r["separate_draft_saving"] - separate / shared) < 1e-4  # + 3 scalar counters
+  # the sparse-KV draft's footprint: weights and the bf16 cache it reads slices of, over
+  # QuantSpec's: weights, its draft weight copy and the hierarchical cache
+  W, D = 10_000_000, 1_500_000
+  (r,) = bench_quantspec.memory_rows(c, lengths=(4096,), weight_bytes=W,
+                                     draft_weight_bytes={"quantspec_w4": D})
+  bf16 = 2 * c.num_layers * K * S * H * 2
+  assert abs(r["bf16_bytes"] - bf16) <= 4
+  assert r["sparse_kv_saving"]["quantspec_w4"] == pytest.approx(
+      (W + r["bf16_bytes"]) / (W + D + r["quant_bytes"]))
 
 
 def test_long_context_verdicts():
