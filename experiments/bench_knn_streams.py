@@ -68,7 +68,11 @@ def run(args) -> dict:
   factory = lambda search=None: DrafterFactory(
       model, gamma=args.gamma, seed=args.seed, search_iterations=args.search_iterations,
       work_dir=out_dir, data_dir=args.data_dir, search_prompts=search,
-      options={"knn": {"search_prompts": args.knn_search_prompts}})
+      # SSD-F and SSD-M draft with KNN-SSD's fixed stop, so the three differ in their
+      # skip sets alone (Self-SD's adaptive draft-exiting also moves rounds to the host
+      # loop, while KNN-SSD's fixed plan and stop decode on the device loop)
+      options={"knn": {"search_prompts": args.knn_search_prompts},
+               "self_sd": {"adaptive_stop": False}})
   lib = factory().store.knn_library()
   _, held = domain_prompts(args.data_dir, lib.domains)
   ood = data.load_humaneval(limit=max(args.classify_per_domain, args.ood))
@@ -187,7 +191,9 @@ def finish(model, lib, args, out_dir: Path, records: list[dict]) -> dict:
         f"first prompt; SSD-M: on {len(lib.domains)} prompts spread over the stream, searched "
         f"again per stream; KNN-SSD library: `specjax knn build`, "
         f"{lib.anchors.shape[0]} anchors, each domain's skip set searched on "
-        f"{args.knn_search_prompts} of its prompts). AR and every method in the same process; "
+        f"{args.knn_search_prompts} of its prompts). All three draft with a fixed early "
+        f"stop (KNN-SSD's; Self-SD's adaptive draft-exiting off for SSD-F and SSD-M), so "
+        f"they differ in their skip sets alone. AR and every method in the same process; "
         f"`speedup` is total tokens over total decode time, the median is over prompts. "
         f"`lookup share` is KNN-SSD's lookup time over its decode time (the prompt "
         f"embedding itself is pooled inside the prefill executable). Machine: "

@@ -237,10 +237,17 @@ def assert_plan_keeps_the_target_distribution(state, graphdef, config, cache, fi
 
 
 def assert_quantised_draft_keeps_the_target_distribution(quantize) -> dict:
-  """Rounds drafted from `quantize(state, L)`'s weights (a `quant.DraftWeights`) over a
-  plan that skips layer 1 (so q is far enough from p for the χ² test to see each classic
-  acceptance bug), verified by the float32 target: the first committed token ~ p, the
-  second ~ p(. | first)."""
+  """Rounds drafted from `quantize(state, L)`'s weights (a `quant.DraftWeights`):
+  `assert_skip_draft_keeps_the_target_distribution`."""
+  return assert_skip_draft_keeps_the_target_distribution(
+      lambda state, L: {"weights": quantize(state, L)})
+
+
+def assert_skip_draft_keeps_the_target_distribution(fields) -> dict:
+  """Rounds drafted over a plan that skips layer 1 (so q is far enough from p for the χ²
+  test to see each classic acceptance bug), with the plan fields `fields(state, L)` set
+  (quantised weights, a sparse KV window), verified by the float32 target: the first
+  committed token ~ p, the second ~ p(. | first)."""
   import jax
   import jax.numpy as jnp
 
@@ -256,6 +263,6 @@ def assert_quantised_draft_keeps_the_target_distribution(quantize) -> dict:
   cache = KVCache.create(config, 1, 64)
   first, cache = prefill_step(state, cache, prompt, jnp.int32(30), DraftPlan.full(L),
                               jax.random.key(0), graphdef=graphdef, sampling=sampling)
-  plan = DraftPlan.from_skips(L, [1], [1]).replace(weights=quantize(state, L))
+  plan = DraftPlan.from_skips(L, [1], [1]).replace(**fields(state, L))
   return assert_plan_keeps_the_target_distribution(state, graphdef, config, cache, first[0],
                                                    plan, sampling, vocab=12)

@@ -89,3 +89,25 @@ def test_bench_vocab_builds_its_shortlists_and_decodes_losslessly(tmp_path, monk
   assert 0 <= figures["router_recall"]["1"] <= 1
   assert {v["subject"] for v in figures["verdicts"]} == {"FR-Spec (Zhao et al. 2025)",
                                                          "DynaSpec"}
+
+
+def test_bench_knn_streams_builds_a_library_and_decodes_its_streams(tmp_path, monkeypatch):
+  """A KNN-SSD library for a tiny model over the default five domains (timed searches of
+  two candidates), then SSD-F, SSD-M and KNN-SSD on streams at two mix ratios and one
+  HumanEval prompt: every decode is AR's, the library's rank agreement is reported per
+  domain, and the verdict leaves stability unjudged: two ratios are too few."""
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))  # the child builds afresh
+  data = write_spec_bench(tmp_path / "data", per_category=12)
+  out = _run("bench_knn_streams", "--model", "tiny-llama", "--data-dir", str(data),
+             "--search-iterations", "3", "--knn-search-prompts", "2", "--stream-length", "2",
+             "--ratios", "0,1", "--classify-per-domain", "2", "--ood", "1",
+             "--max-new-tokens", "6", "--out", str(tmp_path / "out"))
+  figures = json.loads(out.strip().splitlines()[-1])
+  assert figures["mismatches"] == 0
+  assert set(figures["rank_agreement"]) == {"summarization", "math_reasoning", "translation",
+                                            "qa", "rag"}
+  assert all(-1 <= r <= 1 for r in figures["rank_agreement"].values())
+  for ratio in ("0", "1"):
+    assert {"ssd_f", "ssd_m", "knn"} <= set(figures["streams"][ratio])
+  (verdict,) = figures["verdicts"]
+  assert "stability needs 3 mix ratios or more, the run has 2" in verdict["evidence"]
