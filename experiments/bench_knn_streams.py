@@ -18,6 +18,7 @@ is one JSON object with the figures.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +76,8 @@ def run(args) -> dict:
                "self_sd": {"adaptive_stop": False}})
   lib = factory().store.knn_library()
   _, held = domain_prompts(args.data_dir, lib.domains)
-  ood = data.load_humaneval(limit=max(args.classify_per_domain, args.ood))
+  ood = fitting(model, data.load_humaneval(limit=max(args.classify_per_domain, args.ood)),
+                args.max_new_tokens + args.gamma + 1)
   classify(model, lib, held, ood, store, args)
 
   knn = KNNDrafter(lib)
@@ -104,6 +106,17 @@ def run(args) -> dict:
     decode(f"ood/{j}", p, {"ssd_m": ssd_m, "knn": knn}, ratio="ood", index=j)
   bar.close()
   return finish(model, lib, args, out_dir, store.records())
+
+
+def fitting(model, prompts: list, room: int) -> list:
+  """The prompts whose first turn leaves `room` tokens in the model's context; the others
+  are named on stderr and left out (HumanEval's longest exceed a small model's window)."""
+  keep = [p for p in prompts
+          if len(knn_build.prompt_ids(model.tokenizer, p)) + room <= model.config.max_context]
+  if len(keep) < len(prompts):
+    print(f"left out {len(prompts) - len(keep)} HumanEval prompts longer than "
+          f"{model.name}'s context of {model.config.max_context} tokens", file=sys.stderr)
+  return keep
 
 
 def mixture_of(stream: list, k: int) -> list:

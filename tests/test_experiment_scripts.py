@@ -107,7 +107,7 @@ def test_bench_knn_streams_builds_a_library_and_decodes_its_streams(tmp_path, mo
   assert set(figures["rank_agreement"]) == {"summarization", "math_reasoning", "translation",
                                             "qa", "rag"}
   assert all(-1 <= r <= 1 for r in figures["rank_agreement"].values())
-  for ratio in ("0", "1"):
+  for ratio in ("0.0", "1.0"):
     assert {"ssd_f", "ssd_m", "knn"} <= set(figures["streams"][ratio])
   (verdict,) = figures["verdicts"]
   assert "stability needs 3 mix ratios or more, the run has 2" in verdict["evidence"]
