@@ -68,12 +68,11 @@ def memory_rows(config, lengths=(4096, 16384, 32768), kv: QuantKV = QuantKV(),
     quant = jax.eval_shape(lambda: QuantKVCache.create(
         _ctx(config, n), 1, n, group=kv.group, value_group=kv.value_group,
         residual=kv.residual, dtype=jnp.bfloat16))
-    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-    fp_b, q_b = nbytes(full), nbytes(quant)
-    codes = nbytes((quant.k_codes, quant.v_codes))
+    fp_b, q_b = tree_bytes(full), tree_bytes(quant)
+    codes = tree_bytes((quant.k_codes, quant.v_codes))
     # A separate 4-bit draft cache beside an 8-bit target cache: its own upper codes and
     # group statistics (the recent-token buffer shared); the hierarchy stores them once.
-    draft = nbytes([(h.upper, h.lo, h.scale) for h in (*quant.k_codes, *quant.v_codes)])
+    draft = tree_bytes([(h.upper, h.lo, h.scale) for h in (*quant.k_codes, *quant.v_codes)])
     rows.append(dict(tokens=n, bf16_bytes=fp_b, quant_bytes=q_b, codes_and_scales=codes,
                      ratio=q_b / fp_b, ratio_without_buffer=codes / fp_b,
                      separate_draft_saving=(q_b + draft) / q_b,

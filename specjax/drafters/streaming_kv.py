@@ -44,11 +44,6 @@ class StreamingKVDrafter(OverlayDrafter):
       raise PlanError(f"streaming_kv needs sinks >= 0 and recent >= 1, got sinks={self.sinks}, "
                       f"recent={self.recent}")
 
-  @property
-  def budget(self) -> int:
-    """Cache slots a draft step attends to, besides the round's drafts."""
-    return self.sinks + self.recent
-
   def overlay_plan(self, session) -> DraftPlan:
     L = session.config.num_layers
     return DraftPlan.full(L).replace(kv_window=(int(self.sinks), int(self.recent))).check(L)

@@ -31,7 +31,7 @@ ARTEFACT_OPTIONS: dict[str, dict[str, Any]] = {
     "self_sd": {"iterations": None, "objective": "measured"},
     # k-means anchors per domain; representative prompts each domain's search scores on
     # (the paper's 8); the objective of those searches; the domains, comma-separated
-    # (None: `knn_build.PAPER_DOMAINS`, the paper's five as near as the data here allows)
+    # (None: `knn_build.DEFAULT_DOMAINS`, the paper's five as near as the data here allows)
     "knn": {"anchors": 10, "search_prompts": 8, "objective": "measured", "domains": None},
     "quantspec": {"weight_bits": None, "group": 128, "residual": 128},  # bits None: the default (4)
     "frspec": {"size": 32768},  # FR-Spec's shortlist: the paper's 32k

@@ -7,7 +7,7 @@ next domain. The parts are then joined into the orbax library.
 
 Domains are Spec-Bench categories, MT-bench (its 8 categories as one domain) and GSM8K
 train. The default is the paper's five distinct domains as near as the data here allows
-(`PAPER_DOMAINS`). The first 30 % of every category, in file order, are held out: the
+(`DEFAULT_DOMAINS`). The first 30 % of every category, in file order, are held out: the
 benchmarks evaluate on them, and they never shape a library.
 """
 
@@ -39,8 +39,7 @@ from specjax.offline.knn_library import (
 # holds the first three (its summarization is CNN/DM, its math_reasoning GSM8K, its
 # translation WMT14 De-En); TinyStories and Spider2 are not here, so its qa and rag stand
 # in as two more distinct tasks. MT-bench and GSM8K train remain as `domains` to name.
-PAPER_DOMAINS = ("summarization", "math_reasoning", "translation", "qa", "rag")
-DEFAULT_DOMAINS = PAPER_DOMAINS
+DEFAULT_DOMAINS = ("summarization", "math_reasoning", "translation", "qa", "rag")
 HELD_OUT_SHARE = 0.3
 
 
