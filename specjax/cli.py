@@ -208,18 +208,16 @@ def _cmd_router_train(args: argparse.Namespace) -> int:
   from pathlib import Path
 
   from specjax.models.loader import load_model
-  from specjax.models.source import artefact_key
   from specjax.offline import shortlists
-  from specjax.storage import cache_root
 
   if not 1 <= args.k_max <= args.clusters:
     raise ConfigError(f"--k-max must be in 1..--clusters ({args.clusters}), got {args.k_max}")
   model = load_model(args.model, tensor_parallel=args.tensor_parallel)
-  out = Path(args.out or cache_root() / "shortlists" / artefact_key(model))
+  out = Path(args.out or shortlists.folder(model, args.clusters, args.inputs))
   counts, bundle, curves = shortlists.build(
       model, out, prompts=args.prompts, new_tokens=args.new_tokens,
       router_prompts=args.router_prompts, clusters=args.clusters, k_max=args.k_max,
-      hidden=args.hidden, epochs=args.epochs, decay=args.decay,
+      hidden=args.hidden, inputs=args.inputs, epochs=args.epochs, decay=args.decay,
       continuation_weight=args.continuation_weight, keep_pairs=args.keep_pairs,
       data_dir=args.data_dir)
   sizes = bundle.clusters.sizes()
@@ -417,6 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
                  "as the bundle's own; the dynaspec drafter uses it whatever the bundle says "
                  "(--option dynaspec.decay=false: flat k)")
   q.add_argument("--hidden", type=int, default=1024, help="router MLP width")
+  q.add_argument("--inputs", choices=("embed_prev", "hidden"), default="embed_prev",  # INPUTS
+                 help="what the router reads: embed_prev, the paper's [E(x_t), h_{t-1}] "
+                 "(default), or hidden, the draft step's own h_t (our variant; "
+                 "--option dynaspec.inputs=hidden decodes with it)")
   q.add_argument("--epochs", type=int, default=10)
   q.add_argument("--continuation-weight", type=float, default=1.0,
                  help="loss weight of positions inside the model's own continuations (what "

@@ -559,23 +559,23 @@ class Transformer(nnx.Module):
       logits = jnp.einsum("btd,kd->btk", h, rows, preferred_element_type=jnp.float32)
     return jnp.where(ids >= 0, logits, -jnp.inf)
 
-  def routed_head(self, hidden: jax.Array, position: jax.Array, plan: DraftPlan
-                  ) -> tuple[jax.Array, jax.Array]:
+  def routed_head(self, hidden: jax.Array, features: jax.Array, position: jax.Array,
+                  plan: DraftPlan) -> tuple[jax.Array, jax.Array]:
     """DynaSpec's head at draft position `position`: the plan's router picks k(position)
-    clusters from the final hidden state hidden[D], and the head scores their tokens
-    only, after the plan's static core (`plan.vocab`, its rows held in the plan) when it
-    has one. Returns (ids, logits), both [K]: K is the core's size plus the widest
-    position's shortlist, a narrower one padded with id -1 and logit -inf, which no choice
-    takes. One `lax.switch` branch per distinct k, so each position gathers and scores
-    only its own shortlist's head rows."""
+    clusters from its input `features` (`RouterPlan.features`), and the head scores their
+    tokens only from the final hidden state hidden[D], after the plan's static core
+    (`plan.vocab`, its rows held in the plan) when it has one. Returns (ids, logits), both
+    [K]: K is the core's size plus the widest position's shortlist, a narrower one padded
+    with id -1 and logit -inf, which no choice takes. One `lax.switch` branch per distinct
+    k, so each position gathers and scores only its own shortlist's head rows."""
     router = plan.router
     sizes = sorted(set(router.ks), reverse=True)
     branch_of = jnp.asarray([sizes.index(k) for k in router.ks], jnp.int32)
     widest = sizes[0] * router.table.shape[1]
 
     def branch(k):
-      def run(hidden):
-        ids = router.shortlist(hidden, k)
+      def run(hidden, features):
+        ids = router.shortlist(features, k)
         logits = self.head_shortlist(hidden[None, None], ids, plan.weights,
                                      head_rows=router.head_rows)[0, 0]
         pad = widest - ids.shape[0]
@@ -584,7 +584,7 @@ class Transformer(nnx.Module):
       return run
 
     b = branch_of[jnp.minimum(position, len(router.ks) - 1)]
-    ids, logits = jax.lax.switch(b, [branch(k) for k in sizes], hidden)
+    ids, logits = jax.lax.switch(b, [branch(k) for k in sizes], hidden, features)
     if plan.vocab is not None:  # the router's table leaves the core's ids out: no duplicates
       core = self.head_shortlist(hidden[None, None], plan.vocab, plan.weights,
                                  plan.head_rows)[0, 0]

@@ -41,7 +41,7 @@ from specjax.offline.router import (
   train_router,
 )
 from specjax.offline.vocab_clusters import balanced_assignment, spherical_kmeans
-from specjax.plan import DraftPlan
+from specjax.plan import DraftPlan, PlanError
 from specjax.sampling import SamplingParams
 
 V = 97
@@ -72,7 +72,10 @@ def tiny(arch: str = "llama"):
 
 
 @functools.cache
-def bundle(arch: str = "llama", k_max: int = 3) -> tuple[RouterBundle, object]:
+def bundle(arch: str = "llama", k_max: int = 3, inputs: str = "embed_prev"
+           ) -> tuple[RouterBundle, object]:
+  """A router trained on the tiny model's own continuations; `inputs` the paper's
+  [E(x_t), h̃_{t−1}] by default."""
   m = tiny(arch)
   rows = np.asarray(nnx.merge(m.graphdef, m.state).embedding[...])
   clusters = spherical_kmeans(rows, 8, iterations=10)
@@ -83,8 +86,8 @@ def bundle(arch: str = "llama", k_max: int = 3) -> tuple[RouterBundle, object]:
     g = generate(m.graphdef, m.state, m.config, prompt, max_new_tokens=20, eos_ids=())
     seqs.append(prompt + g.tokens)
   pairs = collect_pairs(m, seqs, clusters, verbose=False)
-  result = train_router(pairs, clusters, k_max=k_max, hidden=64, epochs=6, batch=32,
-                        verbose=False)
+  result = train_router(pairs, clusters, k_max=k_max, hidden=64, inputs=inputs, epochs=6,
+                        batch=32, verbose=False)
   return RouterBundle(m.name, result.router, clusters, k_max, 64), (result, pairs)
 
 
@@ -127,8 +130,8 @@ def test_pair_weights_steer_the_router():
   """A pair's weight scales its loss: uniform weights change nothing, and a router trained
   with the weight on some positions fits them better than one trained without (what
   up-weighting the model's own continuations relies on)."""
-  b, (plain, pairs) = bundle()
-  kw = dict(k_max=3, hidden=64, epochs=6, batch=32, verbose=False)
+  b, (plain, pairs) = bundle(inputs="hidden")
+  kw = dict(k_max=3, hidden=64, inputs="hidden", epochs=6, batch=32, verbose=False)
   twice = train_router(pairs, b.clusters, weight=np.full(pairs.target.size, 2.0), **kw)
   for x, y in zip(jax.tree.leaves(nnx.state(plain.router)),
                   jax.tree.leaves(nnx.state(twice.router))):
@@ -170,7 +173,9 @@ def test_router_ablation_never_trains_on_its_held_out_sequences():
   np.testing.assert_array_equal(held, [0, 4])
   assert np.unique(ra.first_sequences(pairs, 5, held).group).tolist() == [1, 2, 3, 5, 6]
   assert np.unique(ra.first_sequences(pairs, 99, held).group).size == 10
-  assert ra.variants([320, 160], [4.0, 1.0]) == [(160, 1.0), (320, 1.0), (320, 4.0)]
+  assert ra.variants([320, 160], [4.0, 1.0], ["embed_prev", "hidden"]) == [
+      (160, 1.0, "embed_prev"), (320, 1.0, "embed_prev"), (320, 4.0, "embed_prev"),
+      (320, 1.0, "hidden")]
 
 
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 128, 129, 520, 768, 769, 4000])
@@ -200,7 +205,7 @@ def test_pair_collection_resumes_from_its_saved_chunks(tmp_path):
                               "state": None})()
   again = collect_pairs(weightless, seqs, b.clusters, verbose=False, save_dir=tmp_path,
                         chunk=2)
-  for field in ("hidden", "mass", "target", "group"):
+  for field in ("hidden", "mass", "target", "group", "embed"):
     np.testing.assert_array_equal(getattr(again, field), getattr(first, field))
     np.testing.assert_array_equal(getattr(plain, field), getattr(first, field))
   with pytest.raises(ValueError, match="number of leaves"):  # its first chunk is recomputed
@@ -210,7 +215,8 @@ def test_pair_collection_resumes_from_its_saved_chunks(tmp_path):
 
 def test_pairs_are_the_targets_own_distribution():
   """Each pair's label is the target's next-token distribution summed per cluster, and its
-  top token; the hidden state is the final one the head reads."""
+  top token; the hidden state is the final one the head reads, the embedding the one the
+  draft step embeds."""
   m = tiny()
   b, (_, pairs) = bundle()
   seq = PROMPT[:20]
@@ -224,13 +230,18 @@ def test_pairs_are_the_targets_own_distribution():
   np.testing.assert_allclose(one.mass.astype(np.float64), want, atol=2e-3)
   np.testing.assert_array_equal(one.target, p.argmax(1))
   np.testing.assert_allclose(one.hidden, np.asarray(out.hidden[0]), rtol=1e-5, atol=1e-5)
+  embed = nnx.merge(m.graphdef, m.state).embed(jnp.asarray([seq], jnp.int32))[0]
+  np.testing.assert_allclose(one.embed, np.asarray(embed), rtol=1e-3, atol=1e-3)  # float16
+  np.testing.assert_array_equal(one.usable("embed_prev"), np.arange(1, 20))  # h_{t-1} exists
   assert np.array_equal(np.unique(pairs.group), np.arange(24))  # every sequence, in order
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2"])  # qwen2: an untied head
-def test_dynaspec_is_lossless(arch):
+@pytest.mark.parametrize("arch, inputs", [("llama", "embed_prev"), ("gemma3", "embed_prev"),
+                                          ("qwen2", "embed_prev"),  # qwen2: an untied head
+                                          ("llama", "hidden")])
+def test_dynaspec_is_lossless(arch, inputs):
   m = tiny(arch)
-  b, _ = bundle(arch, k_max=1)  # one cluster of eight: the shortlist misses the target's token
+  b, _ = bundle(arch, k_max=1, inputs=inputs)  # 1 cluster of 8: the shortlist misses tokens
   ar = generate(m.graphdef, m.state, m.config, PROMPT, max_new_tokens=40, eos_ids=()).tokens
   for drafter in (DynaSpecDrafter(b), DynaSpecDrafter(b, EarlyExitDrafter(k=2)),
                   DynaSpecDrafter(b, EarlyExitDrafter(k=2), core=core_ids(m.config))):
@@ -239,6 +250,70 @@ def test_dynaspec_is_lossless(arch):
                                  max_new_tokens=40, gamma=4, eos_ids=(), threshold=threshold)
       assert out.tokens == ar
       assert_exercised(out, deep=threshold == 0.0)
+
+
+def reference_accepted(m, b, tokens, gamma, inputs, prev_offset=1):
+  """Each round's accepted drafts, from one forward of the target over prompt + `tokens`
+  (greedy AR's): a round starting at position p drafts at p, p+1, ... reading the router
+  input there, [E(x_t), h_{t−1}] (h at p − `prev_offset`) or h_t, and the head's argmax
+  over the routed shortlist, until a draft differs from AR's token (the all-layer draft's
+  hidden states are the target's)."""
+  seq = PROMPT + tokens
+  cache = KVCache.create(m.config, 1, 128)
+  out, _ = apply(m.state, cache, jnp.asarray([seq], jnp.int32),
+                 positions_for(cache, len(seq), 1), DraftPlan.full(m.config.num_layers),
+                 graphdef=m.graphdef, write_cache=False)
+  H, logits = np.asarray(out.hidden[0], np.float32), np.asarray(out.logits[0])
+  E = np.asarray(nnx.merge(m.graphdef, m.state).embed(jnp.asarray([seq], jnp.int32))[0])
+  router = b.plan_field(8, decay=True)
+  accepted, p = [], len(PROMPT)
+  while p < len(seq) - 1:
+    a = 0
+    while a < gamma and p + a + 1 < len(seq):
+      t = p + a
+      x = H[t] if inputs == "hidden" else np.concatenate([E[t], H[t - prev_offset]])
+      ids = np.asarray(router.shortlist(jnp.asarray(x), router.ks[a]))
+      ids = ids[ids >= 0]
+      if ids[np.argmax(logits[t, ids])] != seq[t + 1]:
+        break
+      a += 1
+    accepted.append(a)
+    p += a + 1
+  return accepted
+
+
+@pytest.mark.parametrize("inputs", ["embed_prev", "hidden"])
+def test_the_router_reads_its_own_inputs_on_every_path(inputs):
+  """The paper's router reads [E(x_t), h̃_{t−1}]: at a round's first step the target's
+  hidden state before `last` (the prefill's, then verification's at the last accepted
+  position), later its own draft's; ours reads h_t. Each round's accepted count on the host
+  loop, the device loop and the dispatched draft is the one a forward of the whole text
+  predicts, and reading h one position off predicts other counts (the test can fail)."""
+  m = tiny()
+  b, _ = bundle(k_max=1, inputs=inputs)
+  ar = generate(m.graphdef, m.state, m.config, PROMPT, max_new_tokens=40, eos_ids=()).tokens
+  want = reference_accepted(m, b, ar, 4, inputs)
+  if inputs == "embed_prev":
+    assert reference_accepted(m, b, ar, 4, inputs, prev_offset=0) != want
+  assert 0 < sum(want) < 4 * len(want)  # some drafts accepted, some not
+  for loop, path in (("host", "cond"), ("device", "cond"), ("host", "dispatch")):
+    out = speculative_generate(m.graphdef, m.state, m.config, PROMPT, DynaSpecDrafter(b),
+                               max_new_tokens=40, gamma=4, eos_ids=(), threshold=0.0,
+                               loop=loop, plan_path=path, record_rounds=True)
+    assert out.tokens == ar
+    n = len(out.round_accepted)  # the last round may stop at the budget, not a mismatch
+    assert out.round_accepted[: n - 1] == want[: n - 1], (loop, path)
+
+
+def test_a_paper_router_without_the_previous_hidden_state_is_refused():
+  m = tiny()
+  plan = DynaSpecDrafter(bundle()[0]).overlay_plan(session_of(m))
+  cache = KVCache.create(m.config, 1, 64).with_length(8)
+  kw = dict(graphdef=m.graphdef, vocab=V, gamma=2, threshold=0.0, sampling=SamplingParams())
+  with pytest.raises(PlanError, match="needs `hidden`"):
+    draft_step(m.state, cache, jnp.int32(3), plan, jax.random.key(0), None, **kw)
+  with pytest.raises(PlanError, match=f"final hidden state \\[{m.config.embed_dim}\\]"):
+    draft_step(m.state, cache, jnp.int32(3), plan, jax.random.key(0), None, jnp.zeros(5), **kw)
 
 
 def test_an_untied_head_is_held_as_rows_for_the_routed_gathers(monkeypatch):
@@ -318,18 +393,20 @@ def test_a_core_is_scored_beside_the_routed_clusters():
   L = m.config.num_layers
   cache = KVCache.create(m.config, 1, 64)
   prompt = jnp.asarray([PROMPT], jnp.int32)
-  first, cache = prefill_step(m.state, cache, prompt, jnp.int32(len(PROMPT)),
-                              DraftPlan.full(L), jax.random.key(0), graphdef=m.graphdef,
-                              sampling=SamplingParams())
+  first, cache, _, prev = prefill_step(m.state, cache, prompt, jnp.int32(len(PROMPT)),
+                                       DraftPlan.full(L), jax.random.key(0), graphdef=m.graphdef,
+                                       sampling=SamplingParams(), return_pooled=True)
   o, _ = apply(m.state, cache, first.reshape(1, 1), positions_for(cache, 1, 1),
                DraftPlan.full(L), graphdef=m.graphdef, write_cache=False)
-  routed = np.asarray(plan.router.shortlist(o.hidden[0, -1].astype(jnp.float32), 1))
+  embed = nnx.merge(m.graphdef, m.state).embed(first.reshape(1, 1))[0, 0]
+  x = plan.router.features(o.hidden[0, -1], embed, prev)  # [E(x_t), h_{t-1}]
+  routed = np.asarray(plan.router.shortlist(x, 1))
   union = np.concatenate([core, routed[routed >= 0]])
   logits = np.asarray(o.logits[0, -1])
   want = int(union[np.argmax(logits[union])])
   held = plan.replace(head_rows=shortlist_rows(m.state, plan.vocab, None, graphdef=m.graphdef))
   for p in (plan, held):
-    got = draft_step(m.state, cache, first[0], p, jax.random.key(2), jnp.int32(1),
+    got = draft_step(m.state, cache, first[0], p, jax.random.key(2), jnp.int32(1), prev,
                      graphdef=m.graphdef, vocab=V, gamma=1, threshold=0.0,
                      sampling=SamplingParams())
     assert int(got.tokens[0]) == want
@@ -346,14 +423,15 @@ def test_dynaspec_sampling_round_keeps_the_target_distribution(with_core):
   L = m.config.num_layers
   cache = KVCache.create(m.config, 1, 64)
   prompt = jnp.asarray([PROMPT], jnp.int32)
-  first, cache = prefill_step(m.state, cache, prompt, jnp.int32(len(PROMPT)),
-                              DraftPlan.full(L), jax.random.key(0), graphdef=m.graphdef,
-                              sampling=sampling)
+  first, cache, _, prev = prefill_step(m.state, cache, prompt, jnp.int32(len(PROMPT)),
+                                       DraftPlan.full(L), jax.random.key(0), graphdef=m.graphdef,
+                                       sampling=sampling, return_pooled=True)
   plan = DynaSpecDrafter(b, core=core_ids(m.config, 6) if with_core else None
                          ).overlay_plan(session_of(m))
   kw = dict(graphdef=m.graphdef, vocab=V, threshold=0.0, sampling=sampling)
-  out = sample_rounds(lambda k: round_fn(m.state, cache, first[0], plan, k, gamma=3, **kw)[0])
-  q1 = draft_step(m.state, cache, first[0], plan, jax.random.key(2), jnp.int32(1),
+  out = sample_rounds(lambda k: round_fn(m.state, cache, first[0], plan, k, prev, gamma=3,
+                                         **kw)[0])
+  q1 = draft_step(m.state, cache, first[0], plan, jax.random.key(2), jnp.int32(1), prev,
                   gamma=1, **kw).q_rows[0]
   p = target_probs(m.state, m.graphdef, m.config, cache, sampling)
   f = int(first[0])
@@ -392,11 +470,19 @@ def test_a_cached_router_trained_otherwise_is_reused_with_a_warning(tmp_path):
 
 
 def test_a_router_of_the_older_design_is_refused(tmp_path):
-  """Version 1 read [embedding, h_prev]: its weights would load into the wrong inputs."""
-  b, _ = bundle()
+  """Version 1 kept no record of its input and learned hard labels: refused. Version 2 read
+  h_t, and loads as a "hidden" router; a router of other inputs is not the current one
+  for a store asking for these."""
+  b, (_, pairs) = bundle(inputs="hidden")
   save_bundle(tmp_path / "r", b)
   meta_path = tmp_path / "r" / "meta.json"
   meta = json.loads(meta_path.read_text())
+  assert is_current(tmp_path / "r", "hidden") and not is_current(tmp_path / "r", "embed_prev")
+  meta_path.write_text(json.dumps({**meta, "version": 2, "inputs": None}))
+  back = load_bundle(tmp_path / "r", model=b.model)
+  assert back.inputs == "hidden" and is_current(tmp_path / "r", "hidden")
+  assert recall_at(back.router, pairs, back.clusters, 3) == recall_at(b.router, pairs,
+                                                                     b.clusters, 3)
   meta.pop("version")
   meta_path.write_text(json.dumps(meta))
   assert not is_current(tmp_path / "r")
@@ -440,16 +526,21 @@ def test_bad_router_settings_are_clear_errors():
     speculative_generate(g, s, other, PROMPT, DynaSpecDrafter(b), max_new_tokens=8)
   with pytest.raises(RouterMismatchError, match="the clusters cover 97 tokens"):
     collect_pairs(type("M", (), {"name": "other", "config": other})(), [PROMPT], b.clusters)
+  with pytest.raises(ValueError, match="reads one of embed_prev, hidden, not 'h_t'"):
+    train_router(bundle()[1][1], b.clusters, k_max=3, inputs="h_t", verbose=False)
 
 
 def test_router_ablation_findings_follow_the_numbers():
 
   from experiments import router_ablation as ra
 
-  row = lambda n, w, r: {"sequences": n, "weight": w, "outputs": {"16": r}}
-  text = ra.findings([row(320, 1.0, 0.95), row(160, 1.0, 0.93), row(320, 4.0, 0.94)])
+  row = lambda n, w, r, i="embed_prev": {"sequences": n, "weight": w, "outputs": {"16": r},
+                                         "inputs": i}
+  text = ra.findings([row(320, 1.0, 0.95), row(160, 1.0, 0.93), row(320, 4.0, 0.94),
+                      row(320, 1.0, 0.97, "hidden")])
   assert text == ("Recall@16 at the outputs goes 0.930 (160 sequences) → 0.950 (320 "
-                  "sequences). Weighing the continuations 4× moves it by -0.010.")
+                  "sequences). Weighing the continuations 4× moves it by -0.010. A router "
+                  "reading hidden instead of embed_prev moves it by +0.020.")
 
 
 def test_router_ablation_without_a_router_names_the_command(tmp_path, monkeypatch):

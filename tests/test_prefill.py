@@ -38,19 +38,20 @@ def _close(a, b):
 
 def test_chunked_prefill_equals_one_call(tiny):
   ids = _prompt(tiny[0], 150)
-  calls, (tok, cache, pooled) = _prefill(tiny, ids, chunk=64)
-  one, (tok1, cache1, pooled1) = _prefill(tiny, ids, chunk=None)
+  calls, (tok, cache, pooled, hidden) = _prefill(tiny, ids, chunk=64)
+  one, (tok1, cache1, pooled1, hidden1) = _prefill(tiny, ids, chunk=None)
   assert (calls, one) == (3, 1)
   assert int(tok[0]) == int(tok1[0]) and int(cache.length) == int(cache1.length) == 150
   for a, b in zip(cache.k + cache.v, cache1.k + cache1.v):
     _close(a[:, :, :150], b[:, :, :150])
   _close(pooled, pooled1)
+  _close(hidden, hidden1)  # the final hidden state that gave `tok`
 
 
 def test_chunked_prefill_on_the_quantised_cache(tiny):
   ids = _prompt(tiny[0], 150, seed=1)
-  _, (tok, cache, pooled) = _prefill(tiny, ids, chunk=64, kv=SMALL_KV)
-  _, (tok1, cache1, pooled1) = _prefill(tiny, ids, chunk=None, kv=SMALL_KV)
+  _, (tok, cache, pooled, _) = _prefill(tiny, ids, chunk=64, kv=SMALL_KV)
+  _, (tok1, cache1, pooled1, _) = _prefill(tiny, ids, chunk=None, kv=SMALL_KV)
   assert int(tok[0]) == int(tok1[0])
   assert (int(cache.quantized), int(cache.buffered)) == (int(cache1.quantized),
                                                           int(cache1.buffered))
@@ -70,8 +71,8 @@ def test_padding_is_never_quantised(tiny, n):
   26 of them padding, and leave the buffered count negative."""
   config = tiny[0]
   ids = _prompt(config, n, seed=n)
-  _, (_, cache, _) = _prefill(tiny, ids, chunk=None, kv=SMALL_KV)
-  _, (_, fp, _) = _prefill(tiny, ids, chunk=None)
+  _, (_, cache, _, _) = _prefill(tiny, ids, chunk=None, kv=SMALL_KV)
+  _, (_, fp, _, _) = _prefill(tiny, ids, chunk=None)
   q, b = int(cache.quantized), int(cache.buffered)
   assert q + b == n and 0 < b <= 2 * SMALL_KV.residual and q % SMALL_KV.residual == 0
   # The buffered tail is the last real tokens' K/V (layer 0: nothing quantised upstream).

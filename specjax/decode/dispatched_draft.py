@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.decode.round import Draft, _choose
+from specjax.decode.round import Draft, _choose, check_router_input
 from specjax.jit_cache import CompileClock, compiled
 from specjax.kv_cache import DraftBuffer
 from specjax.model import float32_dots
@@ -67,15 +67,18 @@ def _embed(state, token, *, graphdef):
   return nnx.merge(graphdef, state).embed(token[None, None])
 
 
-def _choose_token(state, x, plan, key, i, drafts, conf, q_rows, *, graphdef, vocab,
-                  sampling, threshold):
-  """The head and the choice of draft step i, written into the round's arrays, with the
-  traced path's key split. Returns the token, the arrays, the next key and whether the
-  draft goes on (its top-1 probability is at least the threshold)."""
+def _choose_token(state, x, plan, key, i, drafts, conf, q_rows, token, prev, *, graphdef,
+                  vocab, sampling, threshold):
+  """The head and the choice of draft step i (which fed `token`), written into the round's
+  arrays, with the traced path's key split. Returns the token, the arrays, the next key,
+  whether the draft goes on (its top-1 probability is at least the threshold) and the
+  step's final hidden state, the next step's h̃_{t−1} (`prev` is this one's)."""
   model = nnx.merge(graphdef, state)
   key, sub = jax.random.split(key)
-  if plan.router is not None:  # DynaSpec: the shortlist is chosen from this step's state
-    ids, logits = model.routed_head(x[0, -1].astype(jnp.float32), i, plan)
+  h = x[0, -1].astype(jnp.float32)
+  if plan.router is not None:  # DynaSpec: a shortlist chosen per step by the router
+    features = plan.router.features(h, model.embed(token[None, None])[0, 0], prev)
+    ids, logits = model.routed_head(h, features, i, plan)
   else:
     with float32_dots(x.dtype):
       last = x[:, -1:]
@@ -88,7 +91,7 @@ def _choose_token(state, x, plan, key, i, drafts, conf, q_rows, *, graphdef, voc
   drafts = drafts.at[i].set(nxt)
   conf = conf.at[i].set(confidence.astype(jnp.float32))
   return nxt, drafts, conf, q_rows, key, confidence >= (
-      threshold if plan.stop is None else plan.stop)
+      threshold if plan.stop is None else plan.stop), None if plan.router is None else h
 
 
 _STEPS = {fn: jax.jit(fn, static_argnames=names) for fn, names in (
@@ -111,9 +114,11 @@ class DispatchedDraft:
   clock: CompileClock | None = None
   blocks: list = dataclasses.field(default_factory=list)  # per layer (graphdef, state)
   programs: dict = dataclasses.field(default_factory=dict)
+  embed_dim: int = dataclasses.field(init=False, default=0)
 
   def __post_init__(self):
     model = nnx.merge(self.graphdef, self.state)
+    self.embed_dim = model.config.embed_dim
     shapes: list[nnx.GraphDef] = []  # one graphdef object per distinct layer shape
     for block in model.blocks:
       gd, st = nnx.split(block)
@@ -129,9 +134,12 @@ class DispatchedDraft:
       self.programs[key] = compiled(_STEPS[fn], *args, clock=self.clock, **static)
     return self.programs[key]
 
-  def __call__(self, state, cache, last, plan: DraftPlan, key, limit=None) -> Draft:
-    """Up to min(γ, limit) draft steps under `plan`, reading `cache` only."""
+  def __call__(self, state, cache, last, plan: DraftPlan, key, limit=None,
+               hidden=None) -> Draft:
+    """Up to min(γ, limit) draft steps under `plan`, reading `cache` only; `hidden` as
+    `round.draft_fn` takes it."""
     plan.check(len(self.blocks))
+    prev = check_router_input(plan, hidden, self.embed_dim)
     attn, mlp = np.asarray(plan.attn), np.asarray(plan.mlp)  # the round's one plan read
     layer_weights = ([None] * len(self.blocks) if plan.weights is None
                      else list(plan.weights.layers))
@@ -158,8 +166,8 @@ class DispatchedDraft:
         if mlp[l]:
           args = (block_state, x, w)
           x = self._program(_mlp, *args, graphdef=gd)(*args)
-      args = (state, x, plan, key, row, drafts, conf, q_rows)
-      token, drafts, conf, q_rows, key, go = self._program(
+      args = (state, x, plan, key, row, drafts, conf, q_rows, token, prev)
+      token, drafts, conf, q_rows, key, go, prev = self._program(
           _choose_token, *args, graphdef=self.graphdef, vocab=self.vocab,
           sampling=self.sampling, threshold=self.threshold)(*args)
       n = i + 1

@@ -112,7 +112,7 @@ def speculative_generate(
   init_compile_s = clock.seconds - c0  # a drafter's first DP compiles here
   init_s = time.perf_counter() - t1 - init_compile_s
   run = Run(graphdef, state, config, list(prompt_tokens), drafter, dstate, session, cache,
-             first, pre.key, max_new_tokens, gamma, threshold, sampling,
+             first, pre.hidden, pre.key, max_new_tokens, gamma, threshold, sampling,
              set(config.eos_ids if eos_ids is None else eos_ids), on_token, kv_cache,
              plan_path)
   if loop == "host" or (loop == "auto" and on_host):

@@ -58,10 +58,11 @@ def prefill_step(
     graphdef: nnx.GraphDef,
     sampling: SamplingParams,
     return_pooled: bool = False,
-) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
+) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array, jax.Array]:
   """Process a padded prompt tokens[B, T] of which the first n are real; return the first
   new token [B] and the cache holding exactly the n prompt tokens. On request (B = 1) also
-  the prompt embedding [D] (KNN-SSD's key, `pooled_prompt`)."""
+  the prompt embedding [D] (KNN-SSD's key, `pooled_prompt`) and the final hidden state
+  that gave the first token, float32[D] (the first round's h̃_{t−1}, `round.draft_fn`)."""
   B, T = tokens.shape
   start = cache.length
   out, cache = apply(state, cache, tokens, positions_for(cache, T, B), plan, graphdef=graphdef,
@@ -71,7 +72,7 @@ def prefill_step(
   logits = model.head(last)[:, 0]
   if return_pooled:
     return (sample(key, logits, sampling), cache.with_length(start + n),
-            pooled_prompt(model, out.hidden[0], n))
+            pooled_prompt(model, out.hidden[0], n), last[0, 0].astype(jnp.float32))
   return sample(key, logits, sampling), cache.with_length(start + n)
 
 
@@ -113,8 +114,9 @@ class Prefill:
     return cls(tuple(calls), return_pooled, len(ids))
 
   def __call__(self, state: nnx.State, cache, plan: DraftPlan, key: jax.Array):
-    """(token, cache) or (token, cache, pooled): the pooled prompt embedding is the
-    token-weighted mean of the chunks' means (exact)."""
+    """(token, cache) or (token, cache, pooled, hidden): the pooled prompt embedding is
+    the token-weighted mean of the chunks' means (exact); the hidden state, the last
+    chunk's."""
     pooled_sum = 0.0
     for exe, tokens, n in self.calls:
       out = exe(state, cache, tokens, n, plan, key)
@@ -123,7 +125,7 @@ class Prefill:
         pooled_sum = pooled_sum + out[2] * n.astype(jnp.float32)
     if not self.return_pooled:
       return out
-    return out[0], cache, pooled_sum / self.length
+    return out[0], cache, pooled_sum / self.length, out[3]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +142,7 @@ class Prefilled:
   first: jax.Array  # [1] the token after the prompt
   cache: object  # KVCache | QuantKVCache holding exactly the prompt
   pooled: jax.Array  # float32[D] prompt embedding (`pooled_prompt`)
+  hidden: jax.Array  # float32[D] the final hidden state that gave `first`
   key: jax.Array  # the generation's key after the prefill took its split
   kv_cache: object  # QuantKV | None: the cache type
   sampling: SamplingParams
@@ -183,12 +186,12 @@ def prefill_prompt(graphdef: nnx.GraphDef, state: nnx.State, config, prompt_toke
                           sampling=sampling, return_pooled=True, clock=clock)
   t1 = time.perf_counter()
   key, sub = jax.random.split(key)
-  first, cache, pooled = prefill(state, cache, full, sub)
+  first, cache, pooled, hidden = prefill(state, cache, full, sub)
   first.block_until_ready()
   if kv_cache is not None:
     cache.check_finite()
   t2 = time.perf_counter()
-  return Prefilled(tuple(prompt_tokens), first, cache, pooled, key, kv_cache, sampling,
+  return Prefilled(tuple(prompt_tokens), first, cache, pooled, hidden, key, kv_cache, sampling,
                    seed, compile_s=t1 - t0, prefill_s=t2 - t1, compiles=clock.count)
 
 

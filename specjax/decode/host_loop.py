@@ -37,7 +37,7 @@ class _HostPrograms:
     proto = jax.eval_shape(functools.partial(draft_fn, **run.draft_static), run.state,
                            run.cache, jnp.int32(run.first),
                            DraftPlan.full(run.config.num_layers), run.key,
-                           jnp.int32(run.gamma))
+                           jnp.int32(run.gamma), run.hidden)
     return cls(run, proto)
 
   def draft(self, plan: DraftPlan, cache):
@@ -50,8 +50,8 @@ class _HostPrograms:
     sig = (jax.tree.structure(plan), tuple(x.shape for x in jax.tree.leaves(plan)))
     if sig not in self.drafts:
       self.drafts[sig] = compiled(draft_step, run.state, cache, jnp.int32(run.first), plan,
-                                  run.key, jnp.int32(run.gamma), clock=run.session.clock,
-                                  **run.draft_static)
+                                  run.key, jnp.int32(run.gamma), run.hidden,
+                                  clock=run.session.clock, **run.draft_static)
     return self.drafts[sig]
 
   def verify(self, length: int, cache):
@@ -83,6 +83,7 @@ def host_rounds(run: Run, record_rounds: bool) -> SSDGeneration:
   draft / verify times, and plans that change every round (SWIFT, CLaSp, KnapSpec)."""
   state, drafter, gamma = run.state, run.drafter, run.gamma
   cache, key, dstate, session = run.cache, run.key, run.dstate, run.session
+  hidden = run.hidden  # the final hidden state that gave `last` (`RoundOut.hidden`)
   clock = session.clock
   full = DraftPlan.full(run.config.num_layers)
   t_compile = time.perf_counter()
@@ -109,11 +110,12 @@ def host_rounds(run: Run, record_rounds: bool) -> SSDGeneration:
     verify = programs.verify(length, cache)  # a dict lookup, or a compile (timed apart)
     t_c, c2 = time.perf_counter(), clock.seconds
     draft = draft_exe(state, cache, last, plan, k_draft,
-                      length if run.plan_path == "dispatch" else jnp.int32(length))
+                      length if run.plan_path == "dispatch" else jnp.int32(length), hidden)
     jax.block_until_ready(draft)
     t_v = time.perf_counter()
     t_c += clock.seconds - c2  # a dispatched draft compiles its sub-layers on first use
     out, cache = verify(state, cache, last, draft, full, k_accept)
+    hidden = out.hidden
     n_commit, n_drafted, round_tokens = jax.device_get((out.n_commit, out.n_drafted, out.tokens))
     if run.kv_cache is not None:
       cache.check_finite()

@@ -27,7 +27,7 @@ from flax import nnx
 from specjax.decode.generate import positions_for
 from specjax.kv_cache import DraftBuffer, KVCache
 from specjax.model import apply
-from specjax.plan import DraftPlan
+from specjax.plan import DraftPlan, PlanError
 from specjax.sampling import argmax, argmax_and_top_probability, probs
 
 
@@ -37,17 +37,22 @@ class RoundOut:
 
   tokens: jax.Array  # int32[γ+1]: committed tokens; the first n_commit are valid
   n_commit: jax.Array  # int32: accepted drafts + 1 (the target's correction / bonus token)
+  # float32[D]: the target's final hidden state (before the final norm) that gave the last
+  # committed token: the next round's h̃_{t−1} for a router reading [E(x_t), h̃_{t−1}]
+  hidden: jax.Array
   n_drafted: jax.Array  # int32: drafts produced before early stop (1..γ)
   drafts: jax.Array  # int32[γ]: draft tokens (first n_drafted valid)
   target_top1: jax.Array  # int32[γ+1]: the target's argmax at each verified position
   residuals: jax.Array | None  # [2L, γ+1, D] verify-pass residual stream, on request
 
 
-def _draft(state, cache, last, plan, key, limit, *, graphdef, vocab, gamma, threshold,
-           sampling):
+def _draft(state, cache, last, plan, key, limit, hidden, *, graphdef, vocab, gamma,
+           threshold, sampling):
   """Up to min(γ, limit) draft steps under `plan` (`limit` None: γ); stop after a token
   whose top-1 prob < threshold (`plan.stop` instead, when the drafter sets it). The cache
-  is only read; the drafted tokens' K/V live in a `DraftBuffer`.
+  is only read; the drafted tokens' K/V live in a `DraftBuffer`. `hidden`: the target's
+  final hidden state at the position before `last` (`RoundOut.hidden`), what a router
+  reading [E(x_t), h̃_{t−1}] needs at the first step; later steps read the draft's own.
 
   With no early stop and no traced limit the loop runs exactly γ steps, and says so: XLA
   then knows its trip count. On a GPU a while loop whose condition depends on data copies
@@ -57,38 +62,57 @@ def _draft(state, cache, last, plan, key, limit, *, graphdef, vocab, gamma, thre
   conf = jnp.zeros((gamma,), jnp.float32)
   q_rows = None if sampling.greedy else jnp.zeros((gamma + 1, vocab), jnp.float32)
   stop = threshold if plan.stop is None else plan.stop
+  routed = plan.router is not None
+  prev = check_router_input(plan, hidden, nnx.merge(graphdef, state).config.embed_dim)
 
   def cond(carry):
-    i, *_, go, _ = carry
+    i, *_, go, _, _ = carry
     return (i < (gamma if limit is None else jnp.minimum(gamma, limit))) & go
 
   def body(carry):
-    i, buffer, token, drafts, conf, q_rows, _, key = carry
+    i, buffer, token, drafts, conf, q_rows, _, key, prev = carry
     pos = jnp.reshape(cache.length + i, (1, 1))
-    routed = plan.router is not None
     out, buffer = apply(state, cache, token[None, None], pos, plan, graphdef=graphdef,
                         logits="none" if routed else "last", buffer=buffer)
     key, sub = jax.random.split(key)
     h = out.hidden[0, -1].astype(jnp.float32)
-    if routed:  # DynaSpec: the shortlist is chosen from this step's hidden state
-      ids, logits = nnx.merge(graphdef, state).routed_head(h, i, plan)
+    if routed:  # DynaSpec: a shortlist chosen per step by the router
+      model = nnx.merge(graphdef, state)
+      x = plan.router.features(h, model.embed(token[None, None])[0, 0], prev)
+      ids, logits = model.routed_head(h, x, i, plan)
       nxt, confidence, q = _choose(logits, ids, sub, vocab, sampling)
+      prev = h
     else:
       nxt, confidence, q = _choose(out.logits[0, 0], plan.vocab, sub, vocab, sampling)
     if q is not None:
       q_rows = q_rows.at[i].set(q)
     drafts = drafts.at[i].set(nxt)
     conf = conf.at[i].set(confidence.astype(jnp.float32))
-    return i + 1, buffer, nxt, drafts, conf, q_rows, confidence >= stop, key
+    return i + 1, buffer, nxt, drafts, conf, q_rows, confidence >= stop, key, prev
 
   init = (jnp.int32(0), DraftBuffer.like(cache, gamma), last, drafts, conf, q_rows,
-          jnp.bool_(True), key)
+          jnp.bool_(True), key, prev)
   if limit is None and plan.stop is None and threshold <= 0.0:  # no early stop: γ steps
     final = jax.lax.fori_loop(0, gamma, lambda _, carry: body(carry), init)
   else:
     final = jax.lax.while_loop(cond, body, init)
-  n, _, _, drafts, conf, q_rows, _, _ = final
+  n, _, _, drafts, conf, q_rows, *_ = final
   return n, drafts, conf, q_rows
+
+
+def check_router_input(plan: DraftPlan, hidden, dim: int) -> jax.Array | None:
+  """The h̃_{t−1} a routed draft starts from, as float32[D]: `hidden`, which a router
+  reading [E(x_t), h̃_{t−1}] cannot do without; None for a plan with no router."""
+  if plan.router is None:
+    return None
+  if hidden is None:
+    if plan.router.inputs == "embed_prev":
+      raise PlanError("this router reads [E(x_t), h_{t-1}]: the draft needs `hidden`, the "
+                      "target's final hidden state before `last` (RoundOut.hidden)")
+    return jnp.zeros((dim,), jnp.float32)  # a router reading h_t never reads it
+  if jnp.shape(hidden) != (dim,):
+    raise PlanError(f"`hidden` must be the final hidden state [{dim}], got {jnp.shape(hidden)}")
+  return jnp.asarray(hidden, jnp.float32)
 
 
 def _choose(logits, ids, key, vocab, sampling):
@@ -161,12 +185,14 @@ class Draft:
   q_rows: jax.Array | None  # [γ+1, V] the draft's distributions (sampling only)
 
 
-def draft_fn(state, cache, last, plan, key, limit=None, *, graphdef, vocab, gamma, threshold,
-             sampling) -> Draft:
+def draft_fn(state, cache, last, plan, key, limit=None, hidden=None, *, graphdef, vocab,
+             gamma, threshold, sampling) -> Draft:
   """Draft up to min(γ, limit) tokens under `plan`, reading the verified cache (never
   writing it). `limit` is traced: drafters that choose the draft length per round (KnapSpec)
-  share one executable. None drafts γ, a length XLA then knows when nothing stops early."""
-  n, drafts, conf, q_rows = _draft(state, cache, last, plan, key, limit,
+  share one executable. None drafts γ, a length XLA then knows when nothing stops early.
+  `hidden` (float32[D]): the target's final hidden state before `last`, for a routed plan
+  (`RoundOut.hidden`; the prefill's for the first round)."""
+  n, drafts, conf, q_rows = _draft(state, cache, last, plan, key, limit, hidden,
                                    graphdef=graphdef, vocab=vocab, gamma=gamma,
                                    threshold=threshold, sampling=sampling)
   return Draft(n, drafts, conf, q_rows)
@@ -198,16 +224,17 @@ def verify_fn(state, cache, last, draft: Draft, full: DraftPlan, key, *, graphde
                                          sampling)
   cache = cache.with_length(L0 + a + 1)
   res = out.residuals[:, 0] if residuals else None
-  return RoundOut(tokens=tokens, n_commit=a + 1, n_drafted=draft.n, drafts=draft.tokens,
-                  target_top1=target, residuals=res), cache
+  return RoundOut(tokens=tokens, n_commit=a + 1, hidden=out.hidden[0, a].astype(jnp.float32),
+                  n_drafted=draft.n, drafts=draft.tokens, target_top1=target,
+                  residuals=res), cache
 
 
-def round_fn(state, cache, last, plan, key, *, graphdef, vocab, gamma, threshold, sampling,
-             residuals=False) -> tuple[RoundOut, KVCache]:
+def round_fn(state, cache, last, plan, key, hidden=None, *, graphdef, vocab, gamma, threshold,
+             sampling, residuals=False) -> tuple[RoundOut, KVCache]:
   """A whole round as one pure function (the tests vmap it over keys)."""
   k_draft, k_accept = jax.random.split(key)
-  draft = draft_fn(state, cache, last, plan, k_draft, graphdef=graphdef, vocab=vocab,
-                   gamma=gamma, threshold=threshold, sampling=sampling)
+  draft = draft_fn(state, cache, last, plan, k_draft, hidden=hidden, graphdef=graphdef,
+                   vocab=vocab, gamma=gamma, threshold=threshold, sampling=sampling)
   return verify_fn(state, cache, last, draft, DraftPlan.full(plan.num_layers), k_accept,
                    graphdef=graphdef, sampling=sampling, residuals=residuals)
 

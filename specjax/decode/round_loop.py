@@ -42,6 +42,9 @@ class Decoding:
 
   cache: KVCache  # or QuantKVCache: every committed token but `last`
   last: jax.Array  # int32: the newest committed token (its K/V not yet in the cache)
+  # float32[D]: the final hidden state that gave `last` (`RoundOut.hidden`); None when the
+  # caller gives none (only a router reading [E(x_t), h̃_{t−1}] needs it)
+  hidden: jax.Array | None
   key: jax.Array
   tokens: jax.Array  # int32[C]: committed tokens, the prefill's first one included
   count: jax.Array  # int32: valid entries of `tokens`
@@ -55,18 +58,20 @@ class Decoding:
 
   @classmethod
   def start(cls, cache, first: jax.Array, key: jax.Array, capacity: int,
-            window: Window | None = None) -> Decoding:
+            window: Window | None = None, hidden: jax.Array | None = None) -> Decoding:
     zeros = lambda: jnp.zeros((capacity,), jnp.int32)  # one buffer each: all are donated
     # The key is copied: a shared prefill (`Prefilled`) keeps its own.
-    return cls(cache=cache, last=first[0].astype(jnp.int32), key=jnp.copy(key),
+    return cls(cache=cache, last=first[0].astype(jnp.int32), hidden=_own(hidden),
+               key=jnp.copy(key),
                tokens=zeros().at[0].set(first[0]),
                count=jnp.int32(1), done=jnp.bool_(False), rounds=jnp.int32(0),
                drafted=zeros(), accepted=zeros(), window=_own(window))
 
 
-def _own(window: Window | None) -> Window | None:
-  """A copy for the carry, which each call donates: the drafter's state keeps its own."""
-  return None if window is None else jax.tree.map(jnp.copy, window)
+def _own(tree):
+  """A copy for the carry, which each call donates: the drafter's state (or the prefill)
+  keeps its own."""
+  return None if tree is None else jax.tree.map(jnp.copy, tree)
 
 
 def _commit(tokens: jax.Array, n_commit: jax.Array, count: jax.Array, budget: jax.Array,
@@ -100,8 +105,8 @@ def decode_rounds(state: nnx.State, carry: Decoding, plan: DraftPlan, budget: ja
 
   def body(c: Decoding) -> Decoding:
     key, k_draft, k_accept = jax.random.split(c.key, 3)
-    draft = draft_fn(state, c.cache, c.last, plan, k_draft, graphdef=graphdef, vocab=vocab,
-                     gamma=gamma, threshold=threshold, sampling=sampling)
+    draft = draft_fn(state, c.cache, c.last, plan, k_draft, hidden=c.hidden, graphdef=graphdef,
+                     vocab=vocab, gamma=gamma, threshold=threshold, sampling=sampling)
     out, cache = verify_fn(state, c.cache, c.last, draft, full, k_accept, graphdef=graphdef,
                            sampling=sampling, residuals=c.window is not None)
     keep, done = _commit(out.tokens, out.n_commit, c.count, budget, eos)
@@ -112,6 +117,7 @@ def decode_rounds(state: nnx.State, carry: Decoding, plan: DraftPlan, budget: ja
                          out.n_commit)
     return c.replace(
         cache=cache, last=out.tokens[out.n_commit - 1], key=key,
+        hidden=None if c.hidden is None else out.hidden,
         tokens=tokens, count=c.count + keep, done=done, rounds=c.rounds + 1,
         drafted=c.drafted.at[c.rounds].set(out.n_drafted),
         accepted=c.accepted.at[c.rounds].set(out.n_commit - 1), window=window)
@@ -163,7 +169,7 @@ def device_rounds(run, record_rounds: bool, rounds_per_call: int | None,
   capacity = -(-(budget + run.gamma + 1) // TOKEN_BUCKET) * TOKEN_BUCKET
   window = drafter.carried_window(dstate) if chunked else None
   carry = Decoding.start(run.cache, jnp.asarray([run.first], jnp.int32), run.key,
-                         capacity=capacity, window=window)
+                         capacity=capacity, window=window, hidden=run.hidden)
   eos = eos_array(run.eos)
   exes: dict = {}
 

@@ -171,6 +171,7 @@ class Run:
   session: Session
   cache: object
   first: int
+  hidden: jax.Array  # float32[D] the prefill's final hidden state that gave `first`
   key: jax.Array
   max_new_tokens: int
   gamma: int

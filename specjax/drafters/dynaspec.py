@@ -1,11 +1,14 @@
 """`dynaspec`: the draft head scores a shortlist picked per draft step by a router
 (DynaSpec), optionally on top of any layer-skipping drafter.
 
-The router (`specjax.offline.router`) scores token clusters (`specjax.offline.vocab_clusters`) from
-the draft's final hidden state inside the jitted draft step; the union of the top-k
-clusters is the shortlist. Verification keeps the full vocabulary, so the output is
-exactly the target's. `k` is a decoding setting, not a training one: one router serves
-every shortlist size.
+The router (`specjax.offline.router`) scores token clusters (`specjax.offline.vocab_clusters`)
+inside the jitted draft step; the union of the top-k clusters is the shortlist. By default
+it reads the paper's [E(x_t), h̃_{t−1}]: the embedding of the token the step feeds and the
+final hidden state before it, the target's at a round's first step (the engine carries it
+from verification) and the draft's after. A bundle trained with `--inputs hidden` reads the
+step's own h_t instead (our variant, `--option dynaspec.inputs=hidden`). Verification keeps
+the full vocabulary, so the output is exactly the target's. `k` is a decoding setting, not
+a training one: one router serves every shortlist size.
 
 `core` adds a static part: token ids scored at every step (the most frequent ones, as
 FR-Spec picks them), their head rows gathered once per generation, and left out of the

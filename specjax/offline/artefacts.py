@@ -36,8 +36,9 @@ ARTEFACT_OPTIONS: dict[str, dict[str, Any]] = {
     "quantspec": {"weight_bits": None, "group": 128, "residual": 128},  # bits None: the default (4)
     "frspec": {"size": 32768},  # FR-Spec's shortlist: the paper's 32k
     # k, a decoding setting, is the drafter's own field; core: that many frequent tokens
-    # scored beside the routed clusters (0: none)
-    "dynaspec": {"clusters": 1024, "core": 0},
+    # scored beside the routed clusters (0: none); inputs: what the router reads
+    # (`router.INPUTS`: the paper's [E(x_t), h̃_{t−1}], or our h_t)
+    "dynaspec": {"clusters": 1024, "core": 0, "inputs": "embed_prev"},
 }
 ARTEFACTS = ("profile", "int8_profile", "int4_profile", "q4_0_profile", "library", "counts",
              "bundle", "self_sd_plan", "int8_weights", "int4_weights", "q4_weights")
@@ -174,16 +175,16 @@ class ArtefactStore:
     """(FR-Spec token counts, DynaSpec router bundle): `specjax router train`'s, built
     now from training prompts when absent."""
     from specjax.offline import shortlists
-    from specjax.offline.router import is_current
-    from specjax.storage import cache_root
+    from specjax.offline.router import check_inputs, is_current
 
     if "counts" in self.given or "bundle" in self.given:
       return self.given.get("counts"), self.given.get("bundle")
     o = self.option("dynaspec")
-    root = cache_root() / "shortlists" / artefact_key(self.model)
-    default = o["clusters"] == ARTEFACT_OPTIONS["dynaspec"]["clusters"]
-    out = root if default else root / f"c{o['clusters']}"
-    if not (out / "counts.npz").exists() or not is_current(out / "router"):
+    inputs = check_inputs(o["inputs"])
+    root, out = shortlists.folder(self.model), shortlists.folder(self.model, o["clusters"],
+                                                                 inputs)
+    default = out == root
+    if not (out / "counts.npz").exists() or not is_current(out / "router", inputs):
       self._say(f"no FR-Spec counts / current DynaSpec router for {self.model.name} at {out}: "
                 f"building them now (`specjax router train` does the same)")
       if not default and (root / "sequences.json").exists() and not (out / "sequences.json"
@@ -191,7 +192,7 @@ class ArtefactStore:
         out.mkdir(parents=True, exist_ok=True)  # the training continuations are shared
         (out / "sequences.json").write_text((root / "sequences.json").read_text())
     counts, bundle, _ = shortlists.build(self.model, out, clusters=o["clusters"],
-                                         data_dir=self.data_dir,
+                                         inputs=inputs, data_dir=self.data_dir,
                                          verbose=self.verbose)
     return counts, bundle
 

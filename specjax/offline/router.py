@@ -1,11 +1,17 @@
 """DynaSpec's router: which token clusters the draft's next token is likely in.
 
-A small MLP (Flax NNX) reads the draft's final hidden state h_t, the vector the LM head
-would score, and scores the M clusters of `vocab_clusters`; the union of the top-k
-clusters is the head's shortlist. The paper's router reads [embedding(x_t), h_{t−1}] so
-that it can run on a parallel stream beside an EAGLE-style draft layer. In self-speculative
-decoding the draft is the target's own forward on one stream, so the router can wait for
-h_t at no extra latency, and it then sees exactly what the head sees.
+A small MLP (Flax NNX) scores the M clusters of `vocab_clusters`; the union of the top-k
+clusters is the head's shortlist. What it reads is the bundle's `inputs`:
+
+- "embed_prev", the paper's: [E(x_t), h̃_{t−1}], the embedding of the token the draft
+  step feeds and the final hidden state of the position before it. Neither waits for the
+  step's forward, so the router can run beside it (the paper's parallel stream). At a
+  round's first step h̃_{t−1} is the target's own, from verification (or the prefill);
+  later steps read the draft's.
+- "hidden", our variant: the draft step's own final hidden state h_t, the vector the
+  head scores. In self-speculative decoding the draft is the target's forward on one
+  stream, so waiting for h_t costs no latency on a CPU, and the router then sees exactly
+  what the head sees.
 
 It is trained by distillation (optax, AdamW): the label of a position is the target's own
 next-token distribution summed per cluster (soft cross-entropy), because the draft must
@@ -14,12 +20,9 @@ one token. Since the labels come from the target, any text gives pairs: prompts 
 continuation count too, so training can use hundreds of prompts at the price of one
 forward each.
 
-Measured on SmolLM2-135M (1024 clusters, held-out sequences, recall of the target's top
-token at top-8 / top-32 clusters): the paper's inputs and the text's next token gave
-0.57 / 0.64 from 48 sequences. h_t with soft labels gave 0.82 / 0.89, and with 300 more
-prompts 0.97 / 0.99. The full-vocabulary acceptance a shortlist keeps follows that recall.
-On Qwen2.5-1.5B recall at 16 clusters on held-out outputs grew 0.929 → 0.955 → 0.969
-from 160 to 320 to 624 training sequences (`experiments/router_ablation.py`).
+How recall (of the target's top token in the top-k clusters, on held-out sequences)
+depends on the input, the labels and the amount of text is measured by
+`experiments/router_ablation.py`; the figures are in docs/results/vocab.md.
 
 `k_schedule` gives k per draft position: flat by default, or the paper's decay, where k
 shrinks after the second position. `RouterPlan` carries the router into the jitted draft
@@ -44,7 +47,11 @@ from specjax.models import checkpoint
 from specjax.models.source import artefact_key
 from specjax.offline.vocab_clusters import VocabClusters
 
-VERSION = 2  # 2: reads h_t, distilled. 1 read [embedding(x_t), h_{t-1}] (refused on load)
+# 3: either input, distilled (`INPUTS`). 2: h_t, distilled (read as a "hidden" router).
+# 1: [embedding(x_t), h_{t-1}] with hard labels and no record of its input (refused).
+VERSION = 3
+INPUTS = ("embed_prev", "hidden")  # the paper's [E(x_t), h̃_{t−1}]; our h_t
+DEFAULT_INPUTS = "embed_prev"
 
 
 class RouterMismatchError(SpecjaxError, ValueError):
@@ -56,15 +63,35 @@ def _rms(x):
   return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
+def check_inputs(inputs: str) -> str:
+  if inputs not in INPUTS:
+    raise ValueError(f"a router reads one of {', '.join(INPUTS)}, not {inputs!r}")
+  return inputs
+
+
+def features(inputs: str, *, hidden=None, embed=None, prev=None):
+  """The router's input vector(s) [..., P·D]: `hidden` (h_t) for a "hidden" router;
+  [embed, prev] (E(x_t), h̃_{t−1}) for an "embed_prev" one. numpy in, numpy out."""
+  if inputs == "hidden":
+    return hidden
+  xp = np if isinstance(embed, np.ndarray) else jnp
+  return xp.concatenate([embed.astype(xp.float32), prev.astype(xp.float32)], axis=-1)
+
+
 class Router(nnx.Module):
   def __init__(self, embed_dim: int, num_clusters: int, hidden: int = 1024, *,
-               rngs: nnx.Rngs):
-    self.l1 = nnx.Linear(embed_dim, hidden, rngs=rngs)
+               inputs: str = DEFAULT_INPUTS, rngs: nnx.Rngs):
+    self.inputs = check_inputs(inputs)
+    self.parts = 2 if inputs == "embed_prev" else 1
+    self.l1 = nnx.Linear(self.parts * embed_dim, hidden, rngs=rngs)
     self.l2 = nnx.Linear(hidden, num_clusters, rngs=rngs)
 
-  def __call__(self, h: jax.Array) -> jax.Array:
-    """Final hidden states [..., D] (before the final norm) -> cluster logits [..., M]."""
-    return self.l2(jax.nn.gelu(self.l1(_rms(h))))
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """`features` [..., P·D] -> cluster logits [..., M]. Each of the P vectors is
+    RMS-normalised apart: a final hidden state before the final norm and an embedding
+    (Gemma's scaled by √D) differ in scale by orders of magnitude."""
+    parts = x.reshape(*x.shape[:-1], self.parts, -1)
+    return self.l2(jax.nn.gelu(self.l1(_rms(parts).reshape(x.shape))))
 
 
 def k_schedule(k: int, positions: int, decay: bool = False) -> tuple[int, ...]:
@@ -83,15 +110,21 @@ class RouterPlan:
   state: nnx.State
   table: jax.Array  # int32[M, capacity], -1 padded
   ks: tuple[int, ...] = flax.struct.field(pytree_node=False)  # k per draft position
+  inputs: str = flax.struct.field(pytree_node=False)  # what the router reads (`INPUTS`)
   # An untied LM head [D, V] as rows [V, D], held once (`session.Session.with_head_rows`):
   # each draft step then gathers its shortlist's rows, not columns a row of the head apart
   # (a few thousand scattered columns cost more than reading the whole head).
   head_rows: jax.Array | None = None
 
-  def shortlist(self, h: jax.Array, k: int) -> jax.Array:
-    """Vocabulary ids of the top-k clusters for hidden state h[D], -1 padded:
+  def features(self, hidden: jax.Array, embed: jax.Array, prev: jax.Array) -> jax.Array:
+    """The router's input at a draft step: `hidden` its final hidden state h_t, `embed`
+    E(x_t) of the token it fed, `prev` h̃_{t−1} (all [D])."""
+    return features(self.inputs, hidden=hidden, embed=embed, prev=prev)
+
+  def shortlist(self, x: jax.Array, k: int) -> jax.Array:
+    """Vocabulary ids of the top-k clusters for router input x (`features`), -1 padded:
     int32[k · capacity]."""
-    _, top = jax.lax.top_k(nnx.merge(self.graphdef, self.state)(h), k)
+    _, top = jax.lax.top_k(nnx.merge(self.graphdef, self.state)(x), k)
     return self.table[top].reshape(-1)
 
 
@@ -100,10 +133,29 @@ class RouterPlan:
 
 @dataclasses.dataclass
 class Pairs:
+  """One row per position of each training sequence, sequence by sequence, in order."""
+
   hidden: np.ndarray  # float32[N, D] the target's final hidden state at a position
   mass: np.ndarray  # float16[N, M] its next-token probability summed per cluster
   target: np.ndarray  # int32[N] its top token there
   group: np.ndarray  # int32[N] which sequence (for splits by sequence)
+  embed: np.ndarray | None = None  # float16[N, D] E(x_t), the embedding of the token there
+
+  def usable(self, inputs: str) -> np.ndarray:
+    """Rows a router of `inputs` can read: all for "hidden"; for "embed_prev" those with
+    a previous position in their sequence (h̃_{t−1}), the row before (rows hold whole
+    sequences, as `collect_pairs` and `select` of whole sequences leave them)."""
+    if check_inputs(inputs) == "hidden":
+      return np.arange(self.group.size)
+    if self.embed is None:
+      raise ValueError("these pairs hold no token embeddings: collect them again")
+    return np.flatnonzero(np.r_[False, self.group[1:] == self.group[:-1]])
+
+  def features(self, rows: np.ndarray, inputs: str) -> np.ndarray:
+    """The router's input at `rows` (from `usable`): float32[n, P·D]."""
+    if inputs == "hidden":
+      return self.hidden[rows]
+    return features(inputs, embed=self.embed[rows], prev=self.hidden[rows - 1])
 
 
 def _padded_length(n: int, step: int = 128) -> int:
@@ -115,10 +167,11 @@ def _padded_length(n: int, step: int = 128) -> int:
 
 def collect_pairs(model, sequences, clusters: VocabClusters, verbose: bool = True,
                   save_dir: Path | None = None, chunk: int = 16) -> Pairs:
-  """(H_t, cluster mass of p(· | s_≤t), argmax) for every position of each sequence, from
-  one full forward of the target per sequence. With `save_dir`, each `chunk` of sequences
-  is written there as it is done and found again on a rerun (one forward of a 1.5B model
-  takes seconds on a CPU, so a crash would otherwise lose half an hour)."""
+  """(h_t, cluster mass of p(· | s_≤t), argmax, E(x_t)) for every position of each
+  sequence, from one full forward of the target per sequence. With `save_dir`, each
+  `chunk` of sequences is written there as it is done and found again on a rerun (one
+  forward of a 1.5B model takes seconds on a CPU, so a crash would otherwise lose half an
+  hour)."""
   from tqdm.auto import tqdm
 
   from specjax.kv_cache import KVCache
@@ -140,15 +193,18 @@ def collect_pairs(model, sequences, clusters: VocabClusters, verbose: bool = Tru
                    graphdef=model.graphdef, logits="all")
     p = jax.nn.softmax(out.logits[0], axis=-1)  # [T, V]
     mass = jax.ops.segment_sum(p.T, assignment, num_segments=M).T  # [T, M]
-    return out.hidden[0], mass.astype(jnp.float16), jnp.argmax(p, -1).astype(jnp.int32)
+    embed = nnx.merge(model.graphdef, state).embed(tokens)[0]  # what a draft step embeds
+    return (out.hidden[0], mass.astype(jnp.float16), jnp.argmax(p, -1).astype(jnp.int32),
+            embed.astype(jnp.float16))
 
   def one(g: int, seq: list[int]) -> dict[str, np.ndarray]:
     T = min(_padded_length(len(seq)), cfg.max_context)
     toks = jnp.asarray([seq + [0] * (T - len(seq))], jnp.int32)
-    h, mass, top = forward(model.state, KVCache.create(cfg, 1, T), toks, full)
+    h, mass, top, embed = forward(model.state, KVCache.create(cfg, 1, T), toks, full)
     n = len(seq)
     return dict(hidden=np.asarray(h[:n], np.float32), mass=np.asarray(mass[:n]),
-                target=np.asarray(top[:n]), group=np.full(n, g, np.int32))
+                target=np.asarray(top[:n]), group=np.full(n, g, np.int32),
+                embed=np.asarray(embed[:n]))
 
   seqs = [list(s)[: cfg.max_context] for s in sequences]
   parts = []
@@ -163,7 +219,7 @@ def collect_pairs(model, sequences, clusters: VocabClusters, verbose: bool = Tru
     else:
       done = [one(g, s) for g, s in block]
       rows = {k: np.concatenate([d[k] for d in done]) if done else np.zeros((0,))
-              for k in ("hidden", "mass", "target", "group")}
+              for k in _PAIR_FIELDS}
       if path:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp.npz")
@@ -178,9 +234,13 @@ def collect_pairs(model, sequences, clusters: VocabClusters, verbose: bool = Tru
   return Pairs(**{k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
 
 
+_PAIR_FIELDS = ("hidden", "mass", "target", "group", "embed")
+
+
 def _chunk_key(model: str, clusters: VocabClusters, block) -> str:
-  """What a saved chunk of pairs depends on: the model, the clusters and its sequences."""
-  h = hashlib.sha256(model.encode())
+  """What a saved chunk of pairs depends on: the model, the clusters, its sequences, and
+  the fields a chunk holds (chunks saved before `embed` was kept are collected again)."""
+  h = hashlib.sha256(repr((model, _PAIR_FIELDS)).encode())
   h.update(np.ascontiguousarray(clusters.assignment).tobytes())
   h.update(repr(block).encode())
   return h.hexdigest()[:12]
@@ -199,23 +259,25 @@ class TrainResult:
 
 
 def train_router(pairs: Pairs, clusters: VocabClusters, *, k_max: int, hidden: int = 1024,
-                 epochs: int = 10, batch: int = 256, lr: float = 2e-3, val_share: float = 0.15,
-                 seed: int = 0, weight: np.ndarray | None = None,
-                 verbose: bool = True) -> TrainResult:
-  """AdamW on the soft cross-entropy to the target's cluster mass; the validation split is
-  by sequence, and the router returned is the epoch of lowest validation loss. `weight`
-  (float[N], default 1) weighs each pair's loss, in training and validation, e.g. up for
-  positions inside the model's own continuations, which are what a draft predicts."""
+                 inputs: str = DEFAULT_INPUTS, epochs: int = 10, batch: int = 256,
+                 lr: float = 2e-3, val_share: float = 0.15, seed: int = 0,
+                 weight: np.ndarray | None = None, verbose: bool = True) -> TrainResult:
+  """AdamW on the soft cross-entropy to the target's cluster mass, for a router reading
+  `inputs` (`INPUTS`); the validation split is by sequence, and the router returned is
+  the epoch of lowest validation loss. `weight` (float[N], default 1) weighs each pair's
+  loss, in training and validation, e.g. up for positions inside the model's own
+  continuations, which are what a draft predicts."""
   from tqdm.auto import tqdm
 
   labels = clusters.assignment[pairs.target]
   groups = np.unique(pairs.group)
   rng = np.random.default_rng(seed)
   val_groups = rng.choice(groups, max(1, int(round(val_share * groups.size))), replace=False)
-  is_val = np.isin(pairs.group, val_groups)
-  tr, va = np.flatnonzero(~is_val), np.flatnonzero(is_val)
+  rows = pairs.usable(inputs)
+  is_val = np.isin(pairs.group[rows], val_groups)
+  tr, va = rows[~is_val], rows[is_val]
   D, M = pairs.hidden.shape[1], clusters.num_clusters
-  router = Router(D, M, hidden, rngs=nnx.Rngs(seed))
+  router = Router(D, M, hidden, inputs=inputs, rngs=nnx.Rngs(seed))
   w = np.ones(pairs.target.size, np.float32) if weight is None else np.asarray(weight,
                                                                                np.float32)
   opt = nnx.Optimizer(router, optax.adamw(optax.cosine_decay_schedule(lr, epochs * max(
@@ -242,7 +304,8 @@ def train_router(pairs: Pairs, clusters: VocabClusters, *, k_max: int, hidden: i
     return loss, jnp.mean(jnp.any(top == y[:, None], axis=-1))
 
   def val():
-    loss, recall = evaluate(router, pairs.hidden[va], pairs.mass[va], labels[va], w[va])
+    loss, recall = evaluate(router, pairs.features(va, inputs), pairs.mass[va], labels[va],
+                            w[va])
     return float(loss), float(recall)
 
   result = TrainResult(router, [float("nan")], *([v] for v in val()))
@@ -252,7 +315,8 @@ def train_router(pairs: Pairs, clusters: VocabClusters, *, k_max: int, hidden: i
     order = rng.permutation(tr)
     batches = (order[i : i + batch] for i in range(0, order.size - batch + 1, batch))
     # Losses stay on the device until the epoch ends: one host read per epoch, not per step.
-    losses = [step(router, opt, pairs.hidden[b], pairs.mass[b], w[b]) for b in batches]
+    losses = [step(router, opt, pairs.features(b, inputs), pairs.mass[b], w[b])
+              for b in batches]
     vl, vr = val()
     result.train_loss.append(float(np.mean(jax.device_get(losses))) if losses else float("nan"))
     result.val_loss.append(vl)
@@ -266,21 +330,28 @@ def train_router(pairs: Pairs, clusters: VocabClusters, *, k_max: int, hidden: i
 
 
 def recall_at(router: Router, pairs: Pairs, clusters: VocabClusters, k: int,
-              core=None) -> float:
+              core=None, where: np.ndarray | None = None) -> float:
   """Share of positions whose target top token lies in the router's top-k clusters (or in
-  `core`, ids scored at every step): for the all-layer draft, the share of its greedy
-  drafts a k-cluster shortlist keeps."""
-  _, top = jax.lax.top_k(router(jnp.asarray(pairs.hidden)), k)
-  labels = clusters.assignment[pairs.target]
+  `core`, ids scored at every step), over the positions `where` (bool[N], default all)
+  marks and its input exists at (`Pairs.usable`): for the all-layer draft, the share of
+  its greedy drafts a k-cluster shortlist keeps. Mark positions with `where` rather than
+  `select` them: a selected position's h̃_{t−1} may be a row left out."""
+  rows = pairs.usable(router.inputs)
+  if where is not None:
+    rows = rows[np.asarray(where)[rows]]
+  _, top = jax.lax.top_k(router(jnp.asarray(pairs.features(rows, router.inputs))), k)
+  labels = clusters.assignment[pairs.target[rows]]
   hit = np.array(jnp.any(top == labels[:, None], axis=-1))
   if core is not None:
-    hit |= np.isin(pairs.target, np.asarray(core))
+    hit |= np.isin(pairs.target[rows], np.asarray(core))
   return float(np.mean(hit))
 
 
 def select(pairs: Pairs, mask: np.ndarray) -> Pairs:
-  """The pairs at the positions `mask` marks."""
-  return Pairs(pairs.hidden[mask], pairs.mass[mask], pairs.target[mask], pairs.group[mask])
+  """The pairs at the positions `mask` marks: whole sequences, for an "embed_prev" router
+  reads a row's h̃_{t−1} from the row before it (`recall_at`'s `where` scores a part)."""
+  return Pairs(pairs.hidden[mask], pairs.mass[mask], pairs.target[mask], pairs.group[mask],
+               None if pairs.embed is None else pairs.embed[mask])
 
 
 # --- storage -------------------------------------------------------------------------------
@@ -297,6 +368,11 @@ class RouterBundle:
   hidden: int
   decay: bool = False  # the paper's shrinking k schedule (`k_schedule`)
 
+  @property
+  def inputs(self) -> str:
+    """What the router reads (`INPUTS`)."""
+    return self.router.inputs
+
   def plan_field(self, positions: int, k: int | None = None, core=None,
                  decay: bool | None = None) -> RouterPlan:
     """The router for a draft plan; `k` clusters per shortlist (default k_max), shrinking
@@ -306,7 +382,8 @@ class RouterBundle:
     graphdef, state = nnx.split(self.router)
     decay = self.decay if decay is None else decay
     return RouterPlan(graphdef, state, jnp.asarray(self.clusters.without(core)),
-                      k_schedule(self.k_max if k is None else k, positions, decay))
+                      k_schedule(self.k_max if k is None else k, positions, decay),
+                      inputs=self.inputs)
 
 
 def save_bundle(directory: str | Path, bundle: RouterBundle, **meta) -> None:
@@ -314,8 +391,8 @@ def save_bundle(directory: str | Path, bundle: RouterBundle, **meta) -> None:
   tree = {"router": nnx.to_pure_dict(nnx.state(bundle.router)), "centroids": c.centroids,
           "assignment": c.assignment, "table": c.table}
   checkpoint.save_tree(Path(directory), tree, dict(
-      model=bundle.model, version=VERSION, k_max=bundle.k_max, hidden=bundle.hidden,
-      decay=bundle.decay,
+      model=bundle.model, version=VERSION, inputs=bundle.inputs, k_max=bundle.k_max,
+      hidden=bundle.hidden, decay=bundle.decay,
       clusters=c.num_clusters, capacity=c.capacity, embed_dim=int(c.centroids.shape[1]),
       vocab=int(c.assignment.size), objective=list(c.objective), **meta))
 
@@ -327,12 +404,13 @@ def load_bundle(directory: str | Path, *, model: str) -> RouterBundle:
     raise RouterMismatchError(f"the router at {directory} was trained for "
                               f"{meta.get('model')}, not {model}: train one with "
                               f"`specjax router train --model {model}`")
-  if meta.get("version", 1) != VERSION:
+  inputs = _inputs_of(meta)
+  if inputs is None:
     raise RouterMismatchError(f"the router at {directory} is of an older design (version "
                               f"{meta.get('version', 1)}, this is {VERSION}): train it again "
                               f"with `specjax router train --model {model}`")
   D, M, cap, V = meta["embed_dim"], meta["clusters"], meta["capacity"], meta["vocab"]
-  router = Router(D, M, meta["hidden"], rngs=nnx.Rngs(0))
+  router = Router(D, M, meta["hidden"], inputs=inputs, rngs=nnx.Rngs(0))
   like = {"router": nnx.to_pure_dict(nnx.state(router)),
           "centroids": np.zeros((M, D), np.float32), "assignment": np.zeros(V, np.int32),
           "table": np.zeros((M, cap), np.int32)}
@@ -346,7 +424,17 @@ def load_bundle(directory: str | Path, *, model: str) -> RouterBundle:
                       bool(meta.get("decay", False)))
 
 
-def is_current(directory: str | Path) -> bool:
-  """A saved router exists at `directory` and is of this design."""
+def _inputs_of(meta: dict) -> str | None:
+  """What a saved router reads; None for a design this one cannot read."""
+  version = meta.get("version", 1)
+  return {2: "hidden", VERSION: meta.get("inputs")}.get(version)
+
+
+def is_current(directory: str | Path, inputs: str | None = None) -> bool:
+  """A saved router exists at `directory`, of a design this one reads, and (given
+  `inputs`) reading those inputs."""
   path = Path(directory) / "meta.json"
-  return path.exists() and checkpoint.load_meta(Path(directory)).get("version", 1) == VERSION
+  if not path.exists():
+    return False
+  found = _inputs_of(checkpoint.load_meta(Path(directory)))
+  return found is not None and (inputs is None or found == inputs)

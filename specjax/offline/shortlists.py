@@ -23,6 +23,7 @@ import numpy as np
 from specjax import data, gguf_matrix, plots
 from specjax.models.source import artefact_key
 from specjax.offline.router import (
+  DEFAULT_INPUTS,
   Pairs,
   RouterBundle,
   collect_pairs,
@@ -35,6 +36,18 @@ from specjax.offline.token_counts import count_tokens, load_counts, save_counts
 from specjax.offline.vocab_clusters import spherical_kmeans
 
 RESERVED = 5  # Spec-Bench prompts per category kept for evaluation
+CLUSTERS = 1024  # the router's default M
+
+
+def folder(model, clusters: int = CLUSTERS, inputs: str = DEFAULT_INPUTS) -> Path:
+  """Where specjax keeps `model`'s counts and router: one folder per model, and one beside
+  it per other cluster count or router input, which shares the training continuations."""
+  from specjax.storage import cache_root
+
+  root = cache_root() / "shortlists" / artefact_key(model)
+  other = ([f"c{clusters}"] if clusters != CLUSTERS else []) + (
+      [f"input-{inputs}"] if inputs != DEFAULT_INPUTS else [])
+  return root / "-".join(other) if other else root
 
 
 def training_prompts(tokenizer, count: int, data_dir=None) -> list[list[int]]:
@@ -86,12 +99,13 @@ def build_counts(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
 
 
 def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
-          router_prompts: int = 320, clusters: int = 1024, k_max: int = 16,
-          hidden: int = 1024, epochs: int = 10, decay: bool = False,
+          router_prompts: int = 320, clusters: int = CLUSTERS, k_max: int = 16,
+          hidden: int = 1024, inputs: str = DEFAULT_INPUTS, epochs: int = 10,
+          decay: bool = False,
           continuation_weight: float = 1.0, keep_pairs: bool = False, data_dir=None,
           verbose: bool = True) -> tuple[np.ndarray, RouterBundle, dict]:
   """Counts (`build_counts`) and router bundle for `model` (reused from `out` when already
-  there and of this design). `continuation_weight` weighs the router's loss at the
+  there, of this design and reading `inputs`). `continuation_weight` weighs the router's loss at the
   positions inside the model's own continuations, the text a draft predicts, against
   prompt text's 1. `keep_pairs` keeps the router's training pairs under out/pairs (about
   8 KB a token on the 1.5B) for ablations that train other routers on them
@@ -101,7 +115,7 @@ def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
   counts = build_counts(model, out, prompts=prompts, new_tokens=new_tokens, data_dir=data_dir,
                         verbose=verbose)
   router_dir, curves_path = out / "router", out / "curves.json"
-  if is_current(router_dir):
+  if is_current(router_dir, inputs):
     bundle = load_bundle(router_dir, model=artefact_key(model))
     curves = json.loads(curves_path.read_text()) if curves_path.exists() else {}
     _warn_if_other_settings(router_dir, clusters=clusters, k_max=k_max, hidden=hidden,
@@ -116,10 +130,10 @@ def build(model, out: Path, *, prompts: int = 48, new_tokens: int = 48,
   texts = router_texts(model.tokenizer, seqs, continued, router_prompts, data_dir)
   pairs = collect_pairs(model, texts, vc, verbose=verbose, save_dir=out / "pairs")
   weight = continuation_weights(pairs, [len(p) for p in continued], continuation_weight)
-  result = train_router(pairs, vc, k_max=k_max, hidden=hidden, epochs=epochs, weight=weight,
-                        verbose=verbose)
+  result = train_router(pairs, vc, k_max=k_max, hidden=hidden, inputs=inputs, epochs=epochs,
+                        weight=weight, verbose=verbose)
   bundle = RouterBundle(artefact_key(model), result.router, vc, k_max, hidden, decay)
-  curves = dict(train_loss=result.train_loss, val_loss=result.val_loss,
+  curves = dict(inputs=inputs, train_loss=result.train_loss, val_loss=result.val_loss,
                 best_epoch=result.best_epoch, val_recall=result.val_recall,
                 pairs=int(pairs.target.size), continuation_weight=continuation_weight)
   save_bundle(router_dir, bundle, pairs=curves["pairs"], sequences=len(texts),
