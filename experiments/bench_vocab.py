@@ -35,20 +35,27 @@ from specjax.drafters.factory import DrafterFactory
 from specjax.jit_cache import compiled
 from specjax.kv_cache import KVCache
 from specjax.models.loader import load_model
-from specjax.models.source import artefact_key
 from specjax.offline import shortlists
 from specjax.offline.artefacts import ArtefactStore
-from specjax.offline.router import collect_pairs, k_schedule, recall_at, select
+from specjax.offline.router import (
+  DEFAULT_INPUTS,
+  INPUTS,
+  collect_pairs,
+  k_schedule,
+  recall_at,
+)
 from specjax.offline.token_counts import frequent_shortlist
 from specjax.plan import DraftPlan
 from specjax.sampling import SamplingParams
 from specjax.selection.profiler import median_time
-from specjax.storage import cache_root
 
 CATEGORIES = ("writing", "coding", "qa", "math_reasoning", "translation", "summarization",
               "extraction", "rag")
 FR_SIZES = (1024, 8192, 16384, 32768)  # 1k: FR-Spec at about DynaSpec's size
 DYNASPEC_KS = (32, 64, 128)
+ROUTER_INPUT = {"embed_prev": "the paper's [E(x_t), h_{t-1}] (the token's embedding and the "
+                              "final hidden state before it)",
+                "hidden": "the draft step's own final hidden state h_t (our variant)"}
 CORE = 1024  # `dynaspec-core1k`: FR-Spec's 1k most frequent tokens beside the routed clusters
 # Method -> (drafter_factory name, its options given the number of layers L).
 METHODS = {
@@ -92,12 +99,13 @@ def draft_step_times(model, plans: dict, gamma: int, repeats: int) -> dict[str, 
   cfg = model.config
   cache = KVCache.create(cfg, 1, 512).with_length(300)
   key, last = jax.random.key(0), jnp.int32(11)
+  hidden = jnp.zeros((cfg.embed_dim,), jnp.float32)  # h_{t-1} for a router reading it
   out = {}
   for name, plan in plans.items():
-    exe = compiled(draft_step, model.state, cache, last, plan, key, jnp.int32(gamma),
+    exe = compiled(draft_step, model.state, cache, last, plan, key, jnp.int32(gamma), hidden,
                    graphdef=model.graphdef, vocab=cfg.vocab_size, gamma=gamma, threshold=0.0,
                    sampling=SamplingParams())
-    run = lambda: exe(model.state, cache, last, plan, key, jnp.int32(gamma)).n
+    run = lambda: exe(model.state, cache, last, plan, key, jnp.int32(gamma), hidden).n
     out[name] = median_time(run, repeats) / gamma
   return out
 
@@ -116,6 +124,9 @@ def main(argv=None) -> None:
                  help="training prompts the router reads (no continuation needed)")
   p.add_argument("--continuation-weight", type=float, default=1.0,
                  help="router loss weight inside the model's own continuations")
+  p.add_argument("--router-inputs", choices=INPUTS, default=DEFAULT_INPUTS,
+                 help="what the router reads: the paper's [E(x_t), h_{t-1}] (embed_prev) or "
+                 "the draft step's h_t (hidden)")
   p.add_argument("--methods", default="full-vocab,frspec-1k,frspec-8k,frspec-32k,dynaspec,"
                  "dynaspec-k64,knapspec,dynaspec+knapspec")
   p.add_argument("--data-dir")
@@ -134,9 +145,10 @@ def main(argv=None) -> None:
 
   model = load_model(args.model, dtype=args.dtype)
   cfg = model.config
+  folder = shortlists.folder(model, args.clusters, args.router_inputs)
   counts, bundle, curves = shortlists.build(
-      model, cache_root() / "shortlists" / artefact_key(model), prompts=args.train_prompts,
-      router_prompts=args.router_prompts, clusters=args.clusters, k_max=args.k_max,
+      model, folder, prompts=args.train_prompts, router_prompts=args.router_prompts,
+      clusters=args.clusters, k_max=args.k_max, inputs=args.router_inputs,
       continuation_weight=args.continuation_weight, data_dir=args.data_dir)
   L = cfg.num_layers
   full = DraftPlan.full(L)
@@ -188,8 +200,9 @@ def main(argv=None) -> None:
            for r in ar_runs]
   pairs = collect_pairs(model, [h + r["tokens"][0] for h, r in zip(heads, ar_runs)],
                         bundle.clusters, verbose=False)
-  decode = select(pairs, np.concatenate([
-      np.arange(len(h) + len(r["tokens"][0])) >= len(h) - 1 for h, r in zip(heads, ar_runs)]))
+  # Positions marked, not selected: a router reading h_{t-1} reads the row before each.
+  decode = np.concatenate([np.arange(len(h) + len(r["tokens"][0])) >= len(h) - 1
+                           for h, r in zip(heads, ar_runs)])
   sched = bundle.plan_field(args.gamma, decay=True).ks  # the drafter's (the paper's) schedule
   M = bundle.clusters.num_clusters
   # Each DynaSpec method's k (the same router for every k).
@@ -197,10 +210,13 @@ def main(argv=None) -> None:
           if "dynaspec" in m}
   ks = sorted({k for k in (2, 4, 8, 16, 32, 64) if k <= M} | set(sched) | set(k_of.values()))
   core_of = {m: CORE if "core" in m else 0 for m in k_of}
-  recall = {k: recall_at(bundle.router, decode, bundle.clusters, k) for k in ks}
-  recall_core = {k: recall_at(bundle.router, decode, bundle.clusters, k, fr[CORE]) for k in ks}
+  recall = {k: recall_at(bundle.router, pairs, bundle.clusters, k, where=decode) for k in ks}
+  recall_core = {k: recall_at(bundle.router, pairs, bundle.clusters, k, fr[CORE], where=decode)
+                 for k in ks}
   recall_all = {k: recall_at(bundle.router, pairs, bundle.clusters, k) for k in ks}
-  scores = np.asarray(bundle.router(jnp.asarray(decode.hidden)))
+  rows_read = pairs.usable(bundle.inputs)
+  rows_read = rows_read[decode[rows_read]]
+  scores = np.asarray(bundle.router(jnp.asarray(pairs.features(rows_read, bundle.inputs))))
 
   def real(k: int, core: int = 0) -> float:
     """Mean real shortlist at k clusters along the outputs: the core and its clusters'
@@ -253,8 +269,7 @@ def main(argv=None) -> None:
                  mismatches=metrics.total_mismatches(summary),
                  verdicts=[v.to_json() for v in found])
   if args.write_docs:
-    image = report.copy_image(cache_root() / "shortlists" / artefact_key(model) / "curves.png",
-                              f"router_curves_{model.name}.png")
+    image = report.copy_image(folder / "curves.png", f"router_curves_{model.name}.png")
     body = "\n".join([
         f"## Vocabulary shortlists: FR-Spec and DynaSpec ({model.name})", "",
         f"{len(prompts)} Spec-Bench prompts ({args.per_category} per category of "
@@ -263,7 +278,7 @@ def main(argv=None) -> None:
         f"Spec-Bench prompts past the first {shortlists.RESERVED} of each category) and the "
         f"model's continuations of them. DynaSpec: {bundle.clusters.num_clusters} clusters "
         f"(capacity {bundle.clusters.capacity}), k per draft position {list(sched)}, a "
-        f"router on the draft's final hidden state distilled from the target's "
+        f"router reading {ROUTER_INPUT[bundle.inputs]} distilled from the target's "
         f"distributions at {curves.get('pairs', '?')} positions of those sequences and "
         f"{args.router_prompts} training prompts (no continuation), the positions inside "
         f"the continuations weighted {curves.get('continuation_weight', 1.0):g}. AR and "
