@@ -5,6 +5,7 @@ errors for k > M, a router of another model and a router of an older design."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -282,7 +283,16 @@ def reference_accepted(m, b, tokens, gamma, inputs, prev_offset=1):
   return accepted
 
 
-@pytest.mark.parametrize("inputs", ["embed_prev", "hidden"])
+def reading_only_the_previous_state(b: RouterBundle) -> RouterBundle:
+  """`b` with its router's weights on E(x_t) zeroed: its shortlist follows h̃_{t−1} alone,
+  so a driver that carried a stale one into a round would draft otherwise."""
+  router = nnx.clone(b.router)
+  D = router.l1.kernel.shape[0] // 2
+  router.l1.kernel[...] = router.l1.kernel[...].at[:D].set(0.0)
+  return dataclasses.replace(b, router=router)
+
+
+@pytest.mark.parametrize("inputs", ["embed_prev", "previous state alone", "hidden"])
 def test_the_router_reads_its_own_inputs_on_every_path(inputs):
   """The paper's router reads [E(x_t), h̃_{t−1}]: at a round's first step the target's
   hidden state before `last` (the prefill's, then verification's at the last accepted
@@ -290,11 +300,13 @@ def test_the_router_reads_its_own_inputs_on_every_path(inputs):
   loop, the device loop and the dispatched draft is the one a forward of the whole text
   predicts, and reading h one position off predicts other counts (the test can fail)."""
   m = tiny()
-  b, _ = bundle(k_max=1, inputs=inputs)
+  b, _ = bundle(k_max=1, inputs="hidden" if inputs == "hidden" else "embed_prev")
+  if inputs == "previous state alone":
+    b = reading_only_the_previous_state(b)
   ar = generate(m.graphdef, m.state, m.config, PROMPT, max_new_tokens=40, eos_ids=()).tokens
-  want = reference_accepted(m, b, ar, 4, inputs)
-  if inputs == "embed_prev":
-    assert reference_accepted(m, b, ar, 4, inputs, prev_offset=0) != want
+  want = reference_accepted(m, b, ar, 4, b.inputs)
+  if b.inputs == "embed_prev":
+    assert reference_accepted(m, b, ar, 4, b.inputs, prev_offset=0) != want
   assert 0 < sum(want) < 4 * len(want)  # some drafts accepted, some not
   for loop, path in (("host", "cond"), ("device", "cond"), ("host", "dispatch")):
     out = speculative_generate(m.graphdef, m.state, m.config, PROMPT, DynaSpecDrafter(b),
