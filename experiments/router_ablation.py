@@ -34,7 +34,7 @@ from experiments import report
 from specjax import plots
 from specjax.bench.results_store import ResultsStore
 from specjax.models.loader import load_model
-from specjax.models.source import resolve
+from specjax.models.source import artefact_key, resolve
 from specjax.offline import shortlists
 from specjax.offline.router import (
   INPUTS,
@@ -45,7 +45,6 @@ from specjax.offline.router import (
   select,
   train_router,
 )
-from specjax.storage import cache_root
 
 KS = (16, 32, 64)
 HOLD_EVERY = 4  # every 4th continued sequence is held out for evaluation
@@ -87,6 +86,8 @@ def main(argv=None) -> None:
   p.add_argument("--inputs", default=",".join(INPUTS),
                  help="router inputs, comma-separated; the first gets the size and weight "
                  "variants (embed_prev: the paper's [E(x_t), h_{t-1}]; hidden: h_t)")
+  p.add_argument("--clusters", type=int, default=1024,
+                 help="the router's clusters (its folder: `specjax router train --clusters`)")
   p.add_argument("--hidden", type=int, default=1024)
   p.add_argument("--epochs", type=int, default=10)
   p.add_argument("--data-dir")
@@ -98,16 +99,17 @@ def main(argv=None) -> None:
   inputs = [i for i in args.inputs.split(",") if i]
   if not inputs or set(inputs) - set(INPUTS):
     raise SystemExit(f"--inputs takes some of {', '.join(INPUTS)}, got {args.inputs!r}")
-  folder = cache_root() / "shortlists" / resolve(args.model).key
+  folder = shortlists.folder(resolve(args.model).key, args.clusters)
   if not is_current(folder / "router"):  # said before a model load of seconds to minutes
+    clusters = f" --clusters {args.clusters}" if args.clusters != shortlists.CLUSTERS else ""
     raise SystemExit(f"no router for {args.model}: run `specjax router train --model "
                      f"{args.model} --prompts {args.prompts} --router-prompts "
-                     f"{args.router_prompts} --keep-pairs` first")
+                     f"{args.router_prompts}{clusters} --keep-pairs` first")
   store = ResultsStore(Path(args.out or f"runs/router-ablation-{args.model}"),
                        report.settings(args), resume=args.resume)
 
   model = load_model(args.model, dtype=args.dtype)
-  bundle = load_bundle(folder / "router", model=model.name)  # its clusters label the pairs
+  bundle = load_bundle(folder / "router", model=artefact_key(model))  # clusters label pairs
   continued = shortlists.training_prompts(model.tokenizer, args.prompts, args.data_dir)
   seqs = shortlists.sequences(model, folder, continued, args.new_tokens)
   texts = shortlists.router_texts(model.tokenizer, seqs, continued, args.router_prompts,
@@ -120,6 +122,7 @@ def main(argv=None) -> None:
                                                 pairs.usable("embed_prev"))
   evaluation = {"outputs": scored & shortlists.in_continuation(pairs, lengths), "all": scored}
 
+  ks = [k for k in KS if k <= bundle.clusters.num_clusters] or [bundle.k_max]
   for n, w, reads in variants(sizes, weights, inputs):
     unit = f"n={n},w={w:g},inputs={reads}"
     if store.done(unit):
@@ -134,16 +137,16 @@ def main(argv=None) -> None:
                best_val_loss=float(min(result.val_loss)))
     for where, mask in evaluation.items():
       rec[where] = {str(k): recall_at(result.router, pairs, bundle.clusters, k, where=mask)
-                    for k in KS}
+                    for k in ks}
     store.add(unit, [rec])
     print(json.dumps({unit: rec}), file=sys.stderr)
 
   rows = store.records()
   header = ["router input", "training sequences", "pairs", "continuation weight"] + [
-      f"recall@{k} at outputs" for k in KS] + [f"recall@{k} all positions" for k in KS]
+      f"recall@{k} at outputs" for k in ks] + [f"recall@{k} all positions" for k in ks]
   table = report.markdown_table(header, [
       [r.get("inputs", "hidden"), r["sequences"], r["pairs"], f"{r['weight']:g}"]
-      + [f"{r[where][str(k)]:.3f}" for where in ("outputs", "all") for k in KS]
+      + [f"{r[where][str(k)]:.3f}" for where in ("outputs", "all") for k in ks]
       for r in rows])
   print(f"\n{table}\n")
   figures = dict(model=model.name, held_out_sequences=int(held.size),
@@ -151,7 +154,7 @@ def main(argv=None) -> None:
                  variants=rows)
   if args.write_docs:
     plot = Path(store.folder) / "router_ablation.png"
-    plot_scaling(rows, plot, model.name)
+    plot_scaling(rows, plot, model.name, ks)
     image = report.copy_image(plot, f"router_ablation_{model.name}.png")
     report.write_section(f"router-ablation-{model.name}", "\n".join([
         f"## DynaSpec router: input, training text and continuation weight "
@@ -170,8 +173,8 @@ def main(argv=None) -> None:
         f"The held-out sequences come from the training pool (GSM8K train, Spec-Bench "
         f"past the evaluation prompts), so their recall runs above the evaluation "
         f"prompts' (`bench_vocab.py`). Machine: {report.machine()}.", "", table, "",
-        findings(rows), "", image]))
-  report.print_json(figures)
+        findings(rows, ks[0]), "", image]))
+  report.print_json({**figures, "findings": findings(rows, ks[0])})
 
 
 def findings(rows: list[dict], k: int = KS[0]) -> str:
@@ -198,18 +201,21 @@ def findings(rows: list[dict], k: int = KS[0]) -> str:
   return " ".join(text)
 
 
-def plot_scaling(rows: list[dict], path: Path, name: str) -> None:
+def plot_scaling(rows: list[dict], path: Path, name: str, ks=KS) -> None:
+  """Recall at the held-out outputs against the training sequences, one line per router
+  input and k (continuation weight 1)."""
   plt = plots.pyplot()
-  fig, ax = plt.subplots(figsize=(5, 3.2))
-  first = rows[0].get("inputs", "hidden") if rows else None
-  flat = sorted((r for r in rows if r["weight"] == 1.0 and r.get("inputs", "hidden") == first),
-                key=lambda r: r["sequences"])
-  for k in KS:
-    ax.plot([r["sequences"] for r in flat],
-            [r["outputs"][str(k)] for r in flat], "o-",
-            label=f"top-{k} clusters")
+  fig, ax = plt.subplots(figsize=(5.5, 3.4))
+  reads = lambda r: r.get("inputs", "hidden")
+  flat = sorted((r for r in rows if r["weight"] == 1.0), key=lambda r: r["sequences"])
+  for style, i in zip(("o-", "s--"), dict.fromkeys(reads(r) for r in flat)):
+    mine = [r for r in flat if reads(r) == i]
+    for k in ks:
+      ax.plot([r["sequences"] for r in mine], [r["outputs"][str(k)] for r in mine], style,
+              label=f"{i}, top-{k} clusters")
+  sizes = sorted({r["sequences"] for r in flat})
   ax.set_xscale("log", base=2)
-  ax.set_xticks([r["sequences"] for r in flat], [str(r["sequences"]) for r in flat])
+  ax.set_xticks(sizes, [str(n) for n in sizes])
   ax.minorticks_off()
   ax.set_xlabel("router training sequences")
   ax.set_ylabel("recall at held-out outputs")

@@ -387,6 +387,29 @@ def test_k_is_a_decoding_setting():
   assert alphas[1] >= alphas[0]
 
 
+def test_dynaspec_defaults_are_the_papers(tmp_path, monkeypatch):
+  """The paper's router reads [E(x_t), h̃_{t−1}], and k shrinks after the second draft
+  position: what a router trained with no input named reads (the library, `specjax router
+  train`, the drafter factory's artefact), where specjax keeps it, and the drafter's k."""
+  import inspect
+
+  from specjax.cli import build_parser
+  from specjax.offline import router, shortlists
+  from specjax.offline.artefacts import ARTEFACT_OPTIONS
+
+  assert router.DEFAULT_INPUTS == "embed_prev"
+  assert inspect.signature(train_router).parameters["inputs"].default == "embed_prev"
+  assert inspect.signature(shortlists.build).parameters["inputs"].default == "embed_prev"
+  assert ARTEFACT_OPTIONS["dynaspec"]["inputs"] == "embed_prev"
+  args = build_parser().parse_args(["router", "train", "--model", "tiny-llama"])
+  assert args.inputs == "embed_prev"
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  assert shortlists.folder(tiny()) == shortlists.folder(tiny(), 1024, "embed_prev")
+  assert shortlists.folder(tiny(), 1024, "hidden").name == "input-hidden"
+  assert DynaSpecDrafter.decay and k_schedule(16, 4, decay=True) == (16, 16, 2, 2)
+  assert bundle()[0].inputs == "embed_prev"
+
+
 def test_a_core_is_scored_beside_the_routed_clusters():
   """With a core the draft's shortlist is core ∪ routed clusters, each token once: the
   router's table leaves the core out, and the draft's greedy token is the full head's

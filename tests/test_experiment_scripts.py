@@ -75,7 +75,9 @@ SHARED = ROOT.parent / "shared" / "data"
 def test_bench_vocab_builds_its_shortlists_and_decodes_losslessly(tmp_path, monkeypatch):
   """Counts, clusters and a router built for a tiny model from training prompts, then the
   full head, FR-Spec and DynaSpec decode the evaluation prompts with AR's tokens; the
-  router's recall and the shortlists' verdicts are reported."""
+  router's recall and the shortlists' verdicts are reported. Then the router ablation
+  trains a router of each input on that build's text and scores both on the same
+  held-out positions."""
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))  # the child builds afresh
   out = _run("bench_vocab", "--model", "tiny-llama", "--categories", "writing,coding",
              "--max-new-tokens", "8", "--repeats", "1", "--train-prompts", "4",
@@ -89,6 +91,15 @@ def test_bench_vocab_builds_its_shortlists_and_decodes_losslessly(tmp_path, monk
   assert 0 <= figures["router_recall"]["1"] <= 1
   assert {v["subject"] for v in figures["verdicts"]} == {"FR-Spec (Zhao et al. 2025)",
                                                          "DynaSpec"}
+  out = _run("router_ablation", "--model", "tiny-llama", "--clusters", "8", "--prompts", "4",
+             "--router-prompts", "8", "--sizes", "6", "--weights", "", "--epochs", "1",
+             "--hidden", "16", "--data-dir", str(SHARED), "--out", str(tmp_path / "ablation"))
+  ablation = json.loads(out.strip().splitlines()[-1])
+  assert [v["inputs"] for v in ablation["variants"]] == ["embed_prev", "hidden"]
+  assert ablation["eval_positions"]["outputs"] > 0
+  for v in ablation["variants"]:
+    assert 0 <= v["outputs"]["2"] <= 1 and v["sequences"] == 6
+  assert "A router reading hidden instead of embed_prev moves it by" in ablation["findings"]
 
 
 def test_bench_knn_streams_builds_a_library_and_decodes_its_streams(tmp_path, monkeypatch):

@@ -40,11 +40,11 @@ CLUSTERS = 1024  # the router's default M
 
 
 def folder(model, clusters: int = CLUSTERS, inputs: str = DEFAULT_INPUTS) -> Path:
-  """Where specjax keeps `model`'s counts and router: one folder per model, and one beside
-  it per other cluster count or router input, which shares the training continuations."""
+  """Where specjax keeps the counts and router of `model` (a model, or its `artefact_key`):
+  one folder per model, and one inside it per other cluster count or router input."""
   from specjax.storage import cache_root
 
-  root = cache_root() / "shortlists" / artefact_key(model)
+  root = cache_root() / "shortlists" / (model if isinstance(model, str) else artefact_key(model))
   other = ([f"c{clusters}"] if clusters != CLUSTERS else []) + (
       [f"input-{inputs}"] if inputs != DEFAULT_INPUTS else [])
   return root / "-".join(other) if other else root
