@@ -202,22 +202,20 @@ def findings(rows: list[dict], k: int = KS[0]) -> str:
 
 
 def plot_scaling(rows: list[dict], path: Path, name: str, ks=KS) -> None:
-  """Recall at the held-out outputs against the training sequences, one line per router
-  input and k (continuation weight 1)."""
+  """Recall at the held-out outputs against the clusters per shortlist: one line per router
+  input and amount of training text (continuation weight 1)."""
   plt = plots.pyplot()
   fig, ax = plt.subplots(figsize=(5.5, 3.4))
   reads = lambda r: r.get("inputs", "hidden")
   flat = sorted((r for r in rows if r["weight"] == 1.0), key=lambda r: r["sequences"])
-  for style, i in zip(("o-", "s--"), dict.fromkeys(reads(r) for r in flat)):
-    mine = [r for r in flat if reads(r) == i]
-    for k in ks:
-      ax.plot([r["sequences"] for r in mine], [r["outputs"][str(k)] for r in mine], style,
-              label=f"{i}, top-{k} clusters")
-  sizes = sorted({r["sequences"] for r in flat})
+  styles = dict(zip(dict.fromkeys(reads(r) for r in flat), ("o-", "s--", "^:")))
+  for r in flat:
+    ax.plot(list(ks), [r["outputs"][str(k)] for k in ks], styles[reads(r)],
+            label=f"{reads(r)}, {r['sequences']} sequences")
   ax.set_xscale("log", base=2)
-  ax.set_xticks(sizes, [str(n) for n in sizes])
+  ax.set_xticks(list(ks), [str(k) for k in ks])
   ax.minorticks_off()
-  ax.set_xlabel("router training sequences")
+  ax.set_xlabel("clusters per shortlist (k)")
   ax.set_ylabel("recall at held-out outputs")
   ax.legend()
   ax.set_title(f"DynaSpec router, {name}")
