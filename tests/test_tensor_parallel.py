@@ -39,14 +39,16 @@ def _child(body: str, timeout: int = 900) -> dict:
   return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_every_family_decodes_its_single_device_tokens_on_2_4_and_8_devices():
+def test_every_family_decodes_its_single_device_tokens_on_2_and_8_devices():
+  """Each family's greedy tokens on a 2- and an 8-way mesh (4-way: the drafters' test
+  below), its weights split across the devices."""
   out = _child("""
       for name in ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"):
         one = load_model(name, verbose=False)
         ids = one.tokenizer.encode(PROMPT)
         want = generate(one.graphdef, one.state, one.config, ids, max_new_tokens=24).tokens
         alone = sharding.bytes_per_device(one.state)[0]
-        for n in (2, 4, 8):
+        for n in (2, 8):
           m = load_model(name, verbose=False, tensor_parallel=n)
           got = generate(m.graphdef, m.state, m.config, ids, max_new_tokens=24).tokens
           held = sharding.bytes_per_device(m.state)
