@@ -18,6 +18,7 @@ The last line is one JSON object with the figures.
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 import jax
@@ -67,6 +68,9 @@ METHODS = {
     **{f"dynaspec-k{k}": ("dynaspec", lambda L, k=k: {"dynaspec": {"k": k}})
        for k in DYNASPEC_KS},
     "dynaspec-core1k": ("dynaspec", lambda L: {"dynaspec": {"core": CORE}}),
+    # A router reading the draft step's h_t instead of --router-inputs (the paper's by
+    # default): trained on the same text, drafting at the same k schedule.
+    "dynaspec-ht": ("dynaspec", lambda L: {"dynaspec": {"inputs": "hidden"}}),
     "knapspec": ("knapspec", lambda L: {}),
     "dynaspec+knapspec": ("knapspec+dynaspec", lambda L: {}),
     "frspec-32k+knapspec": ("knapspec+frspec", lambda L: {"frspec": {"size": 32768}}),
@@ -170,13 +174,25 @@ def main(argv=None) -> None:
   steps = draft_step_times(model, step_plans, args.gamma, args.repeats)
 
   # 3. End to end: every method is a factory name with its options.
+  inputs_of = lambda m: METHODS[m][1](L).get("dynaspec", {}).get("inputs", args.router_inputs)
+  bundles = {args.router_inputs: bundle}
+  for reads in sorted({inputs_of(m) for m in methods if "dynaspec" in m} - set(bundles)):
+    other = shortlists.folder(model, args.clusters, reads)
+    if not (other / "sequences.json").exists():  # the same continuations, not made again
+      other.mkdir(parents=True, exist_ok=True)
+      shutil.copy(folder / "sequences.json", other / "sequences.json")
+    bundles[reads] = shortlists.build(
+        model, other, prompts=args.train_prompts, router_prompts=args.router_prompts,
+        clusters=args.clusters, k_max=args.k_max, inputs=reads,
+        continuation_weight=args.continuation_weight, data_dir=args.data_dir)[1]
   artefacts = {"counts": counts, "bundle": bundle}
   if any("knapspec" in m for m in methods):
     artefacts["profile"] = ArtefactStore(model, gamma=args.gamma).latency_profile
   drafters = {}
   for m in methods:
     name, options = METHODS[m]
-    factory = DrafterFactory(model, gamma=args.gamma, options=options(L), artefacts=artefacts)
+    factory = DrafterFactory(model, gamma=args.gamma, options=options(L),
+                             artefacts={**artefacts, "bundle": bundles[inputs_of(m)]})
     drafters[m] = factory.make(name)
   settings = RunSettings(max_new_tokens=args.max_new_tokens, gamma=args.gamma)
   prompts = data.load_spec_bench(args.data_dir, cats, per_category=args.per_category)
@@ -214,18 +230,24 @@ def main(argv=None) -> None:
   recall_core = {k: recall_at(bundle.router, pairs, bundle.clusters, k, fr[CORE], where=decode)
                  for k in ks}
   recall_all = {k: recall_at(bundle.router, pairs, bundle.clusters, k) for k in ks}
-  rows_read = pairs.usable(bundle.inputs)
-  rows_read = rows_read[decode[rows_read]]
-  scores = np.asarray(bundle.router(jnp.asarray(pairs.features(rows_read, bundle.inputs))))
+  def scores_of(b):
+    """A router's cluster scores at the positions it reads among those predicting outputs."""
+    rows = pairs.usable(b.inputs)
+    rows = rows[decode[rows]]
+    return rows.size, np.asarray(b.router(jnp.asarray(pairs.features(rows, b.inputs))))
+  scored = {reads: scores_of(b) for reads, b in bundles.items()}
+  n_scored = scored[args.router_inputs][0]
 
-  def real(k: int, core: int = 0) -> float:
-    """Mean real shortlist at k clusters along the outputs: the core and its clusters'
-    tokens outside it."""
+  def real(k: int, core: int = 0, reads: str = args.router_inputs) -> float:
+    """Mean real shortlist at k clusters along the outputs (the router reading `reads`):
+    the core and its clusters' tokens outside it."""
     sizes = bundle.clusters.sizes(fr[CORE] if core else None)
-    return core + float(np.mean(np.take(sizes, np.argsort(-scores, 1)[:, :k]).sum(1)))
-  shorts = {m: float(np.mean([real(k, core_of[m]) for k in k_schedule(k, args.gamma,
-                                                                       bundle.decay)]))
-            for m, k in k_of.items()}  # each DynaSpec method's mean shortlist
+    top = np.argsort(-scored[reads][1], 1)[:, :k]
+    return core + float(np.mean(np.take(sizes, top).sum(1)))
+  decays = {m: METHODS[m][1](L).get("dynaspec", {}).get("decay", True) for m in k_of}
+  shorts = {m: float(np.mean([real(k, core_of[m], inputs_of(m))
+                              for k in k_schedule(k, args.gamma, decays[m])]))
+            for m, k in k_of.items()}  # each DynaSpec method's mean shortlist, as it drafts
 
   def kept(m: str) -> float | None:
     """A shortlist's M over the same draft's with the full head: `full-vocab`, or the
@@ -281,16 +303,17 @@ def main(argv=None) -> None:
         f"router reading {ROUTER_INPUT[bundle.inputs]} distilled from the target's "
         f"distributions at {curves.get('pairs', '?')} positions of those sequences and "
         f"{args.router_prompts} training prompts (no continuation), the positions inside "
-        f"the continuations weighted {curves.get('continuation_weight', 1.0):g}. AR and "
-        f"every drafter "
-        f"in the same process. "
+        f"the continuations weighted {curves.get('continuation_weight', 1.0):g}"
+        + (f"; `dynaspec-ht`: a router reading {ROUTER_INPUT['hidden']}, trained on the "
+           f"same text, at the same k" if "dynaspec-ht" in methods else "")
+        + ". AR and every drafter in the same process. "
         f"Machine: {report.machine()}.", "",
         "Draft step (all layers; median of "
         f"{args.repeats}, γ = {args.gamma} steps per call):", "", step_table, "",
         "End to end (M kept: a shortlist's M over the same draft's with the full head, "
         "`full-vocab` or the composition's other part):", "", e2e_table, "",
         f"Router on the evaluation prompts (held out): recall of the target's top token at "
-        f"the {decode.target.size} positions that predict AR's output tokens (what the "
+        f"the {n_scored} positions that predict AR's output tokens (what the "
         f"draft predicts), alone and with FR-Spec's {CORE} most frequent tokens always "
         f"scored (`dynaspec-core1k`), and over every prompt and output position (as earlier "
         f"runs of this script reported it):", "", rec_table, "",

@@ -74,7 +74,8 @@ SHARED = ROOT.parent / "shared" / "data"
                     reason="FR-Spec's counts are built from GSM8K in ../shared/data")
 def test_bench_vocab_builds_its_shortlists_and_decodes_losslessly(tmp_path, monkeypatch):
   """Counts, clusters and a router built for a tiny model from training prompts, then the
-  full head, FR-Spec and DynaSpec decode the evaluation prompts with AR's tokens; the
+  full head, FR-Spec and DynaSpec (the paper's router input, and h_t on a router trained on
+  the same text) decode the evaluation prompts with AR's tokens; the
   router's recall and the shortlists' verdicts are reported. Then the router ablation
   trains a router of each input on that build's text and scores both on the same
   held-out positions."""
@@ -82,10 +83,10 @@ def test_bench_vocab_builds_its_shortlists_and_decodes_losslessly(tmp_path, monk
   out = _run("bench_vocab", "--model", "tiny-llama", "--categories", "writing,coding",
              "--max-new-tokens", "8", "--repeats", "1", "--train-prompts", "4",
              "--clusters", "8", "--k-max", "2", "--router-prompts", "8",
-             "--methods", "full-vocab,frspec-1k,dynaspec", "--data-dir", str(SHARED),
-             "--out", str(tmp_path / "out"))
+             "--methods", "full-vocab,frspec-1k,dynaspec,dynaspec-ht", "--data-dir",
+             str(SHARED), "--out", str(tmp_path / "out"))
   figures = json.loads(out.strip().splitlines()[-1])
-  for name in ("full-vocab", "frspec-1k", "dynaspec"):
+  for name in ("full-vocab", "frspec-1k", "dynaspec", "dynaspec-ht"):
     assert figures["methods"][name]["mismatches"] == 0, name
     assert figures["methods"][name]["M"] >= 1
   assert 0 <= figures["router_recall"]["1"] <= 1
