@@ -18,7 +18,6 @@ The last line is one JSON object with the figures.
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
 import jax
@@ -178,9 +177,7 @@ def main(argv=None) -> None:
   bundles = {args.router_inputs: bundle}
   for reads in sorted({inputs_of(m) for m in methods if "dynaspec" in m} - set(bundles)):
     other = shortlists.folder(model, args.clusters, reads)
-    if not (other / "sequences.json").exists():  # the same continuations, not made again
-      other.mkdir(parents=True, exist_ok=True)
-      shutil.copy(folder / "sequences.json", other / "sequences.json")
+    shortlists.share_continuations(folder, other)  # the same text, not generated again
     bundles[reads] = shortlists.build(
         model, other, prompts=args.train_prompts, router_prompts=args.router_prompts,
         clusters=args.clusters, k_max=args.k_max, inputs=reads,

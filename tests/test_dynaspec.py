@@ -403,6 +403,10 @@ def test_dynaspec_defaults_are_the_papers(tmp_path, monkeypatch):
   assert ARTEFACT_OPTIONS["dynaspec"]["inputs"] == "embed_prev"
   args = build_parser().parse_args(["router", "train", "--model", "tiny-llama"])
   assert args.inputs == "embed_prev"
+  with pytest.raises(SystemExit):  # the CLI's choices are the library's (it imports no jax)
+    build_parser().parse_args(["router", "train", "--model", "tiny-llama", "--inputs", "h_t"])
+  for choice in router.INPUTS:
+    build_parser().parse_args(["router", "train", "--model", "tiny-llama", "--inputs", choice])
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
   assert shortlists.folder(tiny()) == shortlists.folder(tiny(), 1024, "embed_prev")
   assert shortlists.folder(tiny(), 1024, "hidden").name == "input-hidden"

@@ -181,16 +181,11 @@ class ArtefactStore:
       return self.given.get("counts"), self.given.get("bundle")
     o = self.option("dynaspec")
     inputs = check_inputs(o["inputs"])
-    root, out = shortlists.folder(self.model), shortlists.folder(self.model, o["clusters"],
-                                                                 inputs)
-    default = out == root
+    out = shortlists.folder(self.model, o["clusters"], inputs)
     if not (out / "counts.npz").exists() or not is_current(out / "router", inputs):
       self._say(f"no FR-Spec counts / current DynaSpec router for {self.model.name} at {out}: "
                 f"building them now (`specjax router train` does the same)")
-      if not default and (root / "sequences.json").exists() and not (out / "sequences.json"
-                                                                      ).exists():
-        out.mkdir(parents=True, exist_ok=True)  # the training continuations are shared
-        (out / "sequences.json").write_text((root / "sequences.json").read_text())
+      shortlists.share_continuations(shortlists.folder(self.model), out)
     counts, bundle, _ = shortlists.build(self.model, out, clusters=o["clusters"],
                                          inputs=inputs, data_dir=self.data_dir,
                                          verbose=self.verbose)

@@ -50,6 +50,15 @@ def folder(model, clusters: int = CLUSTERS, inputs: str = DEFAULT_INPUTS) -> Pat
   return root / "-".join(other) if other else root
 
 
+def share_continuations(src: Path, dst: Path) -> None:
+  """Copy `src`'s training continuations (sequences.json) into `dst` when it has none:
+  a model's folders train on the same text, and each continuation costs a generation."""
+  have, want = Path(src) / "sequences.json", Path(dst) / "sequences.json"
+  if have.exists() and not want.exists():
+    want.parent.mkdir(parents=True, exist_ok=True)
+    want.write_text(have.read_text())
+
+
 def training_prompts(tokenizer, count: int, data_dir=None) -> list[list[int]]:
   """`count` chat-formatted training prompts: half GSM8K train, half held-out Spec-Bench."""
   spec = data.load_spec_bench(data_dir)
