@@ -60,19 +60,20 @@ class KVCache:
     return self.replace(length=jnp.asarray(length, jnp.int32))
 
   def view(self, positions: jax.Array, *, write: bool, dense: bool, bits: int = 16,
-           valid: jax.Array | None = None, window: tuple[int, int] | None = None
-           ) -> KVCacheView:
+           valid: jax.Array | None = None, window: tuple[int, int] | None = None,
+           kept: KeptKV | None = None) -> KVCacheView:
     """The decoder's view of this cache for one forward of tokens at positions[B, T]
     (`cache_view`): read only, or written at `length`. `window` (sinks, recent): read
-    only those slots (`plan.kv_window`, a sparse-KV draft's)."""
+    only those slots (`plan.kv_window`, a sparse-KV draft's); `kept`: and these selected
+    ones (`plan.kv_keep`)."""
     if bits < 16:
       raise PlanError(f"plan.kv_bits={bits} reads a quantised KV cache, but this one is full "
                       f"precision: decode with a QuantKVCache (kv_cache='quant')")
-    if window is not None and write:
+    if (window is not None or kept is not None) and write:
       raise PlanError("plan.kv_window is a draft's sparse read: a forward that writes the "
                       "cache is the target's and reads all of it")
     mode = "read" if not write else "append" if dense else "in_place"
-    return KVCacheView(self, positions, mode, window)
+    return KVCacheView(self, positions, mode, window, kept)
 
 
 @dataclasses.dataclass
@@ -86,12 +87,14 @@ class KVCacheView:
   `in_place` (a writer under a traced plan): the rows are written into the layer inside
   the sub-layer's first conditional and the second reads the layer itself (the causal
   mask hides slots past the tokens).
-  `window` (read only): the sink and recent slots alone (`window_segments`)."""
+  `window` (read only): the sink and recent slots alone (`window_segments`); with
+  `kept`, the selected slots too (`KeptKV`)."""
 
   cache: KVCache
   positions: jax.Array  # [B, T]
   mode: str
   window: tuple[int, int] | None = None
+  kept: KeptKV | None = None
   rows: list[tuple[jax.Array, jax.Array]] = dataclasses.field(default_factory=list)
 
   def layer(self, l: int) -> LayerView:
@@ -100,9 +103,13 @@ class KVCacheView:
       return LayerView((Segment.slots(k, v),), at=length, in_place=True)
     B, S = k.shape[0], k.shape[2]
     if self.window is not None and sum(self.window) < S:
-      return LayerView.reading(window_segments(k, v, length, *self.window), self.positions)
-    valid = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) < length, (B, S))
-    return LayerView.reading((Segment.slots(k, v, valid, filled=length),), self.positions)
+      segments = window_segments(k, v, length, *self.window)
+    else:
+      valid = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) < length, (B, S))
+      segments = (Segment.slots(k, v, valid, filled=length),)
+    if self.kept is not None:  # before the recent window, whose slots it never holds
+      segments = (self.kept.segment(l),) + segments
+    return LayerView.reading(segments, self.positions)
 
   def keep(self, l: int, layer: LayerView, run, x: jax.Array) -> None:
     if self.mode == "in_place":
@@ -122,22 +129,51 @@ class KVCacheView:
 
 
 def window_segments(k: jax.Array, v: jax.Array, length: jax.Array, sinks: int, recent: int
-                    ) -> tuple[Segment, Segment]:
+                    ) -> tuple[Segment, ...]:
   """A StreamingLLM-style read of one cache layer k/v[B, K, S, H] holding `length` tokens:
-  its first `sinks` slots (the attention sinks) and the `recent` slots before `length`,
-  each a slice of the layer, so attention costs sinks + recent slots, not the context.
-  Before the context outgrows them the two overlap; the recent slice then starts after
-  the sinks and its unfilled slots are invalid. Needs sinks + recent < S."""
+  its first `sinks` slots (the attention sinks; none when 0) and the `recent` slots before
+  `length`, each a slice of the layer, so attention costs sinks + recent slots, not the
+  context. Before the context outgrows them the two overlap; the recent slice then starts
+  after the sinks and its unfilled slots are invalid. Needs sinks + recent < S."""
   B, S = k.shape[0], k.shape[2]
-  head = jnp.arange(sinks, dtype=jnp.int32)
-  sink = Segment(k[:, :, :sinks], v[:, :, :sinks], jnp.broadcast_to(head, (B, sinks)),
-                 jnp.broadcast_to(head < length, (B, sinks)))
   start = jnp.clip(length - recent, sinks, S - recent)
   slots = start + jnp.arange(recent, dtype=jnp.int32)
   cut = lambda a: jax.lax.dynamic_slice_in_dim(a, start, recent, axis=2)
   tail = Segment(cut(k), cut(v), jnp.broadcast_to(slots, (B, recent)),
                  jnp.broadcast_to(slots < length, (B, recent)))
+  if sinks == 0:
+    return (tail,)
+  head = jnp.arange(sinks, dtype=jnp.int32)
+  sink = Segment(k[:, :, :sinks], v[:, :, :sinks], jnp.broadcast_to(head, (B, sinks)),
+                 jnp.broadcast_to(head < length, (B, sinks)))
   return sink, tail
+
+
+@flax.struct.dataclass
+class KeptKV:
+  """Slots of the verified cache a sparse draft reads besides its recent window, chosen
+  per layer and kv head (SnapKV's selection, `drafters.snapkv`) and copied out once, so a
+  draft step reads C contiguous rows per head instead of gathering them.
+
+  Row c of head k holds the c-th slot that head chose, so rows of one index are different
+  positions in different heads, and `Segment`'s one position per row cannot name them.
+  Every kept slot precedes the recent window and every query, so the causal mask would
+  pass them all; they are read at position 0. A sliding-window layer therefore drops
+  them once its queries are a window past the start: a draft's approximation, never the
+  target's."""
+
+  k: tuple[jax.Array, ...]  # L x [B, K, C, H]
+  v: tuple[jax.Array, ...]  # L x [B, K, C, H]
+  valid: jax.Array  # bool[B, C]: a context shorter than the budget fills fewer rows
+
+  @property
+  def size(self) -> int:
+    """C: rows kept per head."""
+    return self.valid.shape[1]
+
+  def segment(self, l: int) -> Segment:
+    B, C = self.valid.shape
+    return Segment(self.k[l], self.v[l], jnp.zeros((B, C), jnp.int32), self.valid)
 
 
 @flax.struct.dataclass

@@ -641,7 +641,7 @@ class Transformer(nnx.Module):
     if writes:  # the cache is written only once the tokens are known (`QuantKVCache.settle`)
       (positions,) = after(tokens, [positions])
     view = cache.view(positions, write=writes, dense=plan.dense, bits=plan.kv_bits,
-                      valid=valid, window=plan.kv_window)
+                      valid=valid, window=plan.kv_window, kept=plan.kv_keep)
     if buffer is not None:
       view = buffer.view(view, cache.length)
     x = self.embed(tokens)

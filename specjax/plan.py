@@ -58,10 +58,14 @@ class DraftPlan:
   # QuantSpec: the precision the draft reads the KV cache at (4: upper nibbles of a
   # QuantKVCache; 16: as stored).
   kv_bits: int = flax.struct.field(pytree_node=False, default=16)
-  # A sparse-KV draft (StreamingLLM-style, `drafters.sparse_kv`): (sinks, recent), the
+  # A sparse-KV draft (StreamingLLM-style, `drafters.streaming_kv`): (sinks, recent), the
   # draft reads only the verified cache's first `sinks` slots and its last `recent` ones
   # (plus this round's drafts). Static: the slice sizes shape the executable. None: all.
   kv_window: tuple[int, int] | None = flax.struct.field(pytree_node=False, default=None)
+  # A SnapKV-style draft (`drafters.snapkv`): `kv_cache.KeptKV`, the prompt slots each kv
+  # head of each layer attended to most, copied out of the verified cache after prefill;
+  # the draft reads them beside `kv_window`'s recent slots (its sinks 0). None: no selection.
+  kv_keep: Any = None
   # quant.DraftWeights: quantised matrices the draft reads instead of the target's own
   # (8-bit: every matmul and the LM head; 4-bit: QuantSpec's MLP). None: the target's.
   weights: Any = None
@@ -181,6 +185,13 @@ class DraftPlan:
       if self.kv_bits != 16:
         raise PlanError("plan.kv_window reads a full-precision cache as stored; with "
                         f"kv_bits={self.kv_bits} the draft would read a quantised one")
+    if self.kv_keep is not None:
+      if self.kv_window is None or self.kv_window[0] != 0:
+        raise PlanError("plan.kv_keep (selected slots) is read beside a recent window and no "
+                        f"sinks: set kv_window=(0, recent), got {self.kv_window!r}")
+      if len(self.kv_keep.k) != num_layers:
+        raise PlanError(f"plan.kv_keep holds slots for {len(self.kv_keep.k)} layers, the model "
+                        f"has {num_layers}: it was selected on another model")
     if self.weights is not None and len(self.weights.layers) != num_layers:
       raise PlanError(f"plan.weights cover {len(self.weights.layers)} layers, the model has "
                       f"{num_layers}: they were quantised from another model")

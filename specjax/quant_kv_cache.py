@@ -168,15 +168,15 @@ class QuantKVCache:
     return quant.dequantize(self.v_codes[layer], axis=3, group=self.value_group, bits=bits)
 
   def view(self, positions: jax.Array, *, write: bool, dense: bool = True, bits: int = 8,
-           valid: jax.Array | None = None, window: tuple[int, int] | None = None
-           ) -> QuantCacheView:
+           valid: jax.Array | None = None, window: tuple[int, int] | None = None,
+           kept=None) -> QuantCacheView:
     """The decoder's view of this cache for one forward of tokens at positions[B, T]:
     read at `bits` (4: the upper nibbles, QuantSpec's draft; 16 reads as stored, 8),
     and, when writing (the target, every layer), settled first and appended after.
     `valid` (a padded prompt's real length) keeps padding out of the codes. A sparse
-    `window` is refused: the sparse-KV drafts are QuantSpec's baselines, not a reader
-    of its cache."""
-    if window is not None:
+    `window` (or `kept`) is refused: the sparse-KV drafts are QuantSpec's baselines, not
+    a reader of its cache."""
+    if window is not None or kept is not None:
       raise PlanError("plan.kv_window (a sparse-KV draft) reads a full-precision KVCache, "
                       "not a quantised one: don't compose it with quantspec")
     cache = self.settle(wait_for=positions) if write else self

@@ -240,14 +240,20 @@ def assert_quantised_draft_keeps_the_target_distribution(quantize) -> dict:
   """Rounds drafted from `quantize(state, L)`'s weights (a `quant.DraftWeights`):
   `assert_skip_draft_keeps_the_target_distribution`."""
   return assert_skip_draft_keeps_the_target_distribution(
-      lambda state, L: {"weights": quantize(state, L)})
+      lambda state, L, cache: {"weights": quantize(state, L)})
+
+
+# The prompt the skip draft's sampled rounds follow (tiny llama, vocabulary 12).
+SAMPLED_PROMPT = [9, 8, 10, 4, 3, 11, 9, 5, 8, 3, 5, 8, 10, 4, 6, 3, 8, 11, 7, 10, 3, 9, 8, 10, 4,
+                  3, 11, 9, 5, 8]
 
 
 def assert_skip_draft_keeps_the_target_distribution(fields) -> dict:
   """Rounds drafted over a plan that skips layer 1 (so q is far enough from p for the χ²
-  test to see each classic acceptance bug), with the plan fields `fields(state, L)` set
-  (quantised weights, a sparse KV window), verified by the float32 target: the first
-  committed token ~ p, the second ~ p(. | first)."""
+  test to see each classic acceptance bug), with the plan fields `fields(state, L, cache)`
+  set (quantised weights, a sparse KV window, slots selected from the prefilled `cache`),
+  verified by the float32 target: the first committed token ~ p, the second ~ p(. | first).
+  """
   import jax
   import jax.numpy as jnp
 
@@ -258,11 +264,11 @@ def assert_skip_draft_keeps_the_target_distribution(fields) -> dict:
 
   config, graphdef, state = target("llama", 4, 12)
   L, sampling = config.num_layers, SamplingParams(temperature=2.0, top_p=1.0)
-  prompt = jnp.asarray([[9, 8, 10, 4, 3, 11, 9, 5, 8, 3, 5, 8, 10, 4, 6, 3, 8, 11, 7, 10, 3,
-                         9, 8, 10, 4, 3, 11, 9, 5, 8]], jnp.int32)
+  prompt = jnp.asarray([SAMPLED_PROMPT], jnp.int32)
   cache = KVCache.create(config, 1, 64)
-  first, cache = prefill_step(state, cache, prompt, jnp.int32(30), DraftPlan.full(L),
+  first, cache = prefill_step(state, cache, prompt, jnp.int32(len(SAMPLED_PROMPT)),
+                              DraftPlan.full(L),
                               jax.random.key(0), graphdef=graphdef, sampling=sampling)
-  plan = DraftPlan.from_skips(L, [1], [1]).replace(**fields(state, L))
+  plan = DraftPlan.from_skips(L, [1], [1]).replace(**fields(state, L, cache))
   return assert_plan_keeps_the_target_distribution(state, graphdef, config, cache, first[0],
                                                    plan, sampling, vocab=12)

@@ -131,7 +131,7 @@ def test_quantspec():
   # a sparse-KV draft as fast at one long context: the rival part fails
   v = claims.quantspec_long_context(ok, 1.4, sparse_kv={2048: 0.8, 8192: 1.19})
   assert v.outcome == PARTLY
-  assert "the sparse-KV draft's 0.80× (2048) → 1.19× (8192)" in v.evidence
+  assert "the faster sparse-KV draft's 0.80× (2048) → 1.19× (8192)" in v.evidence
   # no sparse-KV baseline: the rival and memory parts are undecided, so only partly
   v = claims.quantspec_long_context(ok)
   assert v.outcome == PARTLY and "memory part is undecided" in v.evidence

@@ -51,7 +51,9 @@ def small_factory(of, plan_path: str) -> DrafterFactory:
                "knapspec": {"interval": 4, "window": 2, "selection_budget": None},
                "quantspec": {"group": KV.group, "residual": KV.residual},
                "frspec": {"size": 48}, "swift": {"trials": 4, "bo_every": 4, "window": 8},
-               "streaming_kv": {"sinks": 2, "recent": 8}},  # 10 of the prompt's 37 slots
+               # 10 and 16 of the prompt's 37 slots
+               "streaming_kv": {"sinks": 2, "recent": 8},
+               "snapkv": {"keep": 6, "recent": 10, "window": 8}},
       artefacts={"profile": synthetic_profile(4), "library": tiny_library("llama"),
                  "int8_profile": synthetic_profile(4, c=1e-4, draft="int8"),
                  "int4_profile": synthetic_profile(4, c=2e-4, draft="int4"),

@@ -216,3 +216,13 @@ def test_long_context_shows_the_quantised_profile_each_knapspec_selected_with(tm
   assert lines[6] == profiler.table(synthetic_profile(4, c=1e-4, draft="int8"))
   args.drafters = ["knapspec", "self_sd+8bit"]
   assert bench_long_context.quantised_profile_lines(model(), args) == []
+
+
+def test_quantspec_is_held_against_the_faster_sparse_draft_where_both_ran():
+  """Each context's rival is the faster sparse-KV draft without its selection time; a
+  context where one of them did not run gives no rival."""
+  row = lambda v, share: {"speedup_without_selection": v / (1 - share)}
+  figures = {"4096": {"streaming_kv": row(0.9, 0.0), "snapkv": row(0.8, 0.2)},
+             "8192": {"streaming_kv": row(1.2, 0.0), "snapkv": row(1.0, 0.0)},
+             "16384": {"streaming_kv": row(1.3, 0.0)}}
+  assert bench_quantspec.sparse_rival(figures) == {4096: pytest.approx(1.0), 8192: 1.2}

@@ -85,7 +85,7 @@ def test_streaming_kv_is_lossless(arch, loop, plan_path):
 def test_streaming_kv_keeps_the_target_distribution():
   """Sampled rounds drafted over a 2 + 6 slot window of the 30-token prompt: committed
   tokens ~ p."""
-  assert_skip_draft_keeps_the_target_distribution(lambda state, L: {"kv_window": (2, 6)})
+  assert_skip_draft_keeps_the_target_distribution(lambda state, L, cache: {"kv_window": (2, 6)})
 
 
 def test_bad_windows_and_compositions_are_refused():

@@ -66,7 +66,7 @@ def test_greedy_ssd_on_a_mesh_equals_greedy_ar():
   """Every drafter on a 4-way mesh, built by the factory as `specjax bench` builds them
   (their artefacts the factory tests' small ones): layer plans (static, early exit,
   Self-SD, SWIFT, CLaSp's and KnapSpec's DPs, KNN-SSD), 8-bit weights, QuantSpec's cache
-  and weights, the sparse-KV draft, FR-Spec's and DynaSpec's shortlisted heads."""
+  and weights, the sparse-KV drafts, FR-Spec's and DynaSpec's shortlisted heads."""
   out = _child("""
       import sys, tempfile, types
       sys.path.insert(0, "tests")
@@ -82,7 +82,7 @@ def test_greedy_ssd_on_a_mesh_equals_greedy_ar():
       save_plan(plan, DraftPlan.from_skips(4, [2], [1]), model="tiny-llama")
       f = small_factory(model, plan)
       for name in ("static", "early_exit", "self_sd", "swift", "clasp", "knapspec", "knn",
-                   "8bit", "quantspec", "streaming_kv", "frspec", "dynaspec"):
+                   "8bit", "quantspec", "streaming_kv", "snapkv", "frspec", "dynaspec"):
         d = f.make(name)
         ar = generate(graphdef, placed, config, PROMPT, max_new_tokens=24, eos_ids=(),
                       kv_cache=d.kv_cache).tokens
@@ -91,7 +91,7 @@ def test_greedy_ssd_on_a_mesh_equals_greedy_ar():
         out[name] = {"same": ssd.tokens == ar, "accepted": ssd.accepted,
                      "drafted": ssd.drafted}
   """, timeout=1500)
-  assert len(out) == 12
+  assert len(out) == 13
   for name, row in out.items():
     assert row["same"], (name, row)
     assert row["accepted"] > 0, (name, row)  # drafts were kept, not only the bonus token

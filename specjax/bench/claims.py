@@ -235,8 +235,8 @@ def quantspec_long_context(contexts: Mapping[int, Mapping],
                            sparse_kv: Mapping[int, float] | None = None) -> Verdict:
   """QuantSpec, in its own regime (contexts of `LONG_CONTEXT` tokens or more): acceptance
   above 0.9, speedup growing with context (beyond a tie), faster than the sparse-KV
-  drafts the paper compares with (`sparse_kv`: context -> their speedup; beyond a tie at
-  every long context where both ran), and ≈1.3× less memory than them
+  drafts the paper compares with (`sparse_kv`: context -> the faster one's speedup; beyond
+  a tie at every long context where both ran), and ≈1.3× less memory than them
   (`sparse_kv_saving`: their bytes over QuantSpec's). Without a sparse-KV baseline those
   two parts are undecided: a separate 4-bit draft cache is not the paper's comparison.
   `contexts`: context -> the method's {alpha, speedup}."""
@@ -254,7 +254,7 @@ def quantspec_long_context(contexts: Mapping[int, Mapping],
            ahead(speed[-1], speed[0]) if len(cs) > 1 else None,
            all(ahead(contexts[n]["speedup"], sparse_kv[n]) for n in both) if both else None,
            None if sparse_kv_saving is None else sparse_kv_saving >= 1.25]
-  rival = ("no sparse-KV draft ran beside it" if not both else "the sparse-KV draft's "
+  rival = ("no sparse-KV draft ran beside it" if not both else "the faster sparse-KV draft's "
            + " → ".join(f"{_x(sparse_kv[n])} ({n})" for n in both))
   memory = ("no sparse-KV draft's memory was priced, so the memory part is undecided"
             if sparse_kv_saving is None else

@@ -42,14 +42,15 @@ def one_layer(cache, l: int):
   return cache.replace(**per_layer)
 
 
-def _attention(block_state, cache, buffer, x, weights, *, graphdef, bits, window):
-  """One attention sub-layer of a draft step over one layer's cache and buffer; the
-  token's position is the buffer's row past the verified cache. Returns x and the
-  buffer's layer with the token's K/V in its row."""
+def _attention(block_state, cache, buffer, x, weights, kept, *, graphdef, bits, window):
+  """One attention sub-layer of a draft step over one layer's cache and buffer (and its
+  kept slots, `plan.kv_keep` cut to the layer); the token's position is the buffer's row
+  past the verified cache. Returns x and the buffer's layer with the token's K/V in its
+  row."""
   block = nnx.merge(graphdef, block_state)
   positions = jnp.reshape(cache.length + buffer.count, (1, 1))
   view = buffer.view(cache.view(positions, write=False, dense=False, bits=bits,
-                                window=window), cache.length)
+                                window=window, kept=kept), cache.length)
   with float32_dots(x.dtype):
     x, layer = block.attn_sublayer(None, x, positions, view.layer(0), weights)
   view.keep(0, layer, None, x)
@@ -147,6 +148,8 @@ class DispatchedDraft:
     buffer = DraftBuffer.like(cache, self.gamma)
     bk, bv = list(buffer.k), list(buffer.v)
     caches = [one_layer(cache, l) for l in range(len(self.blocks))]
+    kept = [None if plan.kv_keep is None else one_layer(plan.kv_keep, l)
+            for l in range(len(self.blocks))]
     drafts = jnp.zeros((self.gamma,), jnp.int32)
     conf = jnp.zeros((self.gamma,), jnp.float32)
     q_rows = None if self.sampling.greedy else jnp.zeros((self.gamma + 1, self.vocab),
@@ -159,7 +162,7 @@ class DispatchedDraft:
         w = layer_weights[l]
         if attn[l]:
           layer_buffer = DraftBuffer(k=(bk[l],), v=(bv[l],), count=row)
-          args = (block_state, caches[l], layer_buffer, x, w)
+          args = (block_state, caches[l], layer_buffer, x, w, kept[l])
           x, bk[l], bv[l] = self._program(_attention, *args, graphdef=gd,
                                           bits=plan.kv_bits,
                                           window=plan.kv_window)(*args)

@@ -13,6 +13,7 @@ from specjax.drafters.knn import KNNDrafter
 from specjax.drafters.q4_weights import Q4WeightsDrafter
 from specjax.drafters.quantspec import QuantSpecDrafter
 from specjax.drafters.self_sd import SelfSDDrafter
+from specjax.drafters.snapkv import SnapKVDrafter
 from specjax.drafters.static import StaticDrafter
 from specjax.drafters.streaming_kv import StreamingKVDrafter
 from specjax.drafters.swift import SwiftDrafter
@@ -22,7 +23,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
     d.name: d for d in (StaticDrafter, EarlyExitDrafter, SelfSDDrafter, SwiftDrafter,
                         ClaspDrafter, KnapSpecDrafter, KNNDrafter, QuantSpecDrafter, FRSpecDrafter,
                         DynaSpecDrafter, Int8WeightsDrafter, Q4WeightsDrafter,
-                        StreamingKVDrafter)
+                        StreamingKVDrafter, SnapKVDrafter)
 }
 
 
@@ -39,6 +40,6 @@ def drafter_class(name: str) -> type[Drafter]:
 
 __all__ = ["DRAFTERS", "ClaspDrafter", "Drafter", "DynaSpecDrafter", "EarlyExitDrafter",
            "FRSpecDrafter", "Int8WeightsDrafter", "KNNDrafter", "KnapSpecDrafter",
-           "Q4WeightsDrafter", "QuantSpecDrafter", "SelfSDDrafter", "StaticDrafter",
-           "StreamingKVDrafter", "SwiftDrafter",
+           "Q4WeightsDrafter", "QuantSpecDrafter", "SelfSDDrafter", "SnapKVDrafter",
+           "StaticDrafter", "StreamingKVDrafter", "SwiftDrafter",
            "UnknownDrafterError", "drafter_class"]

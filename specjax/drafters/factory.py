@@ -24,6 +24,7 @@ from specjax.drafters import (
   Q4WeightsDrafter,
   QuantSpecDrafter,
   SelfSDDrafter,
+  SnapKVDrafter,
   StaticDrafter,
   StreamingKVDrafter,
   SwiftDrafter,
@@ -160,6 +161,8 @@ class DrafterFactory:
       return QuantSpecDrafter(weights=weights, base=base, kv_cache=kv, **kw)
     if name == "streaming_kv":
       return StreamingKVDrafter(base=base, **kw)
+    if name == "snapkv":
+      return SnapKVDrafter(base=base, **kw)
     if name == "frspec":
       from specjax.offline.token_counts import frequent_shortlist
 

@@ -30,6 +30,7 @@ from specjax.drafters import (
   Q4WeightsDrafter,
   QuantSpecDrafter,
   SelfSDDrafter,
+  SnapKVDrafter,
   StaticDrafter,
   StreamingKVDrafter,
   SwiftDrafter,
@@ -39,12 +40,12 @@ from specjax.errors import SpecjaxError
 from specjax.offline.artefacts import ARTEFACT_OPTIONS
 
 BASES = ("static", "early_exit", "self_sd", "swift", "clasp", "knapspec", "knn")
-OVERLAYS = ("8bit", "4bit", "quantspec", "streaming_kv", "frspec", "dynaspec")
+OVERLAYS = ("8bit", "4bit", "quantspec", "streaming_kv", "snapkv", "frspec", "dynaspec")
 CLASSES: dict[str, type[Drafter]] = {
     "static": StaticDrafter, "early_exit": EarlyExitDrafter, "self_sd": SelfSDDrafter,
     "swift": SwiftDrafter, "clasp": ClaspDrafter, "knapspec": KnapSpecDrafter,
     "knn": KNNDrafter, "8bit": Int8WeightsDrafter, "4bit": Q4WeightsDrafter,
-    "quantspec": QuantSpecDrafter, "streaming_kv": StreamingKVDrafter,
+    "quantspec": QuantSpecDrafter, "streaming_kv": StreamingKVDrafter, "snapkv": SnapKVDrafter,
     "frspec": FRSpecDrafter, "dynaspec": DynaSpecDrafter}
 # Constructor fields the factory fills itself (artefacts), not options.
 FILLED = {"fixed", "profile", "library", "weights", "base", "kv_cache", "shortlist", "bundle",
