@@ -5,6 +5,7 @@ and `specjax bench --auto-gamma` end to end."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -182,14 +183,36 @@ def test_pilot_rounds_record_each_drafts_probability():
                                                    max_new_tokens=8, gamma=3, eos_ids=()))
 
 
-def test_step_costs_measured_on_a_model_are_ratios_to_the_ar_step():
+def test_step_costs_are_ratios_to_the_ar_step(monkeypatch):
+  """The division, on times we choose: the measured ones below are machine noise."""
+  config, graphdef, state = target("llama")
+  plan = DraftPlan.first_layers(config.num_layers, 3)
+  seen = []
+
+  def fixed_times(graphdef, state, config, plans, *, gammas, loop, early_stop, **_):
+    seen.append((sorted(plans), loop, tuple(early_stop)))
+    return draft_length.StepTimes(ar=2.0, verify={g: 1.0 + g for g in gammas},
+                                  drafts={"plan": 0.5, "early stop": 0.75})
+
+  monkeypatch.setattr(draft_length, "step_times", fixed_times)
+  c = draft_length.measure_step_costs(graphdef, state, config, plan, gammas=(1, 4),
+                                      device_loop=True)
+  assert (c.draft, c.draft_early_stop, c.verify) == (0.25, 0.375, {1: 1.0, 4: 2.5})
+  host = draft_length.measure_step_costs(graphdef, state, config, plan, gammas=(1,),
+                                         early_stop=False)
+  assert host.draft == host.draft_early_stop == 0.375  # the host loop's only draft step
+  assert seen == [(["early stop", "plan"], draft_length.LOOP_STEPS, ("early stop",)),
+                  (["early stop"], 0, ("early stop",))]
+
+
+def test_step_costs_measured_on_a_model_cover_every_step():
   config, graphdef, state = target("llama")
   plan = DraftPlan.first_layers(config.num_layers, 3)
   c = draft_length.measure_step_costs(graphdef, state, config, plan, gammas=(1, 4), context=32,
                                       repeats=3, device_loop=True)
   assert set(c.verify) == {1, 4}
-  assert 0 < c.draft < 10 and all(0 < v < 20 for v in c.verify.values())
-  assert 0 < c.draft_early_stop < 10  # the same draft in the loop an early stop runs
+  positive = [c.draft, c.draft_early_stop, *c.verify.values()]
+  assert all(math.isfinite(x) and x > 0 for x in positive)
   assert c.draft_at(0.0) == c.draft and c.draft_at(0.3) == c.draft_early_stop
   alone = draft_length.measure_step_costs(graphdef, state, config, plan, gammas=(1,),
                                           context=32, repeats=1, device_loop=True,
@@ -198,7 +221,7 @@ def test_step_costs_measured_on_a_model_are_ratios_to_the_ar_step():
   # the host loop drafts up to a traced limit, a loop of unknown length whatever τ
   host = draft_length.measure_step_costs(graphdef, state, config, plan, gammas=(1,),
                                          context=32, repeats=1, early_stop=False)
-  assert 0 < host.draft == host.draft_early_stop < 10
+  assert math.isfinite(host.draft) and 0 < host.draft == host.draft_early_stop
 
 
 def test_bench_auto_gamma_records_and_reuses_the_chosen_lengths(tmp_path, capsys):
