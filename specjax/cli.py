@@ -35,16 +35,15 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
   from specjax.decode.generate import TextStream, generate
+  from specjax.drafters import names
   from specjax.models.loader import load_model
   from specjax.sampling import SamplingParams
 
   sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
   if not args.prompt.strip():
     raise ConfigError("the prompt is empty")
-  options = _options(args.option)
+  options = names.parse_options(args.option)
   if args.drafter:
-    from specjax.drafters import names
-
     names.parse(args.drafter)  # bad names and options fail before the model loads
     names.check_options(options)
   model = load_model(args.model, dtype=args.dtype, tensor_parallel=args.tensor_parallel)
@@ -125,28 +124,12 @@ def _speculate(args: argparse.Namespace, model, ids: list[int], on_token, kw: di
   return 0 if stats.get("matches_ar") is not False else 1
 
 
-def _options(pairs: list[str] | None) -> dict[str, dict]:
-  """`--option knapspec.tau=0.3` (repeatable) -> {"knapspec": {"tau": 0.3}}; values are
-  read as JSON when they parse (numbers, true/false, null), as text otherwise."""
-  out: dict[str, dict] = {}
-  for pair in pairs or []:
-    key, sep, value = pair.partition("=")
-    part, dot, name = key.partition(".")
-    if not sep or not dot or not part or not name:
-      raise ConfigError(f"--option {pair!r}: expected DRAFTER.OPTION=VALUE (knapspec.tau=0.3)")
-    try:
-      parsed = json.loads(value)
-    except ValueError:
-      parsed = value
-    out.setdefault(part, {})[name] = parsed
-  return out
-
-
 def _cmd_bench(args: argparse.Namespace) -> int:
   from pathlib import Path
 
   from specjax import data
   from specjax.bench import runner as bench
+  from specjax.drafters.names import parse_options
 
   drafters = tuple(d for d in args.drafters.split(",") if d)
   cats = tuple(c for c in args.categories.split(",") if c) or data.SPEC_BENCH_CATEGORIES
@@ -155,7 +138,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
       max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, gamma=args.gamma,
       threshold=args.threshold, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
       search_iterations=args.search_iterations, plan_file=args.plan, dtype=args.dtype,
-      auto_gamma=args.auto_gamma, options=_options(args.option), llama_cpp=args.llama_cpp,
+      auto_gamma=args.auto_gamma, options=parse_options(args.option), llama_cpp=args.llama_cpp,
       tensor_parallel=args.tensor_parallel,
   )
   out = Path(args.out or f"runs/bench-{args.model}")

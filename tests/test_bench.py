@@ -138,7 +138,7 @@ def test_mismatches_cannot_read_zero_by_omission():
 def test_the_docs_command_reproduces_the_options_and_the_section():
   from specjax import data
   from specjax.bench.runner import BenchConfig, _command
-  from specjax.cli import _options
+  from specjax.drafters.names import parse_options
 
   cfg = BenchConfig(model="m", drafters=("knapspec",), per_category=1,
                     categories=data.SPEC_BENCH_CATEGORIES, max_new_tokens=64, max_turns=1,
@@ -147,7 +147,7 @@ def test_the_docs_command_reproduces_the_options_and_the_section():
                     options={"knapspec": {"coupled": True, "objective": "cosine", "tau": 0.3}})
   cmd = _command(cfg, "bench-m-knapspec")
   given = [w.split(" ", 1)[0] for w in cmd.split("--option ")[1:]]
-  assert _options(given) == cfg.options  # the CLI reads back the same options
+  assert parse_options(given) == cfg.options  # the CLI reads back the same options
   assert cmd.endswith("--write-docs --docs-section bench-m-knapspec")
 
 

@@ -74,6 +74,39 @@ def test_long_context_verdicts():
   assert "8bit" not in by  # no paper: judged inside its composition
   knap = [v for v in found if v.subject == claims.PAPERS["knapspec"][0]]
   assert [v.outcome for v in knap] == [claims.PARTLY, claims.REPRODUCED, claims.REPRODUCED]
+  # a variant, or a paper's drafter run with other options, is not judged by the paper
+  summary = {w: {**s, "knapspec-budget": r(2.0)} for w, s in summary.items()}
+  found = bench_long_context.verdicts(["self_sd", "knapspec", "knapspec-budget"], summary, ctx,
+                                      {}, summary["ctx-4096"], altered={"knapspec"})
+  assert {v.subject for v in found} == {claims.PAPERS["self_sd"][0]}
+
+
+def test_long_context_runs_each_paper_default_beside_its_variants(tmp_path):
+  """`knapspec` is the paper's KnapSpec whatever the bench's own flags; `knapspec-budget`
+  our CPU variant; `--option` reaches every drafter of its part, variants included."""
+  import types
+
+  from test_data import write_spec_bench
+  from test_drafter_factory import model
+
+  from experiments import bench_long_context
+  from specjax.drafters import KnapSpecDrafter
+
+  args = types.SimpleNamespace(
+      data_dir=str(write_spec_bench(tmp_path / "data")), spec_bench=1, gamma=4,
+      search_iterations=2, drafters=["knapspec", "knapspec-budget"], options={})
+  made = bench_long_context.make_drafters(model(), args, tmp_path / "out")
+  paper, ours = made["knapspec"], made["knapspec-budget"]
+  assert (paper.interval, paper.selection_budget, paper.window) == (1, None, 5)
+  assert (ours.interval, ours.selection_budget) == (16, 0.05)
+  prose = bench_long_context.knapspec_prose(made)
+  assert "`knapspec`: a DP after every round, over the last 5 verified tokens" in prose
+  assert "`knapspec-budget`: a DP once it costs ≤ 5% of the decode time" in prose
+  args.options = {"knapspec": {"window": 3}}
+  made = bench_long_context.make_drafters(model(), args, tmp_path / "out")
+  assert made["knapspec"].window == made["knapspec-budget"].window == 3
+  assert made["knapspec-budget"].interval == 16
+  assert isinstance(made["knapspec"], KnapSpecDrafter)
 
 
 def test_attention_share_comes_from_the_profile_and_reaches_the_verdict():
@@ -206,7 +239,7 @@ def test_long_context_shows_the_quantised_profile_each_knapspec_selected_with(tm
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
   for kind in ("int8", "int4"):
     profiler.save_profile(synthetic_profile(4, c=1e-4, draft=kind))
-  args = types.SimpleNamespace(gamma=4, drafters=["knapspec", "knapspec-fixed", "self_sd+8bit",
+  args = types.SimpleNamespace(gamma=4, drafters=["knapspec", "knapspec-budget", "self_sd+8bit",
                                                   "knapspec+8bit", "knapspec+quantspec"])
   lines = bench_long_context.quantised_profile_lines(model(), args)
   # one table per copy: QuantSpec's 4-bit MLP (its default, the paper's), then 8-bit

@@ -15,6 +15,7 @@ part's constructor fields, plus the artefact settings in `offline.artefacts.ARTE
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,7 +37,7 @@ from specjax.drafters import (
   SwiftDrafter,
   drafter_class,
 )
-from specjax.errors import SpecjaxError
+from specjax.errors import ConfigError, SpecjaxError
 from specjax.offline.artefacts import ARTEFACT_OPTIONS
 
 BASES = ("static", "early_exit", "self_sd", "swift", "clasp", "knapspec", "knn")
@@ -86,6 +87,23 @@ def parse(name: str) -> tuple[str | None, list[str]]:
 def all_names() -> list[str]:
   """Every single part a name can hold (compositions join them with '+')."""
   return list(BASES) + list(OVERLAYS)
+
+
+def parse_options(pairs: list[str] | None) -> dict[str, dict]:
+  """`knapspec.tau=0.3` pairs (each a `--option`) -> {"knapspec": {"tau": 0.3}}; values are
+  read as JSON when they parse (numbers, true/false, null), as text otherwise."""
+  out: dict[str, dict] = {}
+  for pair in pairs or []:
+    key, sep, value = pair.partition("=")
+    part, dot, name = key.partition(".")
+    if not sep or not dot or not part or not name:
+      raise ConfigError(f"--option {pair!r}: expected DRAFTER.OPTION=VALUE (knapspec.tau=0.3)")
+    try:
+      parsed = json.loads(value)
+    except ValueError:
+      parsed = value
+    out.setdefault(part, {})[name] = parsed
+  return out
 
 
 def check_options(options: Mapping[str, Mapping[str, Any]]) -> None:
