@@ -47,6 +47,18 @@ def test_a_spec_bench_run_leaves_claims_of_other_regimes_undecided():
     assert v.outcome == UNDECIDED and "python -m experiments." in v.evidence
 
 
+def test_a_drafter_run_with_its_own_options_gets_no_paper_verdict():
+  """`specjax bench --option clasp.interval=8` runs a variant: its figures would pass
+  CLaSp's claim, and no verdict of CLaSp's may read them; its composition still is judged."""
+  summary = {"ar": {"speedup": 1.0}, "clasp": row(2.0), "8bit": row(1.5),
+             "clasp+8bit": row(2.5)}
+  assert claims.PAPERS["clasp"][0] in {v.subject for v in claims.for_run(summary)}
+  found = {v.subject: v for v in claims.for_run(summary, altered={"clasp"})}
+  assert set(found) == {"clasp+8bit"} and found["clasp+8bit"].outcome == REPRODUCED
+  assert claims.predates_paper("clasp+8bit", "2026-11-27") == ["clasp"]
+  assert claims.predates_paper("clasp+8bit", claims.PAPER_DEFAULTS_SINCE["clasp"]) == []
+
+
 def summaries(knap, clasp, self_sd):
   return {f"ctx-{n}": {"knapspec": row(k), "clasp": row(c), "self_sd": row(s)}
           for n, k, c, s in zip((1024, 2048, 4096), knap, clasp, self_sd)}

@@ -84,24 +84,24 @@ def store(tmp_path, monkeypatch):
 
 def test_a_rerun_replaces_its_configuration_and_a_run_showing_nothing_is_dropped(store):
   path, page = store
-  leaderboard.record(_run("2026-01-01", {"self_sd": 0.8, "8bit": 2.0}), path, page)
-  leaderboard.record(_run("2026-01-02", {"8bit": 2.2}), path, page)
+  leaderboard.record(_run("2027-01-01", {"self_sd": 0.8, "8bit": 2.0}), path, page)
+  leaderboard.record(_run("2027-01-02", {"8bit": 2.2}), path, page)
   runs = leaderboard.load(path)
-  assert [r["date"] for r in runs] == ["2026-01-01", "2026-01-02"]  # the first keeps self_sd
+  assert [r["date"] for r in runs] == ["2027-01-01", "2027-01-02"]  # the first keeps self_sd
   text = page.read_text()
   assert "| `8bit` | ≤ 8, fitted | – | 2.00 | 2.20× |" in text and "2.00×" not in text
   assert "| `self_sd` |" in text and "ar" not in leaderboard.load(path)[1]["methods"]
-  leaderboard.record(_run("2026-01-03", {"self_sd": 0.9, "8bit": 2.1}), path, page)
-  assert [r["date"] for r in leaderboard.load(path)] == ["2026-01-03"]
+  leaderboard.record(_run("2027-01-03", {"self_sd": 0.9, "8bit": 2.1}), path, page)
+  assert [r["date"] for r in leaderboard.load(path)] == ["2027-01-03"]
 
 
 def test_settings_that_change_a_figure_keep_their_own_row(store):
   path, page = store
-  leaderboard.record(_run("2026-01-01", {"8bit+frspec": 2.0}), path, page)
-  leaderboard.record(_run("2026-01-02", {"8bit+frspec": 2.3}, command=(
+  leaderboard.record(_run("2027-01-01", {"8bit+frspec": 2.0}), path, page)
+  leaderboard.record(_run("2027-01-02", {"8bit+frspec": 2.3}, command=(
       "specjax bench --model m --gamma 4 --option frspec.size=65536 --option knapspec.tau=0.3 "
       "--write-docs")), path, page)
-  leaderboard.record(_run("2026-01-03", {"8bit+frspec": 1.9}, machine="GPU (H200), x"),
+  leaderboard.record(_run("2027-01-03", {"8bit+frspec": 1.9}, machine="GPU (H200), x"),
                      path, page)
   assert len(leaderboard.load(path)) == 3
   rows = [ln for ln in page.read_text().splitlines() if ln.startswith("| `8bit+frspec`")]
@@ -113,12 +113,46 @@ def test_settings_that_change_a_figure_keep_their_own_row(store):
 def test_a_composition_is_judged_against_its_parts_in_its_own_run_only():
   """A composition verdict compares speedups measured in one process; a later run with the
   composition alone states it undecided and does not replace the decided one."""
-  runs = [_run("2026-01-01", {"self_sd": 0.8, "8bit": 2.0, "self_sd+8bit": 1.2}),
-          _run("2026-01-02", {"self_sd+8bit": 2.5})]
+  runs = [_run("2027-01-01", {"self_sd": 0.8, "8bit": 2.0, "self_sd+8bit": 1.2}),
+          _run("2027-01-02", {"self_sd+8bit": 2.5})]
   judged = {k[3]: (i, v) for k, (i, v) in leaderboard.verdicts(runs).items()}
   i, v = judged["self_sd+8bit"]
   assert i == 0 and v.outcome == claims.NOT_REPRODUCED
   assert judged[claims.PAPERS["self_sd"][0]][1].outcome == claims.NOT_REPRODUCED
+
+
+def test_a_seed_drafter_run_as_a_variant_is_not_judged_by_its_papers_claim(store,
+                                                                           monkeypatch):
+  """A run from before the drafter took its paper's defaults, or with options of its own,
+  ran a variant: the leaderboard marks the first, no paper verdict reads either, and the
+  verdicts page lists the first apart. A composition is still judged against its parts."""
+  path, page = store
+  monkeypatch.setattr(docs, "RESULTS", path.parent)  # no section verdicts of our own pages
+  since = claims.PAPER_DEFAULTS_SINCE["knapspec"]
+  early = _run("2026-11-25", {"knapspec": 2.0, "8bit": 1.5, "knapspec+8bit": 2.5})
+  tuned = _run(since, {"clasp": 2.0}, command="specjax bench --model m --option "
+               "clasp.interval=8 --write-docs")
+  paper = _run(since, {"knapspec": 0.5}, machine="CPU (cpu), Other CPU, 2 cores, jax 0.12")
+  runs = [early, tuned, paper]
+  judged = {(k[0], k[3]): v for k, (_, v) in leaderboard.verdicts(runs).items()}
+  knapspec, clasp = claims.PAPERS["knapspec"][0], claims.PAPERS["clasp"][0]
+  assert (early["machine"], knapspec) not in judged  # 2.0× would have reproduced it
+  assert (tuned["machine"], clasp) not in judged
+  assert judged[(paper["machine"], knapspec)].outcome == claims.NOT_REPRODUCED
+  assert judged[(early["machine"], "knapspec+8bit")].outcome == claims.REPRODUCED
+  apart = {(k[0], k[3]): v for k, (_, v) in leaderboard.verdicts(runs, early=True).items()}
+  assert set(apart) == {(early["machine"], knapspec)}
+  assert apart[(early["machine"], knapspec)].outcome == claims.REPRODUCED
+  for run in runs:
+    leaderboard.record(run, path, page)
+  text = page.read_text()
+  assert "| `knapspec` † |" in text and "| `knapspec+8bit` † |" in text
+  assert "| `knapspec` | ≤ 8, fitted |" in text and "| `clasp` | ≤ 4 |" in text  # no mark
+  assert f"(`knapspec`: {since})" in text
+  verdicts = verdict_page.render(leaderboard.load(path)).split(f"## {knapspec}")[1]
+  current, before = verdicts.split("- Runs from before the drafter took the paper's defaults")
+  assert "knapspec ran at 0.50×" in current and "2.00×" not in current
+  assert f"({since})" in before.splitlines()[0] and "  - **Reproduced** (2026-11-25" in before
 
 
 def test_a_section_replaces_its_own_block_on_its_topic_page(tmp_path, monkeypatch):
@@ -145,3 +179,12 @@ def test_verdict_lines_of_an_experiment_section_reach_the_verdicts_page(tmp_path
   text = verdict_page.render(runs=[])
   assert "## KNN-SSD" in text and "Claim: it is stable." in text
   assert "- **Not reproduced** (" in text and "[knn-ssd: `knn-streams-m`](knn-ssd.md)" in text
+  assert "Runs from before" not in text
+  # A section written before KNN-SSD took its paper's defaults stands apart.
+  page = tmp_path / "knn-ssd.md"
+  page.write_text(re.sub(r"_Regenerated \S+ by", "_Regenerated 2026-11-25 by",
+                         page.read_text()))
+  text = verdict_page.render(runs=[])
+  since = claims.PAPER_DEFAULTS_SINCE["knn"]
+  assert f"- Runs from before the drafter took the paper's defaults ({since})" in text
+  assert "  - **Not reproduced** (2026-11-25, [knn-ssd: `knn-streams-m`]" in text

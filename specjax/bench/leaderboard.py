@@ -39,7 +39,7 @@ def record(run: Mapping, path: Path = STORE, page: Path = PAGE) -> None:
                      for m, r in run["methods"].items() if m != metrics.AR}
   runs = [*load(path), kept]
   shown = ({i for i, _, _ in cells(runs).values()}
-           | {i for i, _ in verdicts(runs).values()})
+           | {i for early in (False, True) for i, _ in verdicts(runs, early).values()})
   runs = [r for i, r in enumerate(runs) if r is kept or i in shown]
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps({"runs": runs}, indent=1, ensure_ascii=False) + "\n")
@@ -87,18 +87,34 @@ def cells(runs: list[dict]) -> dict[tuple, tuple[int, str, dict]]:
   return out
 
 
-def verdicts(runs: list[dict]) -> dict[tuple, tuple[int, claims.Verdict]]:
+def verdicts(runs: list[dict], early: bool = False) -> dict[tuple, tuple[int, claims.Verdict]]:
   """(machine, model, dtype, subject) -> (run index, verdict): each claim judged by the
   current `claims` rules on the latest run that decides it (or the latest run that states
   it, if none does). A verdict is judged within one run: a composition against its parts
-  measured beside it."""
+  measured beside it. A method that ran a variant (`altered`) is not judged; with `early`,
+  only the seed methods run before their paper's defaults (with no options of their own)
+  are: what our variant did then, which the verdict page lists apart."""
   out: dict[tuple, tuple[int, claims.Verdict]] = {}
   for i, run in enumerate(runs):
-    for v in claims.for_run(run["methods"]):
+    if early:
+      found = claims.for_run({m: r for m, r in run["methods"].items() if "+" not in m
+                              and claims.predates_paper(m, run["date"])
+                              and not settings(run["command"], m)["options"]})
+    else:
+      found = claims.for_run(run["methods"], altered=altered(run))
+    for v in found:
       key = (run["machine"], run["model"], run["dtype"], v.subject)
       if key not in out or v.outcome != claims.UNDECIDED or out[key][1].outcome == claims.UNDECIDED:
         out[key] = (i, v)
   return out
+
+
+def altered(run: Mapping) -> set[str]:
+  """The seed methods of `run` that did not run their paper's method: options of their own
+  on the command line, or a run from before the drafter took its paper's defaults. (A
+  composition is judged against its parts, measured beside it, whatever they ran.)"""
+  return {m for m in run["methods"] if "+" not in m and (
+      settings(run["command"], m)["options"] or claims.predates_paper(m, run["date"]))}
 
 
 def _x(v) -> str:
@@ -146,12 +162,23 @@ def render(runs: list[dict]) -> str:
       out += ["", f"### {model}: {weights(dtype, machine)}, {workload}", "",
               "| method | γ | options | M | speedup | median | tok/s | mismatches | run |",
               "|" + " --- |" * 9]
+      before: dict[str, str] = {}  # drafter -> the day it took its paper's defaults
       for i, method, gamma, options, row in sorted(
           rows, key=lambda r: -(r[4].get("speedup") or 0)):
-        out.append(f"| `{method}` | {gamma} | {options or '–'} | {_x(row.get('M'))} | "
-                   f"{_x(row.get('speedup'))}× | {_x(row.get('median_speedup'))} | "
-                   f"{row.get('tokens_per_s', 0):.1f} | {_mismatches(row)} | [{ref[i]}] |")
+        early = claims.predates_paper(method, runs[i]["date"])
+        before.update((p, claims.PAPER_DEFAULTS_SINCE[p]) for p in early)
+        out.append(f"| `{method}`{' †' if early else ''} | {gamma} | {options or '–'} | "
+                   f"{_x(row.get('M'))} | {_x(row.get('speedup'))}× | "
+                   f"{_x(row.get('median_speedup'))} | {row.get('tokens_per_s', 0):.1f} | "
+                   f"{_mismatches(row)} | [{ref[i]}] |")
       out += [""] + [f"[{ref[i]}] {runs[i]['date']}: `{runs[i]['command']}`" + "  "
                      for i in used]
+      if before:
+        days = {day: [p for p in sorted(before) if before[p] == day]
+                for day in sorted(set(before.values()))}
+        out.append("† ran before its drafter took the paper's defaults (" + "; ".join(
+            ", ".join(f"`{p}`" for p in ps) + f": {day}" for day, ps in days.items())
+            + "): what ran is now a variant ([../FIDELITY.md](../FIDELITY.md)), and "
+            "[verdicts.md](verdicts.md) lists its verdicts apart from the paper's method's.")
       out[-1] = out[-1].rstrip()
   return "\n".join(out) + "\n"

@@ -274,7 +274,7 @@ def finish(cfg: BenchConfig, out_dir: Path, records: list[dict], verbose: bool,
       "prompts": overall.get(metrics.AR, {}).get("prompts", 0),
       "methods": {m: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
                   for m, r in overall.items()},
-      "verdicts": [v.to_json() for v in claims.for_run(overall)],
+      "verdicts": [v.to_json() for v in claims.for_run(overall, altered=set(cfg.options))],
   }
   if llama_cpp.METHOD in overall:
     figures["over_llama_cpp"] = _over_llama_cpp(overall)
@@ -415,7 +415,7 @@ def _write_docs(cfg: BenchConfig, table: str, cat_table: str, overall: dict,
       table, "", *([baseline, ""] if baseline else []), "Speedup vs AR by category:", "",
       cat_table,
   ] + (["", "Draft lengths (`--auto-gamma`):", "", lengths, "", PILOT_ALPHA] if lengths else [])
-    + ["", claims.section(claims.for_run(overall))])
+    + ["", claims.section(claims.for_run(overall, altered=set(cfg.options)))])
   command = _command(cfg, section)
   docs.write_section(section or default_section(cfg), body, command)
   leaderboard.record({"date": datetime.date.today().isoformat(), "command": command,

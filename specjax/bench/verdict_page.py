@@ -19,6 +19,13 @@ _LINE = re.compile(r"^- \*\*(?P<subject>.+?)\*\* claims (?P<claim>.+?)\. "
 _STAMP = re.compile(r"_Regenerated (\S+) by `(.+)`\._")
 
 
+def _early(subject: str, date: str) -> bool:
+  """Whether a verdict on `subject`'s claim comes from a run dated before that paper's
+  drafter took the paper's defaults: a verdict on our variant of the time."""
+  drafters = [m for m, (paper, _) in claims.PAPERS.items() if paper == subject]
+  return any(claims.predates_paper(m, date) for m in drafters)
+
+
 def section_verdicts() -> list[dict]:
   """The verdict lines of every generated section on the results pages (the Spec-Bench
   runs' sections apart: the leaderboard's store judges those)."""
@@ -30,19 +37,28 @@ def section_verdicts() -> list[dict]:
       stamp = _STAMP.search(body)
       for line in body.splitlines():
         if m := _LINE.match(line.strip()):
+          date = stamp.group(1) if stamp else "–"
           out.append(m.groupdict() | {"where": f"[{page.stem}: `{name}`]({page.name})",
-                                      "date": stamp.group(1) if stamp else "–"})
+                                      "date": date, "early": _early(m["subject"], date)})
   return out
 
 
 def spec_bench_verdicts(runs: list[dict]) -> list[dict]:
   out = []
-  for (machine, model, dtype, _), (i, v) in sorted(leaderboard.verdicts(runs).items()):
-    out.append({"subject": v.subject, "claim": v.claim, "outcome": v.outcome,
-                "evidence": v.evidence, "date": runs[i]["date"],
-                "where": f"[Spec-Bench, {model}, {leaderboard.weights(dtype, machine)}; "
-                         f"{_short(machine)}](spec-bench.md)"})
+  for early in (False, True):
+    for (machine, model, dtype, _), (i, v) in sorted(
+        leaderboard.verdicts(runs, early).items()):
+      out.append({"subject": v.subject, "claim": v.claim, "outcome": v.outcome,
+                  "evidence": v.evidence, "date": runs[i]["date"], "early": early,
+                  "where": f"[Spec-Bench, {model}, {leaderboard.weights(dtype, machine)}; "
+                           f"{_short(machine)}](spec-bench.md)"})
   return out
+
+
+def _since(subject: str) -> str:
+  """The day `subject`'s drafter took its paper's defaults."""
+  return max(claims.PAPER_DEFAULTS_SINCE.get(m, "") for m, (paper, _) in claims.PAPERS.items()
+             if paper == subject)
 
 
 def _short(machine: str) -> str:
@@ -67,8 +83,9 @@ def render(runs: list[dict] | None = None) -> str:
          "The Spec-Bench runs are judged here by the current rules; the other experiments' "
          "verdicts are as their run wrote them, and those dated before 2026-12-05 were "
          "judged by looser rules (a lead of 3 % passed a speedup claim; see FIDELITY.md) "
-         "until their experiment is rerun. This page is regenerated with every results "
-         "section."]
+         "until their experiment is rerun. A run of a seed drafter from before it took its "
+         "paper's defaults ran what is now our variant: its lines stand apart under each "
+         "claim. This page is regenerated with every results section."]
   for subject in order:
     out += ["", f"## {subject}"]
     by_claim: dict[str, list[dict]] = defaultdict(list)
@@ -76,9 +93,18 @@ def render(runs: list[dict] | None = None) -> str:
       by_claim[r["claim"]].append(r)
     for claim, group in by_claim.items():
       out += ["", f"Claim: {claim}.", ""]
-      out += [f"- **{r['outcome'][:1].upper() + r['outcome'][1:]}** ({r['date']}, "
-              f"{r['where']}): {r['evidence']}." for r in group]
+      out += [_line(r) for r in group if not r["early"]]
+      if early := [r for r in group if r["early"]]:
+        out.append(f"- Runs from before the drafter took the paper's defaults "
+                   f"({_since(subject)}), of the variant it ran then; not a verdict on the "
+                   f"paper's method, kept until their experiment is rerun:")
+        out += ["  " + _line(r) for r in early]
   return "\n".join(out) + "\n"
+
+
+def _line(r: dict) -> str:
+  return (f"- **{r['outcome'][:1].upper() + r['outcome'][1:]}** ({r['date']}, "
+          f"{r['where']}): {r['evidence']}.")
 
 
 def refresh() -> None:
