@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from targets import PROMPT, assert_exercised, target
 
+import specjax.drafters.knapspec as knapspec_module
 from specjax.decode.draft_length import LOOP_STEPS
 from specjax.decode.engine import speculative_generate
 from specjax.decode.generate import generate
@@ -92,6 +93,18 @@ def test_knapspec_defaults_are_the_papers():
   for sel in st.selections:
     half = 0.5 * float(np.sum(d._weights(sel.context)))
     assert all(c["budget"] <= half for c in sel.candidates)
+  # The DP's table stops at K/2: the budgets past it can feed no candidate. (Attention
+  # weighs 5, the MLP 1: K = 24, 25 slots for every budget, 13 to K/2, in tables of 16.)
+  heavy = KnapSpecDrafter(profile=synthetic_profile(a=0.0, b=6e-4, c=1e-4))
+  widths = []
+  real = knapspec_module.run_dp
+  def spy(*args, slots, **kw):
+    widths.append((slots, int(np.sum(args[3]))))
+    return real(*args, slots=slots, **kw)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(knapspec_module, "run_dp", spy)
+    assert run(heavy, n=60).tokens == ar(n=60)
+  assert widths and set(widths) == {(16, 24)}, widths
 
 
 def test_selection_budget_spaces_selections_and_carries_across_prompts():
@@ -226,6 +239,8 @@ def test_weights_follow_the_profile():
   assert p.t_target(1000, 5) == pytest.approx(9e-3)
   assert p.t_target(1000, 1) == pytest.approx(5.5e-3)
   assert slots_for(p.weights(1000)) == 32  # 4·5 + 4·1 + 1 -> rounded up to 16
+  assert slots_for(p.weights(1000), 0.5) == 16  # budgets up to 12 (K/2)
+  assert slots_for(np.full(40, 5), 0.5) == 112 and slots_for(np.full(40, 5)) == 208
 
 
 def test_tokens_per_time():

@@ -125,11 +125,15 @@ def blended_alpha(window_alpha: float, tallied: tuple[int, int] | None, prior: f
   return (a + prior * float(window_alpha)) / (a + r + prior)
 
 
-def slots_for(weights: np.ndarray, bucket: int = 16) -> int:
-  """Static DP table width: every budget up to the total weight, rounded up so nearby
-  cache sizes share one executable."""
-  total = int(np.sum(weights)) + 1
-  return -(-total // bucket) * bucket
+def slots_for(weights: np.ndarray, share: float | None = None, bucket: int = 16) -> int:
+  """Static DP table width: every budget up to `share` of the total weight (all of it for
+  None), rounded up so nearby cache sizes share one executable. A path's weight only grows
+  along the items, so the slots past the largest budget never feed one within it: cutting
+  them leaves every candidate as it was (`test_batched_budgets_equal_each_budget_alone`)
+  and the DP's work, linear in the slots, about halves at the paper's K/2."""
+  total = int(np.sum(weights))
+  top = total if share is None else min(total, int(share * total))
+  return -(-(top + 1) // bucket) * bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,7 +307,7 @@ class KnapSpecDrafter(Drafter):
   def _select(self, state: KnapSpecState, session) -> KnapSpecState:
     n = len(session.context)
     weights = self._weights(n)  # at the context now: attention weighs more as it grows
-    slots = slots_for(weights)
+    slots = slots_for(weights, self.max_budget_share)
     clock = session.clock  # the generation's: its compiles are booked as compilation
     t0, c0 = time.perf_counter(), clock.seconds
     cands = run_dp(session.state, session.dense_cache(), state.window, weights,
@@ -317,7 +321,7 @@ class KnapSpecDrafter(Drafter):
     if self.max_budget_share is not None and budgets.size:
       within = budgets[budgets <= self.max_budget_share * float(np.sum(weights))]
       budgets = within if within.size else budgets[:1]  # else the cheapest alive
-    if budgets.size == 0:  # everything pruned: draft with the full model's first layers
+    if budgets.size == 0:  # everything pruned: the path the largest budget's slot kept
       budgets = np.asarray([slots - 1]) if alive.size else np.asarray([0])
     t_draft = self.profile.draft_time(bits[budgets], n)
     best, gamma, tpt, alpha = self._best(bits[budgets], window_alpha[budgets], t_draft,
