@@ -19,11 +19,15 @@ _LINE = re.compile(r"^- \*\*(?P<subject>.+?)\*\* claims (?P<claim>.+?)\. "
 _STAMP = re.compile(r"_Regenerated (\S+) by `(.+)`\._")
 
 
+def _drafters(subject: str) -> list[str]:
+  """The drafters named after the paper `subject` (none for a composition)."""
+  return [m for m, (paper, _) in claims.PAPERS.items() if paper == subject]
+
+
 def _early(subject: str, date: str) -> bool:
   """Whether a verdict on `subject`'s claim comes from a run dated before that paper's
   drafter took the paper's defaults: a verdict on our variant of the time."""
-  drafters = [m for m, (paper, _) in claims.PAPERS.items() if paper == subject]
-  return any(claims.predates_paper(m, date) for m in drafters)
+  return any(claims.predates_paper(m, date) for m in _drafters(subject))
 
 
 def section_verdicts() -> list[dict]:
@@ -57,8 +61,7 @@ def spec_bench_verdicts(runs: list[dict]) -> list[dict]:
 
 def _since(subject: str) -> str:
   """The day `subject`'s drafter took its paper's defaults."""
-  return max(claims.PAPER_DEFAULTS_SINCE.get(m, "") for m, (paper, _) in claims.PAPERS.items()
-             if paper == subject)
+  return max(claims.PAPER_DEFAULTS_SINCE.get(m, "") for m in _drafters(subject))
 
 
 def _short(machine: str) -> str:
