@@ -221,14 +221,15 @@ def test_compiled_dp_does_not_grow_with_depth():
 
 def test_bench_layer_dp_script_times_both_drafters_shapes():
   """experiments/bench_layer_dp.py end to end on a tiny registered model: both DP shapes
-  compiled and timed, the last line JSON."""
+  compiled and timed, KnapSpec's table to K/2 and to K, each also in AR steps; the last
+  line JSON."""
   import json
   import subprocess
   import sys
   from pathlib import Path
 
   out = subprocess.run([sys.executable, "-m", "experiments.bench_layer_dp", "--model",
-                        "tiny-llama", "--repeats", "1", "--knapspec-slots", "8"],
+                        "tiny-llama", "--repeats", "1", "--context", "48"],
                        cwd=Path(__file__).parent.parent, capture_output=True, text=True,
                        timeout=600)
   assert out.returncode == 0, out.stderr[-2000:]
@@ -236,5 +237,10 @@ def test_bench_layer_dp_script_times_both_drafters_shapes():
   assert figures["model"] == "tiny-llama"
   L = figures["layers"]
   assert (figures["clasp"]["items"], figures["knapspec"]["items"]) == (L, 2 * L)
-  assert all(figures[d]["compile_s"] > 0 and figures[d]["select_ms"] > 0
-             for d in ("clasp", "knapspec"))
+  shapes = ("clasp", "knapspec", "knapspec, every budget")
+  assert all(figures[d]["compile_s"] > 0 and figures[d]["select_ms"] > 0 for d in shapes)
+  assert all(figures[d]["ar_steps"] == pytest.approx(figures[d]["select_ms"]
+                                                     / figures["ar_step_ms"]) for d in shapes)
+  half, every = figures["knapspec"]["slots"], figures["knapspec, every budget"]["slots"]
+  assert figures["knapspec"]["window"] == 5 and half <= every
+  assert figures["context"] == 48
