@@ -127,7 +127,7 @@ def run(args) -> dict:
     unit = f"{n}/{p.id}"
     if store.done(unit):
       continue
-    recs = median_pass([
+    recs = harness.median_pass([
         harness.run_prompt(model, list(p.ids), drafters, settings, references=references,
                            tags=dict(context=n, prompt_id=p.id, category=str(n)))
         for _ in range(args.passes)])
@@ -136,16 +136,6 @@ def run(args) -> dict:
     store.add(unit, recs)
   return finish(model, args, kv, store.records(), draft_weight_bytes={
       m: tree_bytes(drafters[m].weights) for m in ("quantspec_w4", "quantspec_w8")})
-
-
-def median_pass(passes: list[list[dict]]) -> list[dict]:
-  """One record per method from several passes over a prompt (each pass every method in
-  turn): the method's record of median decode speed. A burst of load on the machine slows
-  one method in one pass; with a single pass it moved a ratio by up to 1.7x here."""
-  def speed(rec: dict) -> float:
-    return rec["decode_tokens"] / rec["decode_s"] if rec["decode_s"] else 0.0
-
-  return [sorted(recs, key=speed)[len(recs) // 2] for recs in zip(*passes)]
 
 
 def read_path() -> str:

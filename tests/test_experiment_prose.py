@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from experiments import bench_quantspec, profile_round
+from specjax.bench import harness
 
 
 def test_break_even_prose_follows_the_measured_cost():
@@ -21,15 +22,40 @@ def test_quantspec_prose_quotes_the_measured_int8_ar_speed():
   assert bench_quantspec.int8_vs_fp({"1024": {"int8kv_ar_vs_fp_ar": 0.5}}) == "0.50×"
 
 
-def test_quantspec_keeps_each_methods_pass_of_median_speed():
+def test_each_method_keeps_its_pass_of_median_speed():
   """Passes are lists of one record per method, in the same order; each method keeps its
   own median pass, whichever passes the other methods' medians came from."""
   rec = lambda method, s: {"method": method, "decode_tokens": 60, "decode_s": s}
   passes = [[rec("ar", 1.0), rec("quantspec", 3.0)],
             [rec("ar", 2.0), rec("quantspec", 1.0)],
             [rec("ar", 3.0), rec("quantspec", 2.0)]]
-  assert bench_quantspec.median_pass(passes) == [rec("ar", 2.0), rec("quantspec", 2.0)]
-  assert bench_quantspec.median_pass(passes[:1]) == passes[0]
+  assert harness.median_pass(passes) == [rec("ar", 2.0), rec("quantspec", 2.0)]
+  assert harness.median_pass(passes[:1]) == passes[0]
+  assert harness.median_passes(passes) == [1, 2]
+
+
+def test_long_context_passes_start_alike_and_each_drafter_carries_its_kept_pass(
+    monkeypatch):
+  """Every pass decodes from the same carried states; each drafter goes on from the state
+  of the pass whose speed it kept, which need not be another method's."""
+  from experiments import bench_long_context
+
+  speeds = iter([{"ar": 1.0, "swift": 3.0}, {"ar": 2.0, "swift": 1.0},
+                 {"ar": 3.0, "swift": 2.0}])
+  seen = []
+
+  def run_prompt(model, prompt, drafters, settings, *, carried, extra, tags):
+    seen.append(carried.get("swift"))
+    s = next(speeds)
+    carried["swift"] = f"after a pass at {s['swift']}"
+    return [{"method": m, "decode_tokens": 60, "decode_s": 60 / v} for m, v in s.items()]
+
+  monkeypatch.setattr(bench_long_context.harness, "run_prompt", run_prompt)
+  carried = {"swift": "learned"}
+  kept = bench_long_context.median_run(None, [1], {}, None, carried, 3, tags={})
+  assert seen == ["learned"] * 3
+  assert [r["decode_s"] for r in kept] == [30.0, 30.0]  # ar's pass 2, swift's pass 3
+  assert carried == {"swift": "after a pass at 2.0"}
 
 
 def test_quantspec_memory_prices_a_separate_draft_cache():

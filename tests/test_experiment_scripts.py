@@ -123,3 +123,22 @@ def test_bench_knn_streams_builds_a_library_and_decodes_its_streams(tmp_path, mo
     assert {"ssd_f", "ssd_m", "knn"} <= set(figures["streams"][ratio])
   (verdict,) = figures["verdicts"]
   assert "stability needs 3 mix ratios or more, the run has 2" in verdict["evidence"]
+
+
+@pytest.mark.skipif(not (SHARED / "spec_bench").exists(),
+                    reason="long prompts are built from Spec-Bench documents in ../shared/data")
+def test_bench_long_context_keeps_each_methods_median_pass(tmp_path, monkeypatch):
+  """CLaSp and budgeted KnapSpec on two long prompts of a tiny model (real Spec-Bench
+  questions overflow its context of 512), two passes over each prompt, each from a copy of
+  the drafters' carried states: every decode is AR's and every method has its figures."""
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))  # the child builds afresh
+  out = _run("bench_long_context", "--model", "tiny-llama", "--contexts", "96,192",
+             "--prompts", "1", "--spec-bench", "0", "--drafters", "clasp,knapspec-budget",
+             "--max-new-tokens", "8", "--passes", "2", "--tpt-candidates", "0",
+             "--data-dir", str(SHARED), "--out", str(tmp_path / "out"))
+  figures = json.loads(out.strip().splitlines()[-1])
+  assert figures["mismatches"] == 0
+  assert set(figures["workloads"]) == {"ctx-96", "ctx-192"}
+  for workload in figures["workloads"].values():
+    assert {"ar", "clasp", "knapspec-budget"} <= set(workload)
+    assert all(m["tokens_per_s"] > 0 for m in workload.values())

@@ -211,3 +211,22 @@ def warm_up(model, drafters: Mapping[str, Any], settings: RunSettings,
   buckets are those of real prompts), so no timed run compiles."""
   run_prompt(model, model.tokenizer.encode_prompt("Warm up."), drafters, settings,
              gammas=gammas, thresholds=thresholds)
+
+
+def median_passes(passes: Sequence[Sequence[dict]]) -> list[int]:
+  """For each method (one record per method per pass, in the same order every pass), the
+  pass in which it decoded at its median speed. A burst of load on a shared machine slows
+  one method in one pass; with a single pass it moved a ratio by up to 1.7x here."""
+  def speed(rec: dict) -> float:
+    return rec["decode_tokens"] / rec["decode_s"] if rec["decode_s"] else 0.0
+
+  picks = []
+  for k in range(len(passes[0])):
+    order = sorted(range(len(passes)), key=lambda i: speed(passes[i][k]))
+    picks.append(order[len(order) // 2])
+  return picks
+
+
+def median_pass(passes: Sequence[Sequence[dict]]) -> list[dict]:
+  """One record per method: each method's record of median speed (`median_passes`)."""
+  return [passes[i][k] for k, i in enumerate(median_passes(passes))]
