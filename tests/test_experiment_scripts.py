@@ -130,7 +130,8 @@ def test_bench_knn_streams_builds_a_library_and_decodes_its_streams(tmp_path, mo
 def test_bench_long_context_keeps_each_methods_median_pass(tmp_path, monkeypatch):
   """CLaSp and budgeted KnapSpec on two long prompts of a tiny model (real Spec-Bench
   questions overflow its context of 512), two passes over each prompt, each from a copy of
-  the drafters' carried states: every decode is AR's and every method has its figures."""
+  the drafters' carried states (the second prompt's passes copy real ones): every decode
+  is AR's and every method has its figures."""
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))  # the child builds afresh
   out = _run("bench_long_context", "--model", "tiny-llama", "--contexts", "96,192",
              "--prompts", "1", "--spec-bench", "0", "--drafters", "clasp,knapspec-budget",
