@@ -215,8 +215,8 @@ def warm_up(model, drafters: Mapping[str, Any], settings: RunSettings,
 
 def median_passes(passes: Sequence[Sequence[dict]]) -> list[int]:
   """For each method (one record per method per pass, in the same order every pass), the
-  pass in which it decoded at its median speed. A burst of load on a shared machine slows
-  one method in one pass; with a single pass it moved a ratio by up to 1.7x here."""
+  pass in which it decoded at its median speed: a burst of load on a shared machine slows
+  one method in one pass, and a single pass would carry it into that method's ratio."""
   def speed(rec: dict) -> float:
     return rec["decode_tokens"] / rec["decode_s"] if rec["decode_s"] else 0.0
 

@@ -97,9 +97,8 @@ def verdicts(runs: list[dict], early: bool = False) -> dict[tuple, tuple[int, cl
   out: dict[tuple, tuple[int, claims.Verdict]] = {}
   for i, run in enumerate(runs):
     if early:
-      found = claims.for_run({m: r for m, r in run["methods"].items() if "+" not in m
-                              and claims.predates_paper(m, run["date"])
-                              and not settings(run["command"], m)["options"]})
+      found = claims.for_run({m: r for m, r in run["methods"].items()
+                              if _variant(run, m) == "early"})
     else:
       found = claims.for_run(run["methods"], altered=altered(run))
     for v in found:
@@ -109,12 +108,22 @@ def verdicts(runs: list[dict], early: bool = False) -> dict[tuple, tuple[int, cl
   return out
 
 
+def _variant(run: Mapping, method: str) -> str | None:
+  """Why `method` in `run` did not run its paper's method: "options" of its own on the
+  command line, or "early", before the drafter took its paper's defaults; None if it did,
+  and for a composition, which is judged against its parts measured beside it whatever
+  they ran."""
+  if "+" in method:
+    return None
+  if settings(run["command"], method)["options"]:
+    return "options"
+  return "early" if claims.predates_paper(method, run["date"]) else None
+
+
 def altered(run: Mapping) -> set[str]:
-  """The seed methods of `run` that did not run their paper's method: options of their own
-  on the command line, or a run from before the drafter took its paper's defaults. (A
-  composition is judged against its parts, measured beside it, whatever they ran.)"""
-  return {m for m in run["methods"] if "+" not in m and (
-      settings(run["command"], m)["options"] or claims.predates_paper(m, run["date"]))}
+  """The seed methods of `run` that ran a variant (`_variant`): no paper verdict reads
+  them."""
+  return {m for m in run["methods"] if _variant(run, m)}
 
 
 def _x(v) -> str:
