@@ -107,6 +107,32 @@ def test_long_context_verdicts():
   assert {v.subject for v in found} == {claims.PAPERS["self_sd"][0]}
 
 
+def test_shortlist_and_quantspec_verdicts_read_only_the_papers_rows():
+  """FR-Spec at 1k, DynaSpec at another k or reading h_t, and QuantSpec's 8-bit draft are
+  our variants: however fast they ran, no paper's claim is judged on them."""
+  from experiments import bench_vocab
+  from specjax.bench import claims
+
+  r = lambda s, m=2.5: {"speedup": s, "M": m}
+  summary = {"full-vocab": r(0.9, 2.8), "frspec-1k": r(1.2), "frspec-32k": r(0.8),
+             "dynaspec": r(0.8, 2.2), "dynaspec-ht": r(1.3, 2.7), "dynaspec-k64": r(1.2, 2.7)}
+  found = bench_vocab.verdicts(list(summary), summary,
+                               {"dynaspec": 1300, "dynaspec-ht": 1300, "dynaspec-k64": 5000})
+  assert [v.evidence.split()[0] for v in found] == ["frspec-32k", "dynaspec", "dynaspec"]
+  assert {v.outcome for v in found} == {claims.NOT_REPRODUCED}
+
+  fig = lambda a, s: {"alpha": a, "speedup_vs_fp_ar": s}
+  rivals = {"streaming_kv": {"speedup_without_selection": 1.0},
+            "snapkv": {"speedup_without_selection": 0.7}}
+  figures = {"4096": {"quantspec_w4": fig(0.8, 0.9), "quantspec_w8": fig(0.95, 1.5), **rivals},
+             "8192": {"quantspec_w4": fig(0.8, 0.8), "quantspec_w8": fig(0.95, 1.8), **rivals}}
+  mem = [{"sparse_kv_saving": {"quantspec_w4": 1.0, "quantspec_w8": 1.3}}]
+  (v,) = bench_quantspec.verdicts(figures, mem)
+  assert v.evidence.startswith("quantspec_w4's") and v.outcome == claims.NOT_REPRODUCED
+  assert bench_quantspec.verdicts({"4096": {"quantspec_w8": fig(0.95, 1.5), **rivals}},
+                                  mem) == []
+
+
 def test_long_context_runs_each_paper_default_beside_its_variants(tmp_path):
   """`knapspec` is the paper's KnapSpec whatever the bench's own flags; `knapspec-budget`
   our CPU variant; `--option` reaches every drafter of its part, variants included."""

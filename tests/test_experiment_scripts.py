@@ -90,8 +90,9 @@ def test_bench_vocab_builds_its_shortlists_and_decodes_losslessly(tmp_path, monk
     assert figures["methods"][name]["mismatches"] == 0, name
     assert figures["methods"][name]["M"] >= 1
   assert 0 <= figures["router_recall"]["1"] <= 1
-  assert {v["subject"] for v in figures["verdicts"]} == {"FR-Spec (Zhao et al. 2025)",
-                                                         "DynaSpec"}
+  # FR-Spec at 1k and the h_t router are our variants: only DynaSpec's defaults are judged
+  assert {v["subject"] for v in figures["verdicts"]} == {"DynaSpec"}
+  assert all(v["evidence"].startswith("dynaspec ") for v in figures["verdicts"])
   out = _run("router_ablation", "--model", "tiny-llama", "--clusters", "8", "--prompts", "4",
              "--router-prompts", "8", "--sizes", "6", "--weights", "", "--epochs", "1",
              "--hidden", "16", "--data-dir", str(SHARED), "--out", str(tmp_path / "ablation"))
