@@ -69,7 +69,10 @@ def plan_file(tmp_path_factory):
 
 
 def matrix() -> list[str]:
-  names = [f"{b}+{o}" for b in BASES for o in OVERLAYS] + list(OVERLAYS)
+  # `early_exit` is a fixed plan to an overlay, as `static` is (the same two methods, a
+  # different plan): it decodes alone in the engine's and the mesh's tests
+  names = [f"{b}+{o}" for b in BASES if b != "early_exit" for o in OVERLAYS]
+  names += list(OVERLAYS)
   pairs = [("8bit", "frspec"), ("8bit", "dynaspec"), ("4bit", "frspec"), ("4bit", "dynaspec"),
            ("quantspec", "frspec"), ("quantspec", "dynaspec")]
   names += [f"{a}+{b}" for a, b in pairs] + [f"{b}+{a}" for a, b in pairs]

@@ -139,6 +139,11 @@ def test_tiny_model_in_blocks_is_its_dequantised_twin(tiny_blocks):
                              prompt_logits(config, graphdef, twin, ids), rtol=1e-4, atol=1e-4)
 
 
+# Each family's forward over blocks is checked above (its dequantised twin); what the
+# drafters add over blocks is family-blind but for the head, so two families decode: qwen2
+# (an untied head, whose rows a shortlist takes, and biases) and gemma3 (sliding windows,
+# four norms a layer, a scaled tied embedding).
+@pytest.mark.parametrize("tiny_blocks", ["qwen2", "gemma3"], indirect=True)
 def test_tiny_model_in_blocks_decodes_losslessly(tiny_blocks):
   """Greedy SSD == greedy AR on the blocks: a layer-skipping draft (the target's own
   blocks), 8-bit and Q4_0 drafts quantised from them, the layer-skipping and Q4_0 drafts

@@ -89,15 +89,15 @@ def _assert_lossless_and_exercised(m, references, drafters) -> None:
 
 
 def test_smollm2_ssd_equals_ar_for_every_drafter(smollm2, references):
-  """A static skip plan, SWIFT's on-the-fly search, and the int8 kernel on a real model's
-  shapes over that skip plan. Early exit and the int8 draft alone are static plans and
-  weights these already run; the tiny models test every drafter and composition."""
+  """SWIFT's on-the-fly search, and the int8 kernel on a real model's shapes over a Self-SD
+  skip plan (Self-SD's plan on its host loop, drafting with 8-bit weights; a skip
+  plan over the target's own weights decodes in the next test, under FR-Spec's head).
+  Early exit and the int8 draft alone are static plans and weights these already run; the
+  tiny models test every drafter and composition."""
   m = smollm2
-  self_sd = SelfSDDrafter(_skips(m.config.num_layers))
   drafters = [
       SwiftDrafter(trials=8, window=24),
-      self_sd,
-      Int8WeightsDrafter.for_model(m, base=self_sd),
+      Int8WeightsDrafter.for_model(m, base=SelfSDDrafter(_skips(m.config.num_layers))),
   ]
   _assert_lossless_and_exercised(m, references, drafters)
 
