@@ -139,11 +139,14 @@ class TimedPrompt:
 
 
 def timed_prompts(graphdef, state, config, prompts, new_tokens: int, gamma: int,
-                  repeats: int = 3) -> list[TimedPrompt]:
+                  repeats: int = 3, verbose: bool = False) -> list[TimedPrompt]:
   """Each prompt prefilled with room for a Self-SD draft's rounds, and AR timed on it
-  `repeats` times (the first run compiles outside its timing; the median damps the rest)."""
+  `repeats` times (the first run compiles outside its timing; the median damps the rest).
+  On a large model this takes minutes before the first candidate is scored: hence
+  its own progress bar."""
   out = []
-  for ids in prompts:
+  for ids in tqdm(prompts, desc="self_sd search: timing AR", unit="prompt",
+                  disable=not verbose):
     pre = prefill_prompt(graphdef, state, config, ids, max_new_tokens=new_tokens + gamma + 1)
     runs = [generate(graphdef, state, config, ids, max_new_tokens=new_tokens, eos_ids=(),
                      prefilled=pre) for _ in range(repeats)]
@@ -233,7 +236,8 @@ def search(
   check_objective(objective, drafter_of)
   L = config.num_layers
   if objective == "measured":
-    timed = timed_prompts(graphdef, state, config, prompts, new_tokens, gamma)
+    timed = timed_prompts(graphdef, state, config, prompts, new_tokens, gamma,
+                          verbose=verbose)
     # One decode not scored: a first run after compiling pays for more than decoding,
     # which would sink the first candidate.
     warm = DraftPlan.first_layers(L, L // 2)
