@@ -36,7 +36,7 @@
 set -uo pipefail
 MODEL=${MODEL:-smollm2-135m-instruct}
 OUT=${OUT:-/tmp/gpu-checks}
-RUNS=/tmp/gpu-checks-runs  # bench folders stay here; their results are copied to $OUT
+RUNS=${RUNS:-/tmp/gpu-checks-runs}  # bench folders stay here; their results are copied to $OUT
 # Overridable for a smoke run on a CPU: CATEGORIES, MAX_NEW_TOKENS, FIXED, ADAPTIVE.
 PROMPTS=(--per-category 1 --max-turns 1 --max-new-tokens "${MAX_NEW_TOKENS:-64}"
          --categories "${CATEGORIES:-writing,roleplay,reasoning,math,coding,extraction}")

@@ -105,7 +105,7 @@ def test_the_checks_script_parses_and_refuses_an_unknown_step(tmp_path):
   script = ROOT / "experiments" / "gpu_checks.sh"
   assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
   out = subprocess.run(["bash", str(script), "nope"], check=False, capture_output=True,
-                       text=True, env={**os.environ, "OUT": str(tmp_path)})
+                       text=True, env={**os.environ, "OUT": str(tmp_path), "RUNS": str(tmp_path / "runs")})
   assert out.returncode == 2 and "unknown step 'nope'" in out.stderr
 
 
@@ -113,7 +113,8 @@ def test_the_forward_step_runs_bench_gpu_without_a_bundle(tmp_path):
   """`forward` on a random-init shape: specjax found from the checkout (no bundle sets its
   path), the draft rows FORWARD_DRAFTS names (one with a space) timed, the model's JSON
   line written under $OUT, and the script's own JSON last."""
-  env = {**os.environ, "OUT": str(tmp_path), "FORWARD_MODELS": "shape:tiny",
+  env = {**os.environ, "OUT": str(tmp_path), "RUNS": str(tmp_path / "runs"),
+         "FORWARD_MODELS": "shape:tiny",
          "FORWARD_DRAFTS": "0.5,0.5 early stop", "FORWARD_S": "300", "PYTHONPATH": "",
          "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # ours
   out = subprocess.run(["bash", str(ROOT / "experiments" / "gpu_checks.sh"), "forward"],
@@ -136,7 +137,8 @@ def test_the_profile_step_saves_a_printed_profile_where_knapspec_looks(tmp_path)
                                  (5e-3, 6e-3), (4e-3, 4e-3))
   log = tmp_path / "profile.json"
   log.write_text("| a table |\n" + json.dumps({**prof.to_json(), "path": "/elsewhere"}))
-  env = {**os.environ, "OUT": str(tmp_path / "out"), "SPECJAX_CACHE": str(tmp_path / "cache"),
+  env = {**os.environ, "OUT": str(tmp_path / "out"), "RUNS": str(tmp_path / "runs"),
+         "SPECJAX_CACHE": str(tmp_path / "cache"),
          "PROFILE_FROM": str(log),
          "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # ours
   out = subprocess.run(["bash", str(ROOT / "experiments" / "gpu_checks.sh"), "profile"],
