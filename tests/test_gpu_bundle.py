@@ -104,8 +104,9 @@ def test_parts_staged_one_by_one_unpack_what_specjax_needs(tmp_path, monkeypatch
 def test_the_checks_script_parses_and_refuses_an_unknown_step(tmp_path):
   script = ROOT / "experiments" / "gpu_checks.sh"
   assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+  env = {**os.environ, "OUT": str(tmp_path), "RUNS": str(tmp_path / "runs")}
   out = subprocess.run(["bash", str(script), "nope"], check=False, capture_output=True,
-                       text=True, env={**os.environ, "OUT": str(tmp_path), "RUNS": str(tmp_path / "runs")})
+                       text=True, env=env)
   assert out.returncode == 2 and "unknown step 'nope'" in out.stderr
 
 
