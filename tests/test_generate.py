@@ -22,14 +22,14 @@ from specjax.sampling import SamplingParams, probs
 def test_greedy_equals_reference_argmax_loop(tiny):
   config, graphdef, state = tiny
   model = nnx.merge(graphdef, state)
-  prompt = [1, 5, 9, 13, 17]
-  out = generate(graphdef, state, config, prompt, max_new_tokens=10, eos_ids=())
+  prompt, n = [1, 5, 9, 13, 17], 10
+  out = generate(graphdef, state, config, prompt, max_new_tokens=n, eos_ids=())
   # The reference reads one padded length throughout (its mask is causal, so the padding
   # after the last token changes no logit before it): its eager ops compile once, not once
   # per sequence length.
   seq = list(prompt)
-  for _ in range(10):
-    padded = seq + [0] * (len(prompt) + 10 - len(seq))
+  for _ in range(n):
+    padded = seq + [0] * (len(prompt) + n - len(seq))
     logits, _ = reference_forward(model, jnp.asarray([padded]))
     seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
   assert out.tokens == seq[len(prompt):]
