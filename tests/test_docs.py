@@ -95,6 +95,18 @@ def test_a_rerun_replaces_its_configuration_and_a_run_showing_nothing_is_dropped
   assert [r["date"] for r in leaderboard.load(path)] == ["2027-01-03"]
 
 
+def test_the_leaderboard_shows_a_run_s_figures_as_its_own_section_does(store):
+  """The store keeps figures unrounded: 1.705 (M) stored as 1.705 would show as 1.71 beside
+  the run's own 1.70, and a round's cost (M / speedup) from rounded figures drifts."""
+  path, page = store
+  run = _run("2027-01-01", {"self_sd": 0.033449})
+  run["methods"]["self_sd"]["M"] = 1.70499
+  leaderboard.record(run, path, page)
+  assert "| 1.70 | 0.03× |" in page.read_text()
+  (verdict,) = [v for _, v in leaderboard.verdicts(leaderboard.load(path)).values()]
+  assert "M 1.70; a round cost 50.97 AR steps" in verdict.evidence
+
+
 def test_settings_that_change_a_figure_keep_their_own_row(store):
   path, page = store
   leaderboard.record(_run("2027-01-01", {"8bit+frspec": 2.0}), path, page)

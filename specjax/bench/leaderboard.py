@@ -35,7 +35,10 @@ def record(run: Mapping, path: Path = STORE, page: Path = PAGE) -> None:
   if not docs.DOCS_DIR.exists():
     return
   kept = {k: run[k] for k in ("date", "command", "machine", "model", "dtype")}
-  kept["methods"] = {m: {k: _round(r[k]) for k in FIELDS if r.get(k) is not None}
+  # Unrounded: a figure rounded here and again on the page, or divided by another rounded
+  # one (a round's cost, M / speedup), can differ from the run's own section in the last
+  # digit shown.
+  kept["methods"] = {m: {k: r[k] for k in FIELDS if r.get(k) is not None}
                      for m, r in run["methods"].items() if m != metrics.AR}
   runs = [*load(path), kept]
   shown = ({i for i, _, _ in cells(runs).values()}
@@ -44,10 +47,6 @@ def record(run: Mapping, path: Path = STORE, page: Path = PAGE) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps({"runs": runs}, indent=1, ensure_ascii=False) + "\n")
   page.write_text(render(runs))
-
-
-def _round(v):
-  return round(v, 4) if isinstance(v, float) else v
 
 
 def settings(command: str, method: str) -> dict[str, str]:
