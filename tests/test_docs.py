@@ -96,8 +96,8 @@ def test_a_rerun_replaces_its_configuration_and_a_run_showing_nothing_is_dropped
 
 
 def test_the_leaderboard_shows_a_run_s_figures_as_its_own_section_does(store):
-  """The store keeps figures unrounded: 1.705 (M) stored as 1.705 would show as 1.71 beside
-  the run's own 1.70, and a round's cost (M / speedup) from rounded figures drifts."""
+  """The store keeps figures unrounded: M 1.70499 stored rounded to 1.705 would show as 1.71
+  beside the run's own 1.70, and a round's cost (M / speedup) from rounded figures drifts."""
   path, page = store
   run = _run("2027-01-01", {"self_sd": 0.033449})
   run["methods"]["self_sd"]["M"] = 1.70499
