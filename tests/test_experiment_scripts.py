@@ -18,6 +18,19 @@ STANDING = ["bench_attention", "bench_cpu_kernels", "bench_forward", "bench_gguf
             "profile_round", "router_ablation"]
 
 
+def _fresh_cache(tmp_path: Path, monkeypatch) -> None:
+  """An empty cache for the child, which builds its counts, libraries and profiles afresh,
+  holding only the suite's trained tiny models: a child that trained tiny-llama again spent
+  15 of its 37 s on it (bench_long_context's test, 2026-12-07)."""
+  from specjax.storage import cache_root
+
+  trained = Path(cache_root()) / "tiny"
+  trained.mkdir(parents=True, exist_ok=True)
+  (tmp_path / "cache").mkdir()
+  (tmp_path / "cache" / "tiny").symlink_to(trained, target_is_directory=True)
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
+
+
 def _run(name: str, *args: str, timeout: int = 900) -> str:
   out = subprocess.run([sys.executable, "-m", f"experiments.{name}", *args], cwd=ROOT,
                        capture_output=True, text=True, timeout=timeout)
@@ -79,7 +92,7 @@ def test_bench_vocab_builds_its_shortlists_and_decodes_losslessly(tmp_path, monk
   router's recall and the shortlists' verdicts are reported. Then the router ablation
   trains a router of each input on that build's text and scores both on the same
   held-out positions."""
-  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))  # the child builds afresh
+  _fresh_cache(tmp_path, monkeypatch)
   out = _run("bench_vocab", "--model", "tiny-llama", "--categories", "writing,coding",
              "--max-new-tokens", "8", "--repeats", "1", "--train-prompts", "4",
              "--clusters", "8", "--k-max", "2", "--router-prompts", "8",
@@ -109,7 +122,7 @@ def test_bench_knn_streams_builds_a_library_and_decodes_its_streams(tmp_path, mo
   two candidates), then SSD-F, SSD-M and KNN-SSD on streams at two mix ratios and one
   HumanEval prompt: every decode is AR's, the library's rank agreement is reported per
   domain, and the verdict leaves stability unjudged: two ratios are too few."""
-  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))  # the child builds afresh
+  _fresh_cache(tmp_path, monkeypatch)
   data = write_spec_bench(tmp_path / "data", per_category=12)
   out = _run("bench_knn_streams", "--model", "tiny-llama", "--data-dir", str(data),
              "--search-iterations", "3", "--knn-search-prompts", "2", "--stream-length", "2",
@@ -133,7 +146,7 @@ def test_bench_long_context_keeps_each_methods_median_pass(tmp_path, monkeypatch
   questions overflow its context of 512), two passes over each prompt, each from a copy of
   the drafters' carried states (the second prompt's passes copy real ones): every decode
   is AR's and every method has its figures."""
-  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))  # the child builds afresh
+  _fresh_cache(tmp_path, monkeypatch)
   out = _run("bench_long_context", "--model", "tiny-llama", "--contexts", "96,192",
              "--prompts", "1", "--spec-bench", "0", "--drafters", "clasp,knapspec-budget",
              "--max-new-tokens", "8", "--passes", "2", "--tpt-candidates", "0",
