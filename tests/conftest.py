@@ -149,7 +149,7 @@ def pytest_configure(config):
 # modules, 378 s. Both orders ran the suite in the same wall time (2026-12-07: 1528 and
 # 1532 s; the compatibility run 314 and 315 s).
 SLOW_MODULES = (
-    # the compatibility run's longest (95 s; torch is only there): started last, it ran
+    # the compatibility run's longest (113 s; torch is only there): started last, it ran
     # alone while the other worker sat idle. The main run skips it at once.
     "test_hf_transformers",
     "test_round_loop",  # 313 s (some of them training the tiny targets it asks for first)
