@@ -26,7 +26,7 @@ from specjax.models.loader import load_model  # noqa: E402
 
 # `reference` alone, not `real`: the models are random and tiny (hidden 64), so their programs
 # compile with XLA's optimisations off as the tiny models' do (optimised, the five checkpoint
-# tests took 119 s of the compatibility run instead of 66 s, 2026-12-07).
+# tests took 119 s in one process on the compatibility venv instead of 66 s, 2026-12-07).
 pytestmark = pytest.mark.reference
 
 # family -> (transformers config class, the registered model whose tokenizer it gets)
